@@ -1,0 +1,50 @@
+"""`dsmt` command line: one sub-command per concern, each registered by its own light module.
+
+Command modules must stay cheap to import (no torch / megatron / deepspeed at module level): `dsmt plan` and
+`dsmt check` should answer in well under a second. Heavy imports happen inside the command handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from toolkit.errors import DsmtError
+
+# Each module defines `register(subparsers)`, which adds its sub-command(s) and sets `func` on the parser
+# (`func(args) -> int`, the exit code).
+COMMAND_MODULES = [
+    "toolkit.convert.cli",     # dsmt convert hf-to-mcore | mcore-to-hf
+    "toolkit.verify.cli",      # dsmt verify
+    "toolkit.demo",            # dsmt demo
+    "toolkit.spec.cli",        # dsmt check, dsmt generate
+    "toolkit.plan.cli",        # dsmt plan
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsmt", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:  # a real missing dependency inside the module: surface it
+                raise
+            continue  # that concern is not built yet
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DsmtError as err:
+        print(f"dsmt {args.command}: error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

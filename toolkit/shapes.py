@@ -1,0 +1,130 @@
+"""Model shapes: the handful of numbers that sizing and checking need, read without loading any weights.
+
+The planner (`dsmt plan`) and the job-spec checks (`dsmt check`) need the same facts about a model: hidden size,
+layers, heads, KV heads, FFN width, vocabulary, tied embeddings. They come from three places:
+  * an HF checkpoint directory or a bare `config.json` of a Llama-like family (llama, mistral, qwen2, ...),
+  * a GPT-2 shaped config (`n_embd`, `n_layer`, `n_head`),
+  * a built-in table of well-known models (`llama3-70b`), so planning works with no checkpoint on disk.
+The adapters (`toolkit/adapters`) do the full config translation for conversion; this module only reads shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+
+
+class ModelShapeError(DsmtError):
+    """A model reference that cannot be turned into a shape (missing file, unknown name, missing fields)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    gated_mlp: bool  # SwiGLU-style MLP: three [h, ffn] matrices instead of two
+    max_position_embeddings: int = 4096
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def num_params(self) -> int:
+        """Parameter count of the unpadded model (norm weights included, biases ignored)."""
+        return self.params_per_layer() * self.num_layers + self.embedding_params() + self.hidden_size
+
+    def params_per_layer(self) -> int:
+        h, d = self.hidden_size, self.kv_channels
+        attention = h * d * (self.num_attention_heads + 2 * self.num_kv_heads) + self.num_attention_heads * d * h
+        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden_size
+        return attention + mlp + 2 * h  # two norms
+
+    def embedding_params(self) -> int:
+        """Input embedding plus output layer (counted once when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+
+
+def _llama_like(name, h, layers, heads, kv, ffn, vocab, *, tied=False, max_pos=8192):
+    return ModelShape(name, h, layers, heads, kv, ffn, vocab, tied, True, max_pos)
+
+
+# Published shapes (config.json of each release).
+BUILTIN_SHAPES: dict[str, ModelShape] = {
+    s.name: s
+    for s in [
+        _llama_like("llama2-7b", 4096, 32, 32, 32, 11008, 32000, max_pos=4096),
+        _llama_like("llama2-13b", 5120, 40, 40, 40, 13824, 32000, max_pos=4096),
+        _llama_like("llama2-70b", 8192, 80, 64, 8, 28672, 32000, max_pos=4096),
+        _llama_like("llama3-8b", 4096, 32, 32, 8, 14336, 128256),
+        _llama_like("llama3-70b", 8192, 80, 64, 8, 28672, 128256),
+        _llama_like("llama3-405b", 16384, 126, 128, 8, 53248, 128256),
+        _llama_like("llama3.2-1b", 2048, 16, 32, 8, 8192, 128256, tied=True),
+        _llama_like("mistral-7b", 4096, 32, 32, 8, 14336, 32000, max_pos=32768),
+        _llama_like("qwen2-7b", 3584, 28, 28, 4, 18944, 152064, max_pos=32768),
+        _llama_like("qwen2-72b", 8192, 80, 64, 8, 29568, 152064, max_pos=32768),
+        # GPT-3 175B (Brown et al. 2020) and the 1T configuration of Narayanan et al. 2021, Table 1.
+        ModelShape("gpt3-175b", 12288, 96, 96, 96, 4 * 12288, 51200, True, False, 2048),
+        ModelShape("gpt-1t", 25600, 128, 160, 160, 4 * 25600, 51200, True, False, 2048),
+    ]
+}
+
+
+def load_model_shape(ref: str | Path) -> ModelShape:
+    """Shape of `ref`: a built-in name, an HF checkpoint directory, or a path to a config.json."""
+    text = str(ref)
+    if text in BUILTIN_SHAPES:
+        return BUILTIN_SHAPES[text]
+    path = Path(ref)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        near = difflib.get_close_matches(text, BUILTIN_SHAPES, n=3)
+        hint = f" Did you mean: {', '.join(near)}?" if near else ""
+        raise ModelShapeError(
+            f"model {text!r} is neither a built-in shape nor an existing checkpoint directory or config.json.{hint} "
+            f"Built-in shapes: {', '.join(sorted(BUILTIN_SHAPES))}."
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ModelShapeError(f"cannot read {path} as JSON ({err}); pass a valid HF config.json") from err
+    return shape_from_config(config, name=str(ref))
+
+
+def shape_from_config(config: dict, *, name: str) -> ModelShape:
+    """Shape from an HF config dict, Llama-like or GPT-2 shaped."""
+    if "n_embd" in config:  # GPT-2 naming
+        h = _field(config, "n_embd", name)
+        heads = _field(config, "n_head", name)
+        return ModelShape(
+            name=name, hidden_size=h, num_layers=_field(config, "n_layer", name), num_attention_heads=heads,
+            num_kv_heads=heads, ffn_hidden_size=config.get("n_inner") or 4 * h,
+            vocab_size=_field(config, "vocab_size", name), tied_embeddings=config.get("tie_word_embeddings", True),
+            gated_mlp=False, max_position_embeddings=config.get("n_positions", 1024),
+        )
+    heads = _field(config, "num_attention_heads", name)
+    act = config.get("hidden_act", "silu")
+    return ModelShape(
+        name=name, hidden_size=_field(config, "hidden_size", name), num_layers=_field(config, "num_hidden_layers", name),
+        num_attention_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+        ffn_hidden_size=_field(config, "intermediate_size", name), vocab_size=_field(config, "vocab_size", name),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=act in ("silu", "swiglu"),
+        max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
+    )
+
+
+def _field(config: dict, key: str, name: str) -> int:
+    if key not in config:
+        raise ModelShapeError(f"config of {name!r} has no {key!r}; it is not a Llama-like or GPT-2 shaped config")
+    return config[key]
