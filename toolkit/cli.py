@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as err:
-            if err.name != name:  # a real missing dependency inside the module: surface it
+            if not (err.name and name.startswith(err.name)):  # a missing dependency inside it: surface it
                 raise
             continue  # that concern is not built yet
         module.register(subparsers)
