@@ -1,0 +1,71 @@
+"""Build this rank's megatron-core `GPTModel` chunk(s) for a layout (weights are loaded by `load.py`)."""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit import backend as backends
+from toolkit.adapters.hf_config import ModelSettings
+from toolkit.parallel import Layout
+
+
+def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype, init_weights: bool = False):
+    from megatron.core.transformer import TransformerConfig
+
+    backend = backends.current()
+    return TransformerConfig(
+        **settings.transformer_fields,
+        activation_func=torch.nn.functional.silu,
+        tensor_model_parallel_size=layout.tp_size,
+        pipeline_model_parallel_size=layout.pp_size,
+        virtual_pipeline_model_parallel_size=layout.vpp_size if layout.vpp_size > 1 else None,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # Weights come from the checkpoint: random initialisation would only cost time (minutes at 70B).
+        perform_initialization=init_weights,
+        use_cpu_initialization=backend.name == "cpu",
+    )
+
+
+def layer_spec():
+    """Transformer Engine layers where TE is installed (GPU), megatron's local torch layers otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if backends.current().use_transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype = torch.float32,
+                       parallel_output: bool = True, init_weights: bool = False) -> list:
+    """This rank's model chunks (one per virtual stage), on the backend's device.
+
+    `parallel_output=False` gathers the vocab-parallel logits on every TP rank (verification); training keeps
+    them split for megatron's vocab-parallel cross entropy."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=init_weights)
+    spec = layer_spec()
+    device = backends.current().device
+    chunks = []
+    for vp_stage in range(layout.vpp_size):
+        vp = vp_stage if layout.vpp_size > 1 else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=settings.padded_vocab_size,
+            max_sequence_length=settings.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            parallel_output=parallel_output,
+            share_embeddings_and_output_weights=settings.tied_embeddings,
+            position_embedding_type="rope",
+            rotary_base=settings.rotary_base,
+            vp_stage=vp,
+            **(settings.rope_scaling or {}),
+        )
+        chunks.append(model.to(device))
+    return chunks

@@ -1,0 +1,29 @@
+"""Qwen2 (HF `Qwen2ForCausalLM`): the Llama layout plus biases on q, k and v (fused into linear_qkv.bias)."""
+
+from toolkit.adapters.family import ModelFamily, WeightMapping, register
+from toolkit.adapters.families.llama import LLAMA_WEIGHTS, LM_HEAD, ROTARY_BUFFERS, check_llama_config
+from toolkit.adapters.transforms import Kind
+
+QKV_BIAS = WeightMapping(
+    "decoder.layers.*.self_attention.linear_qkv.bias", Kind.QKV,
+    ("model.layers.*.self_attn.q_proj.bias", "model.layers.*.self_attn.k_proj.bias",
+     "model.layers.*.self_attn.v_proj.bias"),
+)
+
+
+def check_qwen2_config(hf_config) -> list[str]:
+    # Qwen2 always has q/k/v biases; `attention_bias` is not a Qwen2 field, so only the common checks apply.
+    problems = [p for p in check_llama_config(hf_config) if not p.startswith("attention_bias")]
+    if getattr(hf_config, "use_sliding_window", False):
+        problems.append(
+            "use_sliding_window=True: megatron-core's attention here is full causal attention. "
+            "Fix: set use_sliding_window to false (Qwen2 releases ship with it off)"
+        )
+    return problems
+
+
+QWEN2 = register(ModelFamily(
+    model_type="qwen2", hf_architecture="Qwen2ForCausalLM", weights=LLAMA_WEIGHTS + (QKV_BIAS,),
+    untied_output=LM_HEAD, ignored_hf=ROTARY_BUFFERS, config_deltas={"add_qkv_bias": True},
+    check_config=check_qwen2_config,
+))

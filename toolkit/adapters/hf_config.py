@@ -1,0 +1,130 @@
+"""HF config -> megatron-core settings: one shared translation table; families override only their deltas."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from toolkit.adapters.family import AdapterError, ModelFamily, get_family
+from toolkit.adapters.transforms import ShapeContext, padded_vocab_size
+
+# (HF config field, megatron TransformerConfig field), copied as they are.
+SHARED_CONFIG_TABLE = (
+    ("num_hidden_layers", "num_layers"),
+    ("hidden_size", "hidden_size"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("num_key_value_heads", "num_query_groups"),
+    ("intermediate_size", "ffn_hidden_size"),
+    ("rms_norm_eps", "layernorm_epsilon"),
+)
+
+# What every supported family shares and HF never states: pre-norm RMSNorm, SwiGLU, no linear biases, no dropout
+# (HF's Llama-like models have none), and no CUDA-only fusions (they would be picked on GPU by megatron defaults
+# but need apex / TE kernels; correctness first, the engine may switch them on where present).
+SHARED_CONFIG_CONSTANTS = dict(
+    normalization="RMSNorm",
+    gated_linear_unit=True,
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    persist_layer_norm=False,
+)
+
+# Megatron's default padding unit: 128 divides every power-of-two TP up to 128, so the padded vocabulary (and so
+# the checkpoint) does not depend on the layout.
+DEFAULT_VOCAB_PAD_MULTIPLE = 128
+
+# Llama-3 rope scaling constants megatron-core 0.16 hard-codes in RotaryEmbedding._apply_scaling.
+_MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def load_hf_config(checkpoint_dir: Path):
+    """The HF config through transformers' own loader, with errors that say what to fix."""
+    from transformers import AutoConfig
+
+    config_path = Path(checkpoint_dir) / "config.json"
+    if not Path(checkpoint_dir).is_dir():
+        raise AdapterError(f"checkpoint directory {checkpoint_dir} does not exist (or is not a directory)")
+    if not config_path.is_file():
+        raise AdapterError(f"{config_path} is missing: an HF checkpoint directory needs config.json (save_pretrained writes it)")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AdapterError(f"{config_path} is not readable JSON ({err}); re-save the config with save_pretrained") from err
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if not model_type:
+        raise AdapterError(f"{config_path} has no 'model_type'; it is not an HF model config")
+    get_family(model_type)  # unknown model types fail here, listing the supported ones
+    return AutoConfig.from_pretrained(str(checkpoint_dir))
+
+
+def rope_settings(hf_config) -> tuple[float, dict | None, str | None]:
+    """(rope_theta, megatron rope-scaling kwargs or None, problem or None), for transformers 4 and 5 configs."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type == "default":
+        return theta, None, None
+    if rope_type == "llama3":
+        wrong = {k: merged.get(k) for k, v in _MCORE_LLAMA3_ROPE.items() if float(merged.get(k, v)) != v}
+        if wrong:
+            return theta, None, (
+                f"rope_scaling llama3 with {wrong}: megatron-core fixes "
+                f"{_MCORE_LLAMA3_ROPE}; this checkpoint's scaling cannot be reproduced"
+            )
+        return theta, {"rope_scaling": True, "rope_scaling_factor": float(merged.get("factor", 8.0))}, None
+    return theta, None, f"rope_type {rope_type!r} is not supported (supported: default, llama3)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """Everything needed to build the megatron model of one HF config, independent of the parallel layout."""
+
+    family: ModelFamily
+    transformer_fields: dict  # TransformerConfig kwargs (layout and dtype fields are added by build.py)
+    vocab_size: int
+    padded_vocab_size: int
+    max_position_embeddings: int
+    tied_embeddings: bool
+    rotary_base: float
+    rope_scaling: dict | None
+
+    @property
+    def num_layers(self) -> int:
+        return self.transformer_fields["num_layers"]
+
+    def shape_context(self) -> ShapeContext:
+        fields = self.transformer_fields
+        return ShapeContext(
+            num_attention_heads=fields["num_attention_heads"], num_query_groups=fields["num_query_groups"],
+            head_dim=fields["kv_channels"], vocab_size=self.vocab_size, padded_vocab_size=self.padded_vocab_size,
+        )
+
+
+def model_settings(hf_config, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE) -> ModelSettings:
+    family = get_family(hf_config.model_type)
+    problems = family.check_config(hf_config)
+    if problems:
+        raise AdapterError(f"{hf_config.model_type} config uses features dsmt cannot reproduce:\n  - " + "\n  - ".join(problems))
+    fields = {mcore: getattr(hf_config, hf) for hf, mcore in SHARED_CONFIG_TABLE}
+    fields["num_query_groups"] = fields["num_query_groups"] or fields["num_attention_heads"]
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    fields["kv_channels"] = head_dim
+    fields.update(SHARED_CONFIG_CONSTANTS)
+    fields.update(family.config_deltas)
+    theta, scaling, _ = rope_settings(hf_config)
+    return ModelSettings(
+        family=family, transformer_fields=fields, vocab_size=hf_config.vocab_size,
+        padded_vocab_size=padded_vocab_size(hf_config.vocab_size, multiple=vocab_pad_multiple),
+        max_position_embeddings=hf_config.max_position_embeddings,
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), rotary_base=float(theta),
+        rope_scaling=scaling,
+    )

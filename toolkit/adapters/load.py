@@ -1,0 +1,130 @@
+"""Fill this rank's megatron chunks from an HF checkpoint, after checking the whole weight table.
+
+Names: megatron's `sharded_state_dict()` gives every parameter a layout-free key (norms under their fused-layer
+names, layers stacked) and the local tensor. dsmt's canonical name is that key with the *global* layer index put
+back (`decoder.layers.7.self_attention.linear_qkv.weight`), which is what the families' tables are written in.
+The same names hold for the local and the Transformer Engine layer specs, for every PP / VPP stage, and for the
+last stage's copy of tied embeddings (megatron keys it as `embedding.word_embeddings.weight`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from tqdm import tqdm
+
+from toolkit.adapters import transforms
+from toolkit.adapters.family import AdapterError, WeightMapping
+from toolkit.adapters.hf_config import ModelSettings
+from toolkit.adapters.transforms import Kind
+
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def canonical_tensors(chunks: list) -> dict[str, torch.Tensor]:
+    """Canonical megatron name -> this rank's local tensor (shares storage with the parameter)."""
+    found: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        global_layer = [layer.layer_number - 1 for layer in chunk.decoder.layers]  # layer_number is 1-based, global
+        for local_key, item in chunk.sharded_state_dict().items():
+            data = getattr(item, "data", None)
+            if not isinstance(data, torch.Tensor) or local_key.endswith("_extra_state"):
+                continue
+            match = _LAYER_KEY.match(local_key)
+            if match:
+                layer = global_layer[int(match.group(1))]
+                found[f"decoder.layers.{layer}." + item.key.removeprefix("decoder.layers.")] = data
+            else:
+                found[item.key] = data
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadItem:
+    megatron: str
+    kind: Kind
+    hf: tuple[str, ...]
+
+
+def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int) -> dict[str, LoadItem]:
+    """Every concrete (megatron name -> HF names) row of the model."""
+    items = {}
+    for row in table:
+        for layer in (range(num_layers) if row.per_layer else [None]):
+            megatron, hf = row.for_layer(layer)
+            items[megatron] = LoadItem(megatron, row.kind, hf)
+    return items
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile("^" + re.escape(name).replace(r"\*", r"\d+") + "$")
+
+
+def check_hf_coverage(*, items: dict[str, LoadItem], hf_names: list[str], ignored: tuple[str, ...]) -> list[str]:
+    """Every HF tensor used or explicitly ignored; every HF tensor the table needs present."""
+    used = {name for item in items.values() for name in item.hf}
+    ignore = [_pattern(p) for p in ignored]
+    unexpected = [n for n in hf_names if n not in used and not any(p.match(n) for p in ignore)]
+    missing = sorted(used - set(hf_names))
+    problems = [f"HF tensor {n!r} is not used by the weight table (unexpected; wrong model_type or a newer variant?)" for n in unexpected]
+    problems += [f"HF tensor {n!r} is missing from the checkpoint" for n in missing]
+    return problems
+
+
+def local_shape(item: LoadItem, hf_shapes: list[tuple[int, ...]], *, settings: ModelSettings, tp_size: int) -> tuple[int, ...]:
+    ctx = settings.shape_context()
+    shape = list(transforms.megatron_shape(item.kind, hf_shapes, ctx=ctx))
+    if item.kind is not Kind.REPLICATED:
+        shape[1 if item.kind is Kind.ROW else 0] //= tp_size
+    return tuple(shape)
+
+
+def plan_load(*, settings: ModelSettings, source, targets: dict[str, torch.Tensor], tp_size: int) -> list[LoadItem]:
+    """What to read for each local tensor; raises one AdapterError listing every problem found."""
+    table = settings.family.weight_table(tied_embeddings=settings.tied_embeddings)
+    items = expand_table(table, num_layers=settings.num_layers)
+    ignored = settings.family.ignored_hf + (("lm_head.weight",) if settings.tied_embeddings else ())
+    hf_names = source.names()
+    problems = check_hf_coverage(items=items, hf_names=hf_names, ignored=ignored)
+    present, plan = set(hf_names), []
+    ctx = settings.shape_context()
+    for name, tensor in targets.items():
+        item = items.get(name)
+        if item is None:
+            problems.append(f"megatron parameter {name!r} is not produced by the {settings.family.model_type} weight table")
+            continue
+        if not all(n in present for n in item.hf):
+            continue  # already reported as missing
+        hf_shapes = [source.shape(n) for n in item.hf]
+        expected_hf = transforms.expected_hf_shapes(item.kind, transforms.megatron_shape(item.kind, hf_shapes, ctx=ctx), ctx=ctx)
+        wrong = [f"{n} {s} (expected {e})" for n, s, e in zip(item.hf, hf_shapes, expected_hf) if tuple(s) != tuple(e)]
+        want = local_shape(item, hf_shapes, settings=settings, tp_size=tp_size)
+        if wrong or want != tuple(tensor.shape):
+            problems.append(f"shape mismatch for {name}: local {tuple(tensor.shape)} vs {want} from HF; {'; '.join(wrong) or 'HF shapes as expected'}")
+        plan.append(item)
+    if problems:
+        raise AdapterError(f"{len(problems)} problem(s) between the HF checkpoint and the megatron model:\n  - " + "\n  - ".join(problems))
+    return plan
+
+
+def local_shard(item: LoadItem, hf: list[torch.Tensor], *, settings: ModelSettings, tp_rank: int, tp_size: int) -> torch.Tensor:
+    if item.kind is Kind.GATE_UP:
+        return transforms.merge_gate_up(*hf, tp_rank=tp_rank, tp_size=tp_size)
+    full = transforms.to_megatron(item.kind, hf, ctx=settings.shape_context())
+    return transforms.shard(item.kind, full, tp_rank=tp_rank, tp_size=tp_size)
+
+
+@torch.no_grad()
+def load_hf_weights(*, chunks: list, settings: ModelSettings, source, tp_rank: int, tp_size: int, show_progress: bool = False) -> int:
+    """Copy HF tensors into this rank's chunks, one at a time. Returns the number of bytes read."""
+    targets = canonical_tensors(chunks)
+    plan = plan_load(settings=settings, source=source, targets=targets, tp_size=tp_size)
+    total = sum(source.nbytes(n) for item in plan for n in item.hf)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading HF tensors", disable=not show_progress) as bar:
+        for item in plan:
+            hf = [source.get(n) for n in item.hf]
+            targets[item.megatron].copy_(local_shard(item, hf, settings=settings, tp_rank=tp_rank, tp_size=tp_size))
+            bar.update(sum(t.numel() * t.element_size() for t in hf))
+    return total

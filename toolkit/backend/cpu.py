@@ -1,0 +1,157 @@
+"""CPU backend: lets megatron-core's layers, pipeline schedules and dist_checkpointing run on a machine without CUDA.
+
+megatron-core hard-codes CUDA in about ten kinds of places (see shared/CPU_NOTES.md): literal `device="cuda"`
+in tensor factories, `torch.cuda.current_device()` for buffers (p2p receive buffers, the tensor-parallel all-gather
+inside a custom autograd backward, the global memory buffer, rotary `inv_freq.to(...)`), `torch.cuda.synchronize()`
+and `torch.cuda.current_stream()`. Rather than editing megatron, this module redirects CUDA device *requests* to the
+CPU at the torch level: the factories megatron calls and `Tensor.to` / `Tensor.cuda`. A `TorchFunctionMode` would be
+neater but is switched off inside `torch.autograd.backward`, where megatron's `mappings.py` allocates buffers.
+
+It is installed only when CUDA is absent (`install()` is a no-op otherwise) and records every call site it
+redirected, so a test can list exactly what it touched. Nothing else in dsmt knows about CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import sys
+import threading
+
+import torch
+import torch.utils._device
+
+# Factories megatron-core calls with a CUDA device (mcore 0.16.1 / 0.19.2 sites; see shared/mcore-*-cuda-sites.txt).
+_FACTORY_NAMES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "empty_like", "zeros_like")
+
+_lock = threading.Lock()
+_installed = False
+_originals: dict[str, object] = {}
+# (api, "path:line") -> number of redirected calls; paths are shortened to start at the package name.
+redirected_sites: collections.Counter[tuple[str, str]] = collections.Counter()
+
+
+def is_needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def is_installed() -> bool:
+    return _installed
+
+
+def install() -> bool:
+    """Redirect CUDA requests to the CPU when CUDA is absent. Returns True if the redirection is active."""
+    global _installed
+    if not is_needed():
+        return False
+    with _lock:
+        if _installed:
+            return True
+        # torch caches the list of device-aware constructors on first use; building it after our wrappers are in
+        # place would register the wrappers instead of the real factories and silently break HF rotary buffers.
+        torch.utils._device._device_constructors()
+        for name in _FACTORY_NAMES:
+            _patch(torch, name, _wrap_factory(getattr(torch, name), f"torch.{name}"))
+        _patch(torch.Tensor, "to", _wrap_to(torch.Tensor.to))
+        _patch(torch.Tensor, "cuda", _tensor_cuda)
+        _patch(torch.cuda, "current_device", _current_device)
+        _patch(torch.cuda, "synchronize", _noop("torch.cuda.synchronize"))
+        _patch(torch.cuda, "current_stream", _current_stream)
+        _installed = True
+    return True
+
+
+def uninstall() -> None:
+    """Undo `install()` (used by tests)."""
+    global _installed
+    with _lock:
+        for key, original in _originals.items():
+            owner_name, attr = key.split(":")
+            setattr(_OWNERS[owner_name], attr, original)
+        _originals.clear()
+        _installed = False
+
+
+_OWNERS = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.cuda": torch.cuda}
+
+
+def _patch(owner, attr: str, replacement) -> None:
+    owner_name = {id(v): k for k, v in _OWNERS.items()}[id(owner)]
+    _originals[f"{owner_name}:{attr}"] = getattr(owner, attr)
+    setattr(owner, attr, replacement)
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):  # megatron passes torch.cuda.current_device(), an int
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+def _record(api: str) -> None:
+    frame = sys._getframe(2)
+    path = frame.f_code.co_filename
+    for marker in ("/megatron/", "/deepspeed/", "/toolkit/", "/transformers/", "/torch/"):
+        if marker in path:
+            path = path[path.rindex(marker) + 1 :]
+            break
+    redirected_sites[(api, f"{path}:{frame.f_lineno}")] += 1
+
+
+def _wrap_factory(factory, api: str):
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            _record(api)
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_to(original_to):
+    @functools.wraps(original_to)
+    def to(self, *args, **kwargs):
+        if args and _is_cuda_device(args[0]):
+            _record("Tensor.to")
+            args = ("cpu",) + args[1:]
+        if _is_cuda_device(kwargs.get("device")):
+            _record("Tensor.to")
+            kwargs["device"] = "cpu"
+        return original_to(self, *args, **kwargs)
+
+    return to
+
+
+def _tensor_cuda(self, *args, **kwargs):
+    _record("Tensor.cuda")
+    return self
+
+
+def _current_device() -> int:
+    # An int, as on CUDA: callers pass it on as `device=`, which the wrapped factories map back to the CPU.
+    _record("torch.cuda.current_device")
+    return 0
+
+
+class _NullStream:
+    """Stands in for a CUDA stream: on the CPU every operation is already ordered, so waits are no-ops."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def _current_stream(*args, **kwargs) -> _NullStream:
+    _record("torch.cuda.current_stream")
+    return _NullStream()
+
+
+def _noop(api: str):
+    def noop(*args, **kwargs):
+        _record(api)
+        return None
+
+    return noop

@@ -1,0 +1,1 @@
+"""Conversion between HF checkpoints and dsmt's layout-free megatron-core checkpoints."""

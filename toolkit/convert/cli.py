@@ -1,0 +1,41 @@
+"""`dsmt convert hf-to-mcore SRC DST` and `dsmt convert mcore-to-hf SRC DST`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("convert", help="convert between HF and dsmt megatron checkpoints")
+    directions = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    to_mcore = directions.add_parser("hf-to-mcore", help="HF checkpoint -> layout-free megatron checkpoint")
+    to_mcore.add_argument("source", type=Path)
+    to_mcore.add_argument("target", type=Path)
+    to_mcore.add_argument("--overwrite", action="store_true", help="replace an existing target directory")
+    to_mcore.add_argument("--vocab-pad-multiple", type=int, default=128,
+                          help="pad the vocabulary to a multiple of this (megatron's make_vocab_size_divisible_by)")
+    to_mcore.set_defaults(func=run_hf_to_mcore)
+    to_hf = directions.add_parser("mcore-to-hf", help="dsmt megatron checkpoint -> HF checkpoint")
+    to_hf.add_argument("source", type=Path)
+    to_hf.add_argument("target", type=Path)
+    to_hf.add_argument("--overwrite", action="store_true", help="replace an existing target directory")
+    to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
+    to_hf.set_defaults(func=run_mcore_to_hf)
+
+
+def run_hf_to_mcore(args) -> int:
+    from toolkit.convert.hf_to_mcore import convert_hf_to_mcore
+
+    summary = convert_hf_to_mcore(hf_dir=args.source, out_dir=args.target, overwrite=args.overwrite,
+                                  vocab_pad_multiple=args.vocab_pad_multiple)
+    print(f"wrote {args.target}: {summary['tensors']} HF tensors, {summary['bytes'] / 2**20:.1f} MiB, {summary['dtype']}")
+    return 0
+
+
+def run_mcore_to_hf(args) -> int:
+    from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
+
+    summary = convert_mcore_to_hf(mcore_dir=args.source, out_dir=args.target, overwrite=args.overwrite,
+                                  max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"wrote {args.target}: {summary['shards']} safetensors shard(s), {summary['dtype']}")
+    return 0

@@ -1,0 +1,1 @@
+"""`dsmt verify`: HF logits vs the TP x PP sharded megatron-core model's, on the same tokens."""

@@ -1,0 +1,110 @@
+"""One rank of `dsmt verify`: load the sharded megatron model, run megatron's pipeline schedule forward-only on
+fixed tokens, and on the last stage compare the logits with the HF model's. Launched by `toolkit.verify.run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--reference", type=Path, default=None, help="HF checkpoint to compare with")
+    parser.add_argument("--result-file", type=Path, required=True)
+    return parser.parse_args(argv)
+
+
+def fixed_tokens(*, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+
+
+def megatron_logits(*, chunks: list, tokens: torch.Tensor, seq_len: int) -> torch.Tensor | None:
+    """Logits [batch, seq, padded_vocab] on the last pipeline stage (None elsewhere), one micro-batch per row."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    position_ids = torch.arange(seq_len).unsqueeze(0)
+    micro_batches = [tokens[i : i + 1] for i in range(tokens.shape[0])]
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        output = model(micro_batch, position_ids, None)
+
+        def keep_logits(output_tensor):
+            return output_tensor.sum() * 0.0, {"logits": output_tensor.detach().clone()}
+
+        return output, keep_logits
+
+    iterators = [iter(micro_batches) for _ in chunks]
+    collected = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro_batches), seq_length=seq_len,
+        micro_batch_size=1, forward_only=True,
+    )
+    if not collected:
+        return None
+    return torch.cat([item["logits"] for item in collected], dim=0)
+
+
+def compare(*, reference: torch.Tensor, candidate: torch.Tensor) -> dict:
+    """max |Δlogit| and mean per-token KL(reference || candidate)."""
+    ref_logp = torch.log_softmax(reference.double(), dim=-1)
+    cand_logp = torch.log_softmax(candidate.double(), dim=-1)
+    kl = (ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).mean()
+    return {"max_abs_diff": (reference - candidate).abs().max().item(), "kl_divergence": max(kl.item(), 0.0)}
+
+
+@torch.no_grad()
+def main(argv=None) -> None:
+    from megatron.core import parallel_state
+    from transformers import AutoModelForCausalLM
+
+    from toolkit import backend as backends
+    from toolkit.models import load_model_chunks
+    from toolkit.parallel import Layout, destroy_process_groups, init_process_groups
+
+    args = parse_args(argv)
+    backend = backends.current()
+    layout = Layout(tp_size=args.tp, pp_size=args.pp, vpp_size=args.vpp)
+    init_process_groups(layout=layout, dist_backend=backend.dist_backend)
+    backend.seed(args.seed)
+    chunks, info = load_model_chunks(checkpoint=args.checkpoint, layout=layout, params_dtype=torch.float32,
+                                     parallel_output=False)
+    for chunk in chunks:
+        chunk.eval()
+    tokens = fixed_tokens(batch_size=args.batch_size, seq_len=args.seq_len, vocab_size=info.settings.vocab_size, seed=args.seed)
+    logits = megatron_logits(chunks=chunks, tokens=tokens, seq_len=args.seq_len)
+    reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    if reporter:
+        hf_dir = args.reference or (info.hf_dir if info.kind == "hf" else None)
+        reference_model = _reference_model(info, hf_dir, AutoModelForCausalLM)
+        reference = reference_model(tokens).logits.float()
+        result = compare(reference=reference, candidate=logits[..., : info.settings.vocab_size].float())
+        result.update(tp=args.tp, pp=args.pp, vpp=args.vpp, model_type=info.settings.family.model_type,
+                      checkpoint_kind=info.kind, tokens=int(tokens.numel()))
+        args.result_file.write_text(json.dumps(result))
+    destroy_process_groups()
+
+
+def _reference_model(info, hf_dir, auto_class):
+    """The HF model the logits are compared with: the checkpoint itself, or for a dsmt megatron checkpoint, the
+    HF checkpoint it was converted from (recorded in its metadata)."""
+    if hf_dir is None:
+        from toolkit.convert.checkpoint import read_metadata
+
+        hf_dir = Path(read_metadata(info.hf_dir.parent)["source"])
+    return auto_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+
+if __name__ == "__main__":
+    main()
