@@ -11,6 +11,7 @@ megatron checkpoint (`dsmt convert hf-to-mcore`; megatron's dist_checkpointing r
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ class CheckpointInfo:
 
 def inspect_checkpoint(path: Path, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE) -> CheckpointInfo:
     path = Path(path)
-    if (path / ckpt.METADATA_FILE).exists() or (path / "model").is_dir():
+    megatron_markers = (ckpt.METADATA_FILE, "model", "latest_checkpointed_iteration.txt", "metadata.json")
+    if any((path / marker).exists() for marker in megatron_markers):
         metadata = ckpt.read_metadata(path)
         hf_config = load_hf_config(path / "hf")
         settings = model_settings(hf_config, vocab_pad_multiple=metadata["vocab_pad_multiple"])
@@ -101,3 +103,44 @@ def save_dist_checkpoint(*, chunks: list, model_dir: Path) -> None:
 
     Path(model_dir).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(sharded_state_dict(chunks), str(model_dir))
+
+
+def save_mcore_checkpoint(*, chunks: list, info: CheckpointInfo, out_dir: Path, params_dtype: torch.dtype,
+                          overwrite: bool = False) -> None:
+    """Save the chunks of every rank as a dsmt megatron checkpoint (collective: all ranks call it).
+
+    Written into a temporary sibling by all ranks; rank 0 adds the metadata and renames it into place only after
+    every rank's shards are on disk, so a crash never leaves a directory that looks complete."""
+    import torch.distributed as dist
+
+    out_dir = Path(out_dir)
+    rank = dist.get_rank()
+    ckpt.refuse_existing(out_dir, overwrite=overwrite)
+    temp_dir = out_dir.with_name(f".{out_dir.name}.partial")
+    if rank == 0:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        temp_dir.mkdir(parents=True)
+    dist.barrier()
+    save_dist_checkpoint(chunks=chunks, model_dir=temp_dir / "model")
+    dist.barrier()
+    if rank == 0:
+        ckpt.copy_side_files(info.hf_dir, temp_dir / "hf")
+        if info.kind == "mcore":
+            metadata = ckpt.read_metadata(info.hf_dir.parent)
+            source, hf_dtypes = metadata["source"], metadata["hf_tensor_dtypes"]
+        else:
+            hf = SafetensorsSource(info.hf_dir)
+            source, hf_dtypes = str(info.hf_dir.resolve()), {n: ckpt.dtype_name(hf.dtype(n)) for n in hf.names()}
+        ckpt.write_metadata(temp_dir, model_type=info.settings.family.model_type,
+                            padded_vocab_size=info.settings.padded_vocab_size, vocab_pad_multiple=_pad_multiple(info),
+                            params_dtype=params_dtype, source=source, hf_tensor_dtypes=hf_dtypes)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        temp_dir.rename(out_dir)
+    dist.barrier()
+
+
+def _pad_multiple(info: CheckpointInfo) -> int:
+    if info.kind == "mcore":
+        return ckpt.read_metadata(info.hf_dir.parent)["vocab_pad_multiple"]
+    return DEFAULT_VOCAB_PAD_MULTIPLE

@@ -36,7 +36,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def write_metadata(directory: Path, *, model_type: str, padded_vocab_size: int, vocab_pad_multiple: int,
-                   params_dtype: torch.dtype, source: str) -> None:
+                   params_dtype: torch.dtype, source: str, hf_tensor_dtypes: dict[str, str]) -> None:
     import megatron.core
 
     metadata = {
@@ -44,6 +44,8 @@ def write_metadata(directory: Path, *, model_type: str, padded_vocab_size: int, 
         "megatron_core_version": megatron.core.__version__, "model_type": model_type,
         "params_dtype": dtype_name(params_dtype), "padded_vocab_size": padded_vocab_size,
         "vocab_pad_multiple": vocab_pad_multiple, "source": source,
+        # Per HF tensor, so export restores each dtype exactly (megatron keeps e.g. torch-fallback norms in fp32).
+        "hf_tensor_dtypes": hf_tensor_dtypes,
     }
     (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
 

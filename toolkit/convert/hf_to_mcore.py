@@ -21,7 +21,7 @@ def convert_hf_to_mcore(*, hf_dir: Path, out_dir: Path, overwrite: bool = False,
     from megatron.core import parallel_state
 
     from toolkit.adapters.build import build_model_chunks
-    from toolkit.models import inspect_checkpoint, save_dist_checkpoint
+    from toolkit.models import inspect_checkpoint, save_mcore_checkpoint
 
     ckpt.refuse_existing(out_dir, overwrite=overwrite)  # before minutes of work
     info = inspect_checkpoint(hf_dir, vocab_pad_multiple=vocab_pad_multiple)
@@ -35,11 +35,6 @@ def convert_hf_to_mcore(*, hf_dir: Path, out_dir: Path, overwrite: bool = False,
         chunks = build_model_chunks(settings=info.settings, layout=Layout(), params_dtype=info.params_dtype)
         bytes_read = load_hf_weights(chunks=chunks, settings=info.settings, source=source, tp_rank=0, tp_size=1,
                                      show_progress=show_progress)
-        with ckpt.atomic_output_dir(out_dir, overwrite=overwrite) as temp_dir:
-            save_dist_checkpoint(chunks=chunks, model_dir=temp_dir / "model")
-            ckpt.copy_side_files(hf_dir, temp_dir / "hf")
-            ckpt.write_metadata(temp_dir, model_type=info.settings.family.model_type,
-                                padded_vocab_size=info.settings.padded_vocab_size,
-                                vocab_pad_multiple=vocab_pad_multiple, params_dtype=info.params_dtype,
-                                source=str(Path(hf_dir).resolve()))
+        save_mcore_checkpoint(chunks=chunks, info=info, out_dir=out_dir, params_dtype=info.params_dtype,
+                              overwrite=overwrite)
     return {"tensors": len(source.names()), "bytes": bytes_read, "dtype": ckpt.dtype_name(info.params_dtype)}

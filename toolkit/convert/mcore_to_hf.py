@@ -20,8 +20,8 @@ from toolkit.parallel import Layout
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
 
 
-def hf_tensors(*, chunks: list, settings: ModelSettings):
-    """Yield (HF name, tensor) for a TP=1 model, after checking the table covers every parameter both ways."""
+def hf_tensors(*, chunks: list, settings: ModelSettings, dtypes: dict[str, torch.dtype]):
+    """Yield (HF name, tensor in its original dtype) for a TP=1 model, after checking the table both ways."""
     targets = canonical_tensors(chunks)
     items = expand_table(settings.family.weight_table(tied_embeddings=settings.tied_embeddings),
                          num_layers=settings.num_layers)
@@ -32,7 +32,7 @@ def hf_tensors(*, chunks: list, settings: ModelSettings):
     ctx = settings.shape_context()
     for name, item in items.items():
         for hf_name, tensor in zip(item.hf, transforms.to_hf(item.kind, targets[name], ctx=ctx)):
-            yield hf_name, tensor.detach().contiguous()
+            yield hf_name, tensor.detach().to(dtypes.get(hf_name, tensor.dtype)).contiguous()
 
 
 def write_safetensors(tensors, *, out_dir: Path, max_shard_bytes: int) -> int:
@@ -79,7 +79,9 @@ def convert_mcore_to_hf(*, mcore_dir: Path, out_dir: Path, overwrite: bool = Fal
         chunks = build_model_chunks(settings=info.settings, layout=Layout(), params_dtype=info.params_dtype)
         load_dist_checkpoint(chunks=chunks, model_dir=Path(mcore_dir) / "model")
         with ckpt.atomic_output_dir(out_dir, overwrite=overwrite) as temp_dir:
-            num_shards = write_safetensors(hf_tensors(chunks=chunks, settings=info.settings), out_dir=temp_dir,
-                                           max_shard_bytes=max_shard_bytes)
+            stored = ckpt.read_metadata(mcore_dir)["hf_tensor_dtypes"]
+            dtypes = {name: getattr(torch, dtype) for name, dtype in stored.items()}
+            tensors = hf_tensors(chunks=chunks, settings=info.settings, dtypes=dtypes)
+            num_shards = write_safetensors(tensors, out_dir=temp_dir, max_shard_bytes=max_shard_bytes)
             ckpt.copy_side_files(info.hf_dir, temp_dir)
     return {"shards": num_shards, "dtype": ckpt.dtype_name(info.params_dtype)}

@@ -11,22 +11,30 @@ from toolkit.launch import launch_local_workers
 DEFAULT_TOLERANCE_FP32 = 1e-4
 
 
-def run_verify(*, checkpoint: Path, tp: int = 1, pp: int = 1, vpp: int = 1, batch_size: int = 4, seq_len: int = 32,
-               tolerance: float = DEFAULT_TOLERANCE_FP32, reference: Path | None = None, timeout_s: float = 900.0) -> dict:
+def run_verify(*, checkpoint: Path, tolerance: float = DEFAULT_TOLERANCE_FP32, **options) -> dict:
     """Run tp*pp ranks; return the result dict (max_abs_diff, kl_divergence, tp, pp, tolerance, passed, ...)."""
+    return run_verify_many(checkpoints=[checkpoint], tolerance=tolerance, **options)[0]
+
+
+def run_verify_many(*, checkpoints: list[Path], tp: int = 1, pp: int = 1, vpp: int = 1, batch_size: int = 4,
+                    seq_len: int = 32, tolerance: float = DEFAULT_TOLERANCE_FP32, reference: Path | None = None,
+                    save_as: Path | None = None, timeout_s: float = 900.0) -> list[dict]:
+    """Several checkpoints in one launch (process start-up dominates on small machines)."""
     from toolkit.models import check_layout, inspect_checkpoint
     from toolkit.parallel import Layout
 
-    info = inspect_checkpoint(checkpoint)  # bad paths, configs and layouts fail here, before any process starts
-    check_layout(info.settings, Layout(tp_size=tp, pp_size=pp, vpp_size=vpp))
+    for checkpoint in checkpoints:  # bad paths, configs and layouts fail here, before any process starts
+        check_layout(inspect_checkpoint(checkpoint).settings, Layout(tp_size=tp, pp_size=pp, vpp_size=vpp))
     with tempfile.TemporaryDirectory(prefix="dsmt-verify-") as scratch:
         result_file = Path(scratch) / "result.json"
-        args = ["--checkpoint", str(checkpoint), "--tp", str(tp), "--pp", str(pp), "--vpp", str(vpp),
-                "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--result-file", str(result_file)]
-        if reference is not None:
-            args += ["--reference", str(reference)]
+        args = [f"--checkpoint={c}" for c in checkpoints]
+        args += ["--tp", str(tp), "--pp", str(pp), "--vpp", str(vpp), "--batch-size", str(batch_size),
+                 "--seq-len", str(seq_len), "--result-file", str(result_file)]
+        args += ["--reference", str(reference)] if reference is not None else []
+        args += ["--save-as", str(save_as)] if save_as is not None else []
         launch_local_workers(module="toolkit.verify.worker", args=args, nprocs=tp * pp, timeout_s=timeout_s)
-        result = json.loads(result_file.read_text())
-    result["tolerance"] = tolerance
-    result["passed"] = result["max_abs_diff"] <= tolerance
-    return result
+        results = json.loads(result_file.read_text())
+    for result in results:
+        result["tolerance"] = tolerance
+        result["passed"] = result["max_abs_diff"] <= tolerance
+    return results

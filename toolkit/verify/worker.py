@@ -12,7 +12,7 @@ import torch
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--checkpoint", type=Path, action="append", required=True, help="repeat to check several")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=1)
@@ -20,6 +20,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--reference", type=Path, default=None, help="HF checkpoint to compare with")
+    parser.add_argument("--save-as", type=Path, default=None,
+                        help="also save the (first) loaded model as a dsmt megatron checkpoint written at this layout")
     parser.add_argument("--result-file", type=Path, required=True)
     return parser.parse_args(argv)
 
@@ -66,34 +68,47 @@ def compare(*, reference: torch.Tensor, candidate: torch.Tensor) -> dict:
 
 @torch.no_grad()
 def main(argv=None) -> None:
-    from megatron.core import parallel_state
-    from transformers import AutoModelForCausalLM
-
     from toolkit import backend as backends
-    from toolkit.models import load_model_chunks
     from toolkit.parallel import Layout, destroy_process_groups, init_process_groups
 
     args = parse_args(argv)
     backend = backends.current()
     layout = Layout(tp_size=args.tp, pp_size=args.pp, vpp_size=args.vpp)
     init_process_groups(layout=layout, dist_backend=backend.dist_backend)
-    backend.seed(args.seed)
-    chunks, info = load_model_chunks(checkpoint=args.checkpoint, layout=layout, params_dtype=torch.float32,
+    results = []
+    for index, checkpoint in enumerate(args.checkpoint):
+        backend.seed(args.seed)
+        save_as = args.save_as if index == 0 else None
+        results.append(verify_checkpoint(checkpoint=checkpoint, layout=layout, args=args, save_as=save_as))
+    if results[0] is not None:
+        args.result_file.write_text(json.dumps(results))
+    destroy_process_groups()
+
+
+def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -> dict | None:
+    """Logit comparison for one checkpoint; the dict on the reporting rank (last stage, TP rank 0), else None."""
+    from megatron.core import parallel_state
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.models import load_model_chunks, save_mcore_checkpoint
+
+    chunks, info = load_model_chunks(checkpoint=checkpoint, layout=layout, params_dtype=torch.float32,
                                      parallel_output=False)
+    if save_as is not None:
+        save_mcore_checkpoint(chunks=chunks, info=info, out_dir=save_as, params_dtype=torch.float32)
     for chunk in chunks:
         chunk.eval()
     tokens = fixed_tokens(batch_size=args.batch_size, seq_len=args.seq_len, vocab_size=info.settings.vocab_size, seed=args.seed)
     logits = megatron_logits(chunks=chunks, tokens=tokens, seq_len=args.seq_len)
-    reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    if reporter:
-        hf_dir = args.reference or (info.hf_dir if info.kind == "hf" else None)
-        reference_model = _reference_model(info, hf_dir, AutoModelForCausalLM)
-        reference = reference_model(tokens).logits.float()
-        result = compare(reference=reference, candidate=logits[..., : info.settings.vocab_size].float())
-        result.update(tp=args.tp, pp=args.pp, vpp=args.vpp, model_type=info.settings.family.model_type,
-                      checkpoint_kind=info.kind, tokens=int(tokens.numel()))
-        args.result_file.write_text(json.dumps(result))
-    destroy_process_groups()
+    if not (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0):
+        return None
+    hf_dir = args.reference or (info.hf_dir if info.kind == "hf" else None)
+    reference = _reference_model(info, hf_dir, AutoModelForCausalLM)(tokens).logits.float()
+    result = compare(reference=reference, candidate=logits[..., : info.settings.vocab_size].float())
+    result.update(checkpoint=str(checkpoint), tp=layout.tp_size, pp=layout.pp_size, vpp=layout.vpp_size,
+                  model_type=info.settings.family.model_type, checkpoint_kind=info.kind, tokens=int(tokens.numel()),
+                  tied_embeddings=info.settings.tied_embeddings)
+    return result
 
 
 def _reference_model(info, hf_dir, auto_class):

@@ -1,0 +1,1 @@
+"""Artifacts generated from a checked job spec: pure functions of (spec, layout), plus one atomic writer."""

@@ -1,0 +1,93 @@
+"""ds_config.json: batch arithmetic derived from the layout, every value resolved (no "auto")."""
+
+from __future__ import annotations
+
+from toolkit.spec.layout import Layout
+from toolkit.spec.schema import JobSpec
+
+# DeepSpeed scheduler for each spec lr_schedule (all warm up linearly from 0 to lr).
+_SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
+
+
+def build_deepspeed_config(*, spec: JobSpec, layout: Layout) -> dict:
+    training = spec.training
+    config = {
+        "train_batch_size": layout.global_batch_size,
+        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
+        "gradient_accumulation_steps": layout.grad_accum_steps,
+        "steps_per_print": training.log_interval,
+        "gradient_clipping": training.grad_clip,
+        "zero_optimization": _zero_section(spec=spec),
+        "bf16": {"enabled": training.precision == "bf16"},
+        "fp16": _fp16_section(enabled=training.precision == "fp16"),
+        "optimizer": _optimizer_section(spec=spec),
+        "scheduler": _scheduler_section(spec=spec),
+        "communication_data_type": spec.communication.communication_data_type or training.precision,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        "tensorboard": {"enabled": training.tensorboard, "output_path": f"{training.output_dir}/tensorboard",
+                        "job_name": spec.cluster.job_name},
+        "csv_monitor": {"enabled": True, "output_path": f"{training.output_dir}/monitor", "job_name": spec.cluster.job_name},
+    }
+    if spec.parallel.offload_optimizer or spec.parallel.offload_params:
+        config["zero_force_ds_cpu_optimizer"] = True  # offload needs DeepSpeed's CPU Adam, not a client optimizer
+    return config
+
+
+def _zero_section(*, spec: JobSpec) -> dict:
+    stage, comm = spec.parallel.zero_stage, spec.communication
+    section = {"stage": stage}
+    if stage == 0:
+        return section
+    section.update({
+        "overlap_comm": comm.overlap_comm,
+        "contiguous_gradients": comm.contiguous_gradients,
+        "reduce_scatter": comm.reduce_scatter,
+        "reduce_bucket_size": comm.reduce_bucket_elements,
+    })
+    if stage < 3:
+        section["allgather_bucket_size"] = comm.allgather_bucket_elements
+    else:
+        section["stage3_prefetch_bucket_size"] = comm.prefetch_bucket_elements
+        section["stage3_param_persistence_threshold"] = comm.param_persistence_threshold_elements
+    if spec.parallel.offload_optimizer:
+        section["offload_optimizer"] = {"device": "cpu", "pin_memory": spec.cluster.device == "cuda"}
+    if spec.parallel.offload_params:
+        section["offload_param"] = {"device": "cpu", "pin_memory": spec.cluster.device == "cuda"}
+    return section
+
+
+def _fp16_section(*, enabled: bool) -> dict:
+    if not enabled:
+        return {"enabled": False}
+    # Dynamic loss scaling (loss_scale 0) starting at 2^16, DeepSpeed's documented defaults written out.
+    return {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+            "hysteresis": 2, "min_loss_scale": 1}
+
+
+def _optimizer_section(*, spec: JobSpec) -> dict:
+    training = spec.training
+    params = {"lr": training.lr, "betas": [training.adam_beta1, training.adam_beta2], "eps": training.adam_eps,
+              "weight_decay": training.weight_decay}
+    if spec.cluster.device == "cpu" and not spec.parallel.offload_optimizer:
+        params["torch_adam"] = True  # skip building FusedAdam (a ~60 s JIT op) on CPU
+    return {"type": "AdamW", "params": params}
+
+
+def _scheduler_section(*, spec: JobSpec) -> dict:
+    """DeepSpeed refuses warmup_num_steps=0: no warmup is written as one step that starts at lr already."""
+    training = spec.training
+    kind = _SCHEDULERS[training.lr_schedule]
+    warmup_steps = max(training.warmup_steps, 1)
+    start_lr = training.lr if training.warmup_steps == 0 else 0.0
+    if kind == "WarmupCosineLR":
+        params = {"total_num_steps": training.train_steps, "warmup_num_steps": warmup_steps,
+                  "warmup_min_ratio": start_lr / training.lr, "cos_min_ratio": training.min_lr / training.lr,
+                  "warmup_type": "linear"}
+    elif kind == "WarmupDecayLR":  # decays linearly to 0 at total_num_steps (DeepSpeed has no floor here)
+        params = {"total_num_steps": training.train_steps, "warmup_num_steps": warmup_steps,
+                  "warmup_min_lr": start_lr, "warmup_max_lr": training.lr, "warmup_type": "linear"}
+    else:
+        params = {"warmup_num_steps": warmup_steps, "warmup_min_lr": start_lr, "warmup_max_lr": training.lr,
+                  "warmup_type": "linear"}
+    return {"type": kind, "params": params}

@@ -1,0 +1,76 @@
+"""megatron.json: the megatron-core settings the layout determines.
+
+Three groups, each checked in tests against megatron-core itself:
+  transformer_config -> `TransformerConfig` / `ModelParallelConfig` dataclass fields (dtypes as torch dtype names),
+  schedule           -> keyword arguments of the function `get_forward_backward_func()` returns,
+  layout             -> derived numbers for the training loop and the summary (not megatron arguments).
+Model-family details (normalization, activation, RoPE) are the adapters' business; only the shape is written here.
+"""
+
+from __future__ import annotations
+
+from toolkit.shapes import ModelShape
+from toolkit.spec.layout import Layout, padded_vocab_size
+from toolkit.spec.schema import JobSpec
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # torch.<name>
+
+
+def build_megatron_settings(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> dict:
+    return {
+        "transformer_config": _transformer_config(spec=spec, layout=layout, shape=shape),
+        "schedule": {
+            "num_microbatches": layout.grad_accum_steps,
+            "micro_batch_size": layout.micro_batch_size,
+            "seq_length": layout.seq_length,
+        },
+        "layout": {
+            "world_size": layout.world_size,
+            "data_parallel_size": layout.dp,
+            "global_batch_size": layout.global_batch_size,
+            "tokens_per_step": layout.tokens_per_step,
+            "vocab_size": shape.vocab_size,
+            "padded_vocab_size": padded_vocab_size(vocab_size=shape.vocab_size, tp=layout.tp,
+                                                   divisible_by=spec.model.make_vocab_size_divisible_by),
+            "tied_embeddings": shape.tied_embeddings,
+            "seed": spec.training.seed,
+        },
+    }
+
+
+def _transformer_config(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> dict:
+    precision = spec.training.precision
+    interleaved = layout.vpp > 1
+    return {
+        "tensor_model_parallel_size": layout.tp,
+        "pipeline_model_parallel_size": layout.pp,
+        "virtual_pipeline_model_parallel_size": layout.vpp if interleaved else None,
+        "sequence_parallel": spec.parallel.sequence_parallel,
+        "context_parallel_size": 1,
+        "bf16": precision == "bf16",
+        "fp16": precision == "fp16",
+        "params_dtype": _DTYPES[precision],
+        "pipeline_dtype": _DTYPES[precision],
+        "overlap_p2p_comm": interleaved and spec.communication.overlap_p2p_comm,
+        "batch_p2p_comm": not (interleaved and spec.communication.overlap_p2p_comm),
+        "batch_p2p_sync": spec.cluster.device == "cuda",  # a CUDA synchronize; off on CPU
+        "variable_seq_lengths": False,
+        **_recompute(spec=spec, layout=layout),
+        "num_layers": shape.num_layers,
+        "hidden_size": shape.hidden_size,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_query_groups": shape.num_kv_heads,
+        "ffn_hidden_size": shape.ffn_hidden_size,
+        "kv_channels": shape.kv_channels,
+        "gated_linear_unit": shape.gated_mlp,
+        "use_cpu_initialization": spec.cluster.device == "cpu",
+    }
+
+
+def _recompute(*, spec: JobSpec, layout: Layout) -> dict:
+    mode = spec.training.recompute
+    if mode == "none":
+        return {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
+    if mode == "selective":  # core attention only (Korthikanti et al. 2022)
+        return {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None}
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}

@@ -1,0 +1,46 @@
+"""summary.txt: the layout in words, for the person about to launch it."""
+
+from __future__ import annotations
+
+from toolkit.shapes import ModelShape
+from toolkit.spec.layout import Layout, padded_vocab_size
+from toolkit.spec.schema import JobSpec
+
+
+def render_summary(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> str:
+    """Layout only (no check notes: those depend on this machine's files; `dsmt check` prints them)."""
+    cluster, parallel, training = spec.cluster, spec.parallel, spec.training
+    lines = [
+        f"model      {shape.name}: {shape.num_params() / 1e6:,.1f} M params, {shape.num_layers} layers, "
+        f"hidden {shape.hidden_size}, heads {shape.num_attention_heads} (kv {shape.num_kv_heads}), vocab {shape.vocab_size} "
+        f"(padded {padded_vocab_size(vocab_size=shape.vocab_size, divisible_by=spec.model.make_vocab_size_divisible_by, tp=layout.tp)})",
+        f"cluster    {layout.nodes} node(s) x {layout.gpus_per_node} {cluster.gpu} = {layout.world_size} ranks; "
+        f"device {cluster.device}, interconnect {cluster.interconnect}, launcher {cluster.launcher}",
+        f"layout     tp={layout.tp} x pp={layout.pp} x dp={layout.dp} = {layout.world_size}"
+        + (f", vpp={layout.vpp}" if layout.vpp > 1 else "")
+        + (", sequence parallel" if parallel.sequence_parallel else ""),
+        f"zero       stage {parallel.zero_stage}"
+        + (", optimizer offloaded to CPU" if parallel.offload_optimizer else "")
+        + (", params offloaded to CPU" if parallel.offload_params else ""),
+        f"batch      global {layout.global_batch_size} sequences = micro {layout.micro_batch_size} x grad-accum "
+        f"{layout.grad_accum_steps} x dp {layout.dp}; {layout.tokens_per_step} tokens/step at seq {layout.seq_length}",
+        f"training   {training.train_steps} steps, {training.precision}, recompute {training.recompute}, lr {training.lr} "
+        f"({training.lr_schedule}, warmup {training.warmup_steps}), checkpoint every {training.checkpoint_interval} steps",
+        "",
+        "ranks (megatron order: tp fastest, then dp, then pp)",
+        *_stage_lines(layout=layout),
+        *_node_lines(layout=layout),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _stage_lines(*, layout: Layout) -> list[str]:
+    per_stage = layout.tp * layout.dp
+    return [f"  pipeline stage {stage}: ranks {stage * per_stage}-{(stage + 1) * per_stage - 1}"
+            for stage in range(min(layout.pp, 16))] + (["  ..."] if layout.pp > 16 else [])
+
+
+def _node_lines(*, layout: Layout) -> list[str]:
+    g = layout.gpus_per_node
+    return [f"  node {node}: ranks {node * g}-{(node + 1) * g - 1}" for node in range(min(layout.nodes, 16))] + (
+        ["  ..."] if layout.nodes > 16 else [])

@@ -1,0 +1,89 @@
+"""All artifacts of a spec, rendered purely (`render_all`) and written into a run directory atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+from toolkit.generate.deepspeed_config import build_deepspeed_config
+from toolkit.generate.env import render_deepspeed_env
+from toolkit.generate.hostfile import render_hostfile
+from toolkit.generate.megatron_settings import build_megatron_settings
+from toolkit.generate.scripts import RESOLVED_SPEC, TRAIN_MODULE, render_launch_deepspeed, render_launch_torchrun, render_sbatch
+from toolkit.generate.summary import render_summary
+from toolkit.spec.checks import run_checks
+from toolkit.spec.layout import derive_layout
+from toolkit.spec.load import dump_spec, model_shape
+from toolkit.spec.report import SpecError
+from toolkit.spec.schema import JobSpec
+
+EXECUTABLES = ("launch_deepspeed.sh", "launch_torchrun.sh", "job.sbatch")
+
+
+def render_all(*, spec: JobSpec, run_dir: str, train_module: str = TRAIN_MODULE) -> dict[str, str]:
+    """File name -> content for a spec that passes its checks (raises SpecError with the report otherwise).
+
+    `train_module` is what the scripts launch; tests swap in a probe to exercise the launchers.
+    """
+    report = run_checks(spec=spec)
+    if not report.ok:
+        raise SpecError(report)
+    layout, shape = derive_layout(spec), model_shape(spec.model)
+    return {
+        "ds_config.json": _json(build_deepspeed_config(spec=spec, layout=layout)),
+        "megatron.json": _json(build_megatron_settings(spec=spec, layout=layout, shape=shape)),
+        "hostfile": render_hostfile(spec=spec),
+        "launch_deepspeed.sh": render_launch_deepspeed(spec=spec, layout=layout, train_module=train_module),
+        "launch_torchrun.sh": render_launch_torchrun(spec=spec, layout=layout, train_module=train_module),
+        "job.sbatch": render_sbatch(spec=spec, layout=layout, run_dir=run_dir, train_module=train_module),
+        ".deepspeed_env": render_deepspeed_env(spec=spec),
+        "summary.txt": render_summary(spec=spec, layout=layout, shape=shape),
+        RESOLVED_SPEC: dump_spec(spec),
+    }
+
+
+def _json(data: dict) -> str:
+    return json.dumps(data, indent=2) + "\n"
+
+
+def write_run_dir(*, spec: JobSpec, out_dir: Path, overwrite: bool = False,
+                  train_module: str = TRAIN_MODULE) -> list[Path]:
+    """Render everything, write it to a temporary sibling directory, then rename it into place."""
+    out_dir = out_dir.expanduser().absolute()
+    if "\n" in str(out_dir):
+        raise DsmtError(f"--out {str(out_dir)!r}: a path with a newline cannot be used in scripts")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DsmtError(f"--out {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise DsmtError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it")
+    files = render_all(spec=spec, run_dir=str(out_dir), train_module=train_module)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for name, text in files.items():
+            (staging / name).write_text(text)
+            (staging / name).chmod(0o755 if name in EXECUTABLES else 0o644)
+        staging.chmod(0o755)
+        _swap_into_place(staging=staging, out_dir=out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [out_dir / name for name in files]
+
+
+def _swap_into_place(*, staging: Path, out_dir: Path) -> None:
+    if not out_dir.exists():
+        os.rename(staging, out_dir)
+        return
+    retired = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    os.rename(out_dir, retired)
+    try:
+        os.rename(staging, out_dir)
+    except OSError:
+        os.rename(retired, out_dir)  # put the old one back
+        raise
+    shutil.rmtree(retired, ignore_errors=True)

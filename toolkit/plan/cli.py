@@ -1,0 +1,118 @@
+"""`dsmt plan`: rank the parallel layouts of a model on a cluster by predicted step time among those that fit."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+
+OVERRIDES = {  # flag -> (Assumptions field, help)
+    "--efficiency": ("efficiency", "achieved / peak matmul throughput (default 0.55)"),
+    "--link-efficiency": ("link_efficiency", "achieved / nominal link bandwidth (default 0.8)"),
+    "--dp-overlap": ("dp_overlap", "share of data-parallel communication hidden by compute (default 0.5)"),
+    "--tp-overlap": ("tp_overlap", "share of tensor-parallel communication hidden (default 0)"),
+    "--overhead-gb": ("framework_overhead_gb", "per-GPU allowance for CUDA context, NCCL, workspaces (default 2.5)"),
+    "--fragmentation": ("fragmentation_fraction", "allocator slack as a share of the rest (default 0.05)"),
+    "--adam-bytes": ("optimizer_bytes_per_param", "optimizer bytes per parameter, the ZeRO paper's K (default 12)"),
+    "--master-grad-bytes": ("master_grad_bytes", "fp32 gradient copy bytes per parameter (default 4; 0 = paper)"),
+}
+GPU_FLAGS = ("gpu_mem_gb", "peak_tflops", "nvlink_gbps", "ib_gbps", "hbm_gbps")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="pick TP / PP / VPP / DP / ZeRO / micro-batch / recompute for a cluster",
+                              description=__doc__)
+    p.add_argument("model", help="built-in shape name (e.g. llama3-70b), HF checkpoint dir, or config.json")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100-80gb", help="preset (a100-40gb, a100-80gb, h100-80gb, h200-141gb) or "
+                   "'custom' with the --gpu-mem-gb / --peak-tflops / --nvlink-gbps / --ib-gbps figures")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--top", type=int, default=10, help="how many fitting layouts to print")
+    p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
+    p.add_argument("--emit-spec", type=Path, metavar="JOB.yaml", help="write the best layout as a job spec")
+    p.add_argument("--explain", metavar="LAYOUT", help='why a layout fits or not, e.g. "tp=8 pp=4 zero=1 mbs=1"')
+    p.add_argument("--charts", type=Path, metavar="DIR", help="draw memory.{png,svg} and pipeline.{png,svg}")
+    p.add_argument("--allow-offload", action="store_true", help="also consider ZeRO-Offload of the optimizer")
+    p.add_argument("--max-mbs", type=int, default=16, help="largest micro-batch size searched")
+    p.add_argument("--no-flash-attention", action="store_true", help="count the s x s attention scores (eager)")
+    p.add_argument("--dropout", action="store_true", help="count dropout masks (GPT-style models)")
+    for flag in ("--gpu-mem-gb", "--peak-tflops", "--nvlink-gbps", "--ib-gbps", "--hbm-gbps"):
+        p.add_argument(flag, type=float, help="override the GPU preset's figure (GB, TFLOPS, GB/s per direction)")
+    for flag, (_, text) in OVERRIDES.items():
+        p.add_argument(flag, type=float, help=text)
+    p.set_defaults(func=run)
+
+
+def _assumptions(args):
+    from toolkit.plan.assumptions import Assumptions
+
+    values = {}
+    for flag, (field, _) in OVERRIDES.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            if value < 0 or (field in ("efficiency", "link_efficiency") and not 0 < value <= 1):
+                raise DsmtError(f"{flag}={value} is out of range; efficiencies are in (0, 1], the rest >= 0")
+            kind = type(getattr(Assumptions, field))
+            values[field] = kind(value)
+    if args.no_flash_attention:
+        values["flash_attention"] = False
+    if args.dropout:
+        values["dropout"] = True
+    return dataclasses.replace(Assumptions(), **values)
+
+
+def _cluster(args):
+    from toolkit.plan.hardware import custom_gpu, get_gpu
+    from toolkit.plan.layout import Cluster
+
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise DsmtError(f"--nodes ({args.nodes}) and --gpus-per-node ({args.gpus_per_node}) must be >= 1")
+    figures = {k: getattr(args, k) for k in GPU_FLAGS}
+    base = None if args.gpu.lower() == "custom" else get_gpu(args.gpu)
+    gpu = base if base is not None and all(v is None for v in figures.values()) else custom_gpu(
+        base=base, memory_gb=figures["gpu_mem_gb"], peak_tflops=figures["peak_tflops"],
+        nvlink_gbps=figures["nvlink_gbps"], ib_gbps=figures["ib_gbps"], hbm_gbps=figures["hbm_gbps"])
+    return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=gpu)
+
+
+def run(args: argparse.Namespace) -> int:
+    from toolkit.plan import report
+    from toolkit.plan.layout import TrainingShape
+    from toolkit.plan.search import plan
+    from toolkit.shapes import load_model_shape
+
+    shape = load_model_shape(args.model)
+    cluster = _cluster(args)
+    training = TrainingShape(seq_length=args.seq_len, global_batch_size=args.global_batch)
+    result = plan(shape=shape, training=training, cluster=cluster, assumptions=_assumptions(args),
+                  allow_offload=args.allow_offload, max_micro_batch_size=args.max_mbs)
+    if args.explain:
+        layout = report.parse_layout(args.explain, cluster=cluster)
+        print(report.explain(shape=shape, layout=layout, training=training, cluster=cluster, result=result))
+        return 0
+    if args.json:
+        json.dump(report.plan_dict(result, top=args.top), sys.stdout, indent=2)
+        print()
+    else:
+        print(report.format_table(result, top=args.top))
+    sys.stdout.flush()  # the table before any note on stderr
+    if result.best is None:
+        if args.emit_spec or args.charts:
+            print("dsmt plan: no layout fits, so no spec or chart was written", file=sys.stderr)
+        return 1
+    if args.emit_spec:
+        spec = report.spec_dict(model_ref=args.model, candidate=result.best, cluster=cluster, training=training)
+        report.write_spec_atomic(path=args.emit_spec, spec=spec)
+        print(f"wrote {args.emit_spec} ({result.best.layout.label()})", file=sys.stderr)
+    if args.charts:
+        from toolkit.plan.charts import draw_charts
+
+        paths = draw_charts(result=result, candidate=result.best, out_dir=args.charts)
+        print("charts: " + ", ".join(map(str, paths)), file=sys.stderr)
+    return 0

@@ -1,0 +1,178 @@
+"""Text, JSON and job-spec output of a plan, and `--explain` for one layout."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+from toolkit.plan.layout import Cluster, Layout, TrainingShape
+from toolkit.plan.memory import CATEGORIES
+from toolkit.plan.search import Candidate, Plan, evaluate, layout_violations
+from toolkit.shapes import BUILTIN_SHAPES, ModelShape
+
+GB = 1e9
+SHORT = {"parameters": "par", "gradients": "grd", "optimizer": "opt", "activations": "act", "buffers": "buf",
+         "overhead": "ovh"}
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.1f}"
+
+
+def candidate_dict(candidate: Candidate) -> dict:
+    lay, mem, t = candidate.layout, candidate.memory, candidate.time
+    return {
+        "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "zero_stage": lay.zero_stage,
+        "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute, "sequence_parallel": lay.sp,
+        "offload_optimizer": lay.offload_optimizer,
+        "memory_gb": round(mem.total_bytes / GB, 3),
+        "memory_breakdown_gb": {k: round(v / GB, 3) for k, v in mem.by_category().items()},
+        "worst_stage": mem.worst.stage, "fits": mem.fits,
+        "step_time_s": round(t.step_time_s, 4), "tokens_per_s": round(t.tokens_per_s, 1), "mfu": round(t.mfu, 4),
+        "bubble_fraction": round(t.bubble_fraction, 4),
+    }
+
+
+def plan_dict(result: Plan, *, top: int) -> dict:
+    c = result.cluster
+    return {
+        "model": result.shape.name, "num_params": result.shape.num_params(),
+        "cluster": {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu": c.gpu.name,
+                    "gpu_memory_gb": round(c.gpu.memory_gb, 2)},
+        "training": {"seq_length": result.training.seq_length,
+                     "global_batch_size": result.training.global_batch_size},
+        "evaluated": result.evaluated,
+        "layouts": [candidate_dict(x) for x in result.fitting[:top]],
+        "rejected": [dict(candidate_dict(x), reason=rejection_reason(x)) for x in result.rejected],
+    }
+
+
+def _layout_cells(lay: Layout) -> str:
+    rec = {"none": "-", "selective": "sel", "full": "full"}[lay.recompute]
+    off = "+off" if lay.offload_optimizer else ""
+    return f"{lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>5} {lay.zero_stage:>3}{off:<4} {lay.micro_batch_size:>3} {rec:>5}"
+
+
+def format_table(result: Plan, *, top: int) -> str:
+    c, shape, tr = result.cluster, result.shape, result.training
+    lines = [
+        f"model {shape.name}: {shape.num_params() / 1e9:.2f} B params, {shape.num_layers} layers, hidden "
+        f"{shape.hidden_size}, heads {shape.num_attention_heads}/{shape.num_kv_heads} KV, vocab {shape.vocab_size}",
+        f"cluster {c.nodes} x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gb:.1f} GB, "
+        f"{c.gpu.peak_bf16_tflops:.0f} TF bf16); seq {tr.seq_length}, global batch {tr.global_batch_size}; "
+        f"{result.evaluated} layouts evaluated, {len(result.fitting)} fit",
+        "",
+        f"{'#':>3}  {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'zero':<7} {'mbs':>3} {'recmp':>5} | "
+        f"{'mem GB':>6} = {' + '.join(SHORT[k] for k in CATEGORIES)} | {'step s':>7} {'tok/s':>9} {'MFU':>5} "
+        f"{'bubble':>6}",
+    ]
+    for rank, x in enumerate(result.fitting[:top], 1):
+        parts = " ".join(f"{v / GB:5.1f}" for v in x.memory.by_category().values())
+        t = x.time
+        lines.append(f"{rank:>3}  {_layout_cells(x.layout)} | {_gb(x.memory.total_bytes):>6} = {parts} | "
+                     f"{t.step_time_s:7.2f} {t.tokens_per_s:9.0f} {t.mfu:5.1%} {t.bubble_fraction:6.1%}")
+    if not result.fitting:
+        lines.append("    no layout fits; see the rejected ones below")
+    if result.rejected:
+        header = ("best rejected (faster than the winner, but do not fit):" if result.fitting else
+                  "closest to fitting (none fits: add GPUs, shorten the sequence, or try --allow-offload):")
+        lines += ["", header]
+        lines += [f"  {x.layout.label()}: {rejection_reason(x)}" for x in result.rejected]
+    return "\n".join(lines)
+
+
+def rejection_reason(candidate: Candidate) -> str:
+    mem = candidate.memory
+    worst = max(mem.by_category().items(), key=lambda kv: kv[1])
+    over = mem.total_bytes - mem.capacity_bytes
+    return (f"needs {_gb(mem.total_bytes)} GB on stage {mem.worst.stage} > {_gb(mem.capacity_bytes)} GB "
+            f"(over by {_gb(over)} GB; largest: {worst[0]} {_gb(worst[1])} GB)")
+
+
+def parse_layout(text: str, *, cluster: Cluster) -> Layout:
+    """`"tp=8 pp=4 zero=1 mbs=1"` (also vpp, dp, recompute, sp=on|off, offload=on|off); dp defaults to the rest."""
+    aliases = {"zero": "zero_stage", "zero_stage": "zero_stage", "mbs": "micro_batch_size",
+               "micro_batch_size": "micro_batch_size", "tp": "tp", "pp": "pp", "vpp": "vpp", "dp": "dp",
+               "recompute": "recompute", "sp": "sequence_parallel", "offload": "offload_optimizer"}
+    values: dict = {}
+    for item in text.replace(",", " ").split():
+        key, sep, raw = item.partition("=")
+        if not sep or key not in aliases:
+            raise DsmtError(f"cannot read {item!r} in --explain {text!r}; use key=value with keys "
+                            f"{', '.join(sorted(aliases))}, e.g. \"tp=8 pp=4 zero=1 mbs=1\"")
+        field = aliases[key]
+        if field == "recompute":
+            values[field] = raw
+        elif field in ("sequence_parallel", "offload_optimizer"):
+            values[field] = raw.lower() in ("1", "on", "true", "yes")
+        elif not raw.isdigit() or int(raw) < 1 and field != "zero_stage":
+            raise DsmtError(f"{key}={raw!r} in --explain must be a positive integer")
+        else:
+            values[field] = int(raw)
+    tp, pp = values.setdefault("tp", 1), values.setdefault("pp", 1)
+    values.setdefault("dp", max(1, cluster.world_size // (tp * pp)))
+    return Layout(**values)
+
+
+def explain(*, shape: ModelShape, layout: Layout, training: TrainingShape, cluster: Cluster, result: Plan) -> str:
+    lines = [f"layout {layout.label()} for {shape.name} on {cluster.nodes} x {cluster.gpus_per_node} "
+             f"{cluster.gpu.name}:"]
+    problems = layout_violations(shape=shape, layout=layout, training=training, cluster=cluster)
+    if problems:
+        return "\n".join(lines + ["  INVALID:"] + [f"  - {p}" for p in problems])
+    x = evaluate(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=result.assumptions)
+    verdict = "FITS" if x.fits else "DOES NOT FIT"
+    lines.append(f"  memory: {verdict}, {_gb(x.memory.total_bytes)} of {_gb(x.memory.capacity_bytes)} GB on the "
+                 f"worst stage ({x.memory.worst.stage})")
+    for stage in x.memory.stages:
+        cats = ", ".join(f"{k} {_gb(v)}" for k, v in stage.by_category().items())
+        lines.append(f"    stage {stage.stage}: {_gb(stage.total_bytes)} GB = {cats}  "
+                     f"[{stage.params_per_gpu / 1e9:.2f} B params/GPU, {stage.micro_batches_in_flight:g} "
+                     f"micro-batches in flight]")
+    t = x.time
+    lines += [
+        f"  step time {t.step_time_s:.3f} s = compute {t.compute_s:.3f} + TP comm {t.tp_comm_s:.3f} + PP p2p "
+        f"{t.pp_comm_s:.3f} + bubble {t.bubble_s:.3f} + exposed DP comm {t.dp_comm_s:.3f} + optimizer "
+        f"{t.optimizer_s:.3f}",
+        f"  {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, bubble (p-1)/(v*m) = {t.bubble_fraction:.1%}, "
+        f"{t.flops_per_step / 1e15:.1f} PFLOP per step",
+    ]
+    if result.best is not None:
+        faster = sum(1 for c in result.fitting if c.time.step_time_s < t.step_time_s)
+        rel = t.step_time_s / result.best.time.step_time_s - 1
+        lines.append(f"  rank {faster + 1} of {len(result.fitting)} fitting layouts; the best "
+                     f"({result.best.layout.label()}) is {rel:.1%} faster" if rel > 0 else
+                     "  this is the fastest fitting layout")
+    return "\n".join(lines)
+
+
+def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, training: TrainingShape) -> dict:
+    """The job spec `dsmt generate` reads, with exactly the agreed keys."""
+    lay = candidate.layout
+    model = {"builtin": model_ref} if model_ref in BUILTIN_SHAPES else {"path": model_ref}
+    return {
+        "model": model,
+        "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name},
+        "parallel": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "sequence_parallel": lay.sp,
+                     "zero_stage": lay.zero_stage, "offload_optimizer": lay.offload_optimizer},
+        "training": {"global_batch_size": training.global_batch_size, "micro_batch_size": lay.micro_batch_size,
+                     "seq_length": training.seq_length, "precision": "bf16", "recompute": lay.recompute},
+    }
+
+
+def write_spec_atomic(*, path: Path, spec: dict) -> None:
+    """Write the YAML next to its destination, then rename: readers never see half a file."""
+    import yaml
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(spec, f, sort_keys=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

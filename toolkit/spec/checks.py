@@ -1,0 +1,229 @@
+"""Pre-flight checks across sections: each is a small named function returning problems; all are collected.
+
+A check names the rule, the values it saw and the valid alternatives. Section-local rules (host names, ZeRO
+offload, ...) are decided by the schema itself; these need the model shape or more than one section.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from toolkit.shapes import ModelShape, ModelShapeError
+from toolkit.spec.layout import divisors, padded_vocab_size, requested_global_batch, world_size_of
+from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
+from toolkit.spec.report import Problem, Report, SpecError
+from toolkit.spec.schema import JobSpec
+
+Check = Callable[..., list[Problem]]
+
+
+def _listing(values) -> str:
+    return ", ".join(str(v) for v in values) or "none"
+
+
+def _tp_candidates(spec: JobSpec) -> list[int]:
+    """TP sizes the cluster can host with the spec's pp (divisors of world / pp)."""
+    world, pp = world_size_of(spec), spec.parallel.pp
+    return divisors(world // pp if world % pp == 0 else world)
+
+
+def check_world_size(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    world, tp, pp = world_size_of(spec), spec.parallel.tp, spec.parallel.pp
+    if world % (tp * pp) == 0:
+        return []
+    valid_tp = [d for d in divisors(world) if (world // d) % pp == 0]
+    return [Problem(
+        "error", "world_size",
+        f"world_size={world} (nodes={spec.cluster.nodes} × gpus_per_node={spec.cluster.gpus_per_node}) is not "
+        f"divisible by tp×pp={tp}×{pp}={tp * pp}; dp would not be whole",
+        f"valid tp with pp={pp}: {_listing(valid_tp)}",
+    )]
+
+
+def check_heads_vs_tp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    tp, heads = spec.parallel.tp, shape.num_attention_heads
+    if heads % tp == 0:
+        return []
+    return [Problem("error", "heads_vs_tp", f"tp={tp} does not divide num_attention_heads={heads}",
+                    f"valid tp: {_listing(t for t in _tp_candidates(spec) if heads % t == 0)}")]
+
+
+def check_kv_heads_vs_tp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """KV heads are either split (kv % tp == 0) or replicated (tp % kv == 0); anything else cannot be laid out."""
+    tp, kv = spec.parallel.tp, shape.num_kv_heads
+    if kv % tp == 0 or tp % kv == 0:
+        return []
+    valid = [t for t in _tp_candidates(spec) if shape.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0)]
+    return [Problem("error", "kv_heads_vs_tp",
+                    f"tp={tp} neither divides nor is a multiple of num_kv_heads={kv}",
+                    f"valid tp: {_listing(valid)}")]
+
+
+def check_ffn_vs_tp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    tp, ffn = spec.parallel.tp, shape.ffn_hidden_size
+    if ffn % tp == 0:
+        return []
+    valid = [t for t in _tp_candidates(spec) if ffn % t == 0]
+    return [Problem("error", "ffn_vs_tp", f"tp={tp} does not divide ffn_hidden_size={ffn}", f"valid tp: {_listing(valid)}")]
+
+
+def check_layers_vs_pp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    pp, vpp, layers = spec.parallel.pp, spec.parallel.vpp or 1, shape.num_layers
+    if layers % (pp * vpp) == 0:
+        return []
+    valid_pp = [p for p in divisors(layers) if layers % (p * vpp) == 0 and p <= world_size_of(spec)]
+    valid_vpp = [v for v in divisors(layers // pp)] if layers % pp == 0 else []
+    fix = f"valid pp with vpp={vpp}: {_listing(valid_pp)}"
+    if valid_vpp:
+        fix += f"; valid vpp with pp={pp}: {_listing(valid_vpp)}"
+    return [Problem("error", "layers_vs_pp",
+                    f"num_layers={layers} is not divisible by pp×vpp={pp}×{vpp}={pp * vpp} (equal stages)", fix)]
+
+
+def check_vocab_padding(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    padded = padded_vocab_size(vocab_size=shape.vocab_size, divisible_by=spec.model.make_vocab_size_divisible_by,
+                               tp=spec.parallel.tp)
+    if padded == shape.vocab_size:
+        return []
+    return [Problem("info", "vocab_padding",
+                    f"vocab_size={shape.vocab_size} is padded to {padded} (multiple of "
+                    f"make_vocab_size_divisible_by={spec.model.make_vocab_size_divisible_by} × tp={spec.parallel.tp}); "
+                    f"the {padded - shape.vocab_size} extra rows are dropped on export")]
+
+
+def check_batch_divisibility(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    world, tp, pp = world_size_of(spec), spec.parallel.tp, spec.parallel.pp
+    if world % (tp * pp):
+        return []  # reported by check_world_size
+    dp, micro = world // (tp * pp), spec.training.micro_batch_size
+    global_batch = requested_global_batch(spec, dp=dp)
+    unit = micro * dp
+    if global_batch % unit == 0:
+        return []
+    below, above = global_batch // unit * unit, (global_batch // unit + 1) * unit
+    valid_micro = [m for m in divisors(global_batch // dp)] if global_batch % dp == 0 else []
+    fix = f"nearest valid global_batch_size: {_listing(v for v in (below, above) if v)}"
+    if valid_micro:
+        fix += f"; or micro_batch_size in: {_listing(valid_micro)}"
+    return [Problem("error", "batch_divisibility",
+                    f"global_batch_size={global_batch} is not divisible by micro_batch_size×dp={micro}×{dp}={unit} "
+                    f"(DeepSpeed requires train_batch_size = micro × grad_accum × dp)", fix)]
+
+
+def check_zero_with_pp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    if spec.parallel.zero_stage < 2 or spec.parallel.pp == 1:
+        return []
+    return [Problem("error", "zero_with_pp",
+                    f"zero_stage={spec.parallel.zero_stage} with pp={spec.parallel.pp} is unsupported: pipeline "
+                    "parallelism runs many micro-batches and ZeRO-2/3 adds data-parallel traffic to each one",
+                    "use zero_stage=1 (or 0) with pp > 1, or pp=1 with ZeRO-2/3")]
+
+
+def check_vpp_microbatches(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """Megatron's interleaved schedule needs at least pp micro-batches per step."""
+    world, tp, pp, vpp = world_size_of(spec), spec.parallel.tp, spec.parallel.pp, spec.parallel.vpp or 1
+    if vpp == 1 or world % (tp * pp):
+        return []
+    dp, micro = world // (tp * pp), spec.training.micro_batch_size
+    num_microbatches = requested_global_batch(spec, dp=dp) // (micro * dp)
+    if num_microbatches >= pp:
+        return []
+    return [Problem("error", "vpp_microbatches",
+                    f"interleaved pipeline (vpp={vpp}) needs num_microbatches >= pp={pp}; got {num_microbatches}",
+                    f"raise global_batch_size to at least {pp * micro * dp} or set vpp=null")]
+
+
+def check_tp_within_node(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    if spec.parallel.tp <= spec.cluster.gpus_per_node:
+        return []
+    return [Problem("warning", "tp_crosses_nodes",
+                    f"tp={spec.parallel.tp} > gpus_per_node={spec.cluster.gpus_per_node}: tensor-parallel all-reduces "
+                    "cross the inter-node network on every layer", f"keep tp <= {spec.cluster.gpus_per_node}; use pp across nodes")]
+
+
+def check_precision_on_device(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    problems = []
+    if spec.cluster.device == "cpu" and spec.training.precision == "fp16":
+        problems.append(Problem("error", "fp16_on_cpu", "precision=fp16 with device=cpu: DeepSpeed refuses fp16 on CPU",
+                                "use precision fp32 or bf16"))
+    if spec.cluster.device == "cpu" and spec.parallel.sequence_parallel:
+        problems.append(Problem("error", "sequence_parallel_on_cpu",
+                                "sequence_parallel with device=cpu: megatron's torch-norm fallback refuses it",
+                                "set parallel.sequence_parallel=false"))
+    return problems
+
+
+def check_hosts_for_multi_node(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    hosts = spec.cluster.hosts
+    loopback = {"localhost", "127.0.0.1"}
+    if spec.cluster.nodes > 1 and isinstance(hosts, list) and loopback & set(hosts):
+        return [Problem("error", "loopback_multi_node", f"nodes={spec.cluster.nodes} but hosts include a loopback name: {hosts}",
+                        "list each node's reachable host name")]
+    if spec.cluster.nodes > 1 and spec.cluster.master_addr in loopback:
+        return [Problem("error", "loopback_multi_node", f"master_addr={spec.cluster.master_addr} with nodes={spec.cluster.nodes}",
+                        "use the first node's reachable address, or leave master_addr unset")]
+    return []
+
+
+def check_lengths_and_intervals(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    problems = []
+    seq, max_pos = spec.training.seq_length, shape.max_position_embeddings
+    if seq > max_pos:
+        problems.append(Problem("warning", "seq_length_vs_positions",
+                                f"seq_length={seq} exceeds the model's max_position_embeddings={max_pos}",
+                                f"use seq_length <= {max_pos} unless the model's RoPE scaling allows more"))
+    if spec.training.checkpoint_interval > spec.training.train_steps:
+        problems.append(Problem("warning", "no_checkpoint",
+                                f"checkpoint_interval={spec.training.checkpoint_interval} > train_steps="
+                                f"{spec.training.train_steps}: only the final checkpoint is written", ""))
+    return problems
+
+
+def check_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    path = spec.data.path
+    if path is None:
+        return [Problem("info", "synthetic_data", "data.path is unset: training uses synthetic tokens")]
+    if not Path(path).expanduser().exists():
+        return [Problem("warning", "data_path_missing", f"data.path={path} does not exist on this machine",
+                        "fine if it exists on the cluster; otherwise fix the path")]
+    return []
+
+
+def check_memory_fit(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """Hook for the planner's memory estimate; skipped (with an info line) until toolkit.plan.memory exists."""
+    try:
+        from toolkit.plan import memory  # noqa: F401  (imported lazily: the planner is optional)
+    except ImportError:
+        return [Problem("info", "memory_fit", "memory fit: planner not available")]
+    return [Problem("info", "memory_fit", "memory fit: planner found; check not wired yet")]
+
+
+CHECKS: tuple[Check, ...] = (
+    check_world_size, check_heads_vs_tp, check_kv_heads_vs_tp, check_ffn_vs_tp, check_layers_vs_pp,
+    check_vocab_padding, check_batch_divisibility, check_zero_with_pp, check_vpp_microbatches,
+    check_tp_within_node, check_precision_on_device, check_hosts_for_multi_node, check_lengths_and_intervals,
+    check_data, check_memory_fit,
+)
+
+
+def run_checks(*, spec: JobSpec, source: str = "job spec") -> Report:
+    """Every cross-section problem of a validated spec, in one report."""
+    try:
+        shape = model_shape(spec.model)
+    except ModelShapeError as err:
+        return Report(source=source, problems=(shape_problem(err),))
+    problems: list[Problem] = []
+    for check in CHECKS:
+        problems.extend(check(spec=spec, shape=shape))
+    return Report(source=source, problems=tuple(problems))
+
+
+def check_file(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -> tuple[JobSpec | None, Report]:
+    """Load, validate and check `path`: (spec or None when it does not validate, the report)."""
+    raw = apply_overrides(read_spec_file(path), overrides=overrides)
+    try:
+        spec = validate_spec(raw, source=str(path))
+    except SpecError as err:
+        return None, err.report
+    return spec, run_checks(spec=spec, source=str(path))

@@ -1,0 +1,57 @@
+"""`dsmt check JOB...` and `dsmt generate JOB --out DIR`: the job spec's two commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    check = subparsers.add_parser("check", help="pre-flight checks of job specs: every problem at once, with fixes")
+    check.add_argument("specs", nargs="+", metavar="JOB", help="job spec files (YAML or JSON)")
+    _add_set(check)
+    check.add_argument("--json", action="store_true", help="print a machine-readable report")
+    check.set_defaults(func=run_check)
+
+    generate = subparsers.add_parser("generate", help="write ds_config.json, megatron.json, hostfile, launch scripts")
+    generate.add_argument("spec", metavar="JOB", help="job spec file (YAML or JSON)")
+    generate.add_argument("--out", required=True, type=Path, help="run directory to create")
+    generate.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    _add_set(generate)
+    generate.set_defaults(func=run_generate)
+
+
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a spec value (parsed as YAML), e.g. --set parallel.tp=4; repeatable")
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from toolkit.spec.checks import check_file
+
+    reports = [check_file(path, overrides=args.overrides)[1] for path in args.specs]
+    if args.json:
+        print(json.dumps([r.to_json() for r in reports], indent=2))
+    else:
+        print("\n".join(r.to_text() for r in reports))
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from toolkit.generate.writer import write_run_dir
+    from toolkit.spec.checks import check_file
+    from toolkit.spec.load import absolutize_paths
+
+    spec, report = check_file(args.spec, overrides=args.overrides)
+    if spec is None or not report.ok:
+        print(report.to_text(), file=sys.stderr)
+        return 1
+    spec = absolutize_paths(spec, base_dir=Path.cwd())  # the run directory's copy must not depend on the cwd
+    written = write_run_dir(spec=spec, out_dir=args.out, overwrite=args.overwrite)
+    print(f"dsmt generate: wrote {len(written)} files to {args.out}")
+    for path in written:
+        print(f"  {path.name}")
+    print((args.out / "summary.txt").read_text(), end="")
+    return 0

@@ -1,0 +1,72 @@
+"""The resolved parallel layout and batch arithmetic: the one place every generated number comes from."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from toolkit.errors import DsmtError
+from toolkit.spec.schema import JobSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    nodes: int
+    gpus_per_node: int
+    world_size: int
+    tp: int
+    pp: int
+    vpp: int  # 1: not interleaved
+    dp: int
+    micro_batch_size: int  # sequences per rank per forward
+    grad_accum_steps: int  # micro-batches per optimizer step per rank (megatron's num_microbatches)
+    global_batch_size: int  # sequences per optimizer step
+    seq_length: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_length
+
+
+def world_size_of(spec: JobSpec) -> int:
+    return spec.cluster.nodes * spec.cluster.gpus_per_node
+
+
+def requested_global_batch(spec: JobSpec, *, dp: int) -> int:
+    """Sequences per step as the spec asks for it (tokens converted; neither given: one micro-batch per rank)."""
+    training = spec.training
+    if training.global_batch_size is not None:
+        return training.global_batch_size
+    if training.global_batch_tokens is not None:
+        return training.global_batch_tokens // training.seq_length
+    return training.micro_batch_size * dp
+
+
+def derive_layout(spec: JobSpec) -> Layout:
+    """The layout of a spec that passed its checks; raises DsmtError naming the factors otherwise."""
+    world = world_size_of(spec)
+    tp, pp = spec.parallel.tp, spec.parallel.pp
+    if world % (tp * pp):
+        raise DsmtError(f"world_size({world}) is not divisible by tp({tp}) * pp({pp}); run `dsmt check`")
+    dp = world // (tp * pp)
+    micro = spec.training.micro_batch_size
+    global_batch = requested_global_batch(spec, dp=dp)
+    if global_batch % (micro * dp):
+        raise DsmtError(
+            f"global_batch_size({global_batch}) is not divisible by micro_batch_size({micro}) * dp({dp}); run `dsmt check`"
+        )
+    return Layout(
+        nodes=spec.cluster.nodes, gpus_per_node=spec.cluster.gpus_per_node, world_size=world, tp=tp, pp=pp,
+        vpp=spec.parallel.vpp or 1, dp=dp, micro_batch_size=micro, grad_accum_steps=global_batch // (micro * dp),
+        global_batch_size=global_batch, seq_length=spec.training.seq_length,
+    )
+
+
+def padded_vocab_size(*, vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: up to a multiple of divisible_by × tp, so each TP rank holds an equal vocab slice."""
+    multiple = divisible_by * tp
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,299 @@
+"""Typed sections of a job spec. Each section validates itself; checks across sections live in `checks.py`.
+
+Rules that a single section can decide are raised as `PydanticCustomError(rule, message)`, so the rule name
+(`model_source`, `host_name`, ...) survives into the report. Every field has a default except the model, so the
+five-section spec the planner emits is complete.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+# RFC 1123 host names (and IPv4 addresses): letters, digits, '-', '.'; nothing a shell would interpret.
+HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+INTERFACE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}(,[A-Za-z0-9_.:-]{1,15})*$")  # NCCL_SOCKET_IFNAME allows a list
+ENV_NAME_RE = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")
+ENV_VALUE_RE = re.compile(r"^[A-Za-z0-9_.,:/=^+-]{0,256}$")  # .deepspeed_env is exported unquoted by pdsh
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+# GPU presets the spec accepts (memory in GiB; the planner owns the performance figures).
+GPU_MEMORY_GIB: dict[str, float | None] = {
+    "h100-80gb": 80, "h200-141gb": 141, "a100-80gb": 80, "a100-40gb": 40, "cpu": None,
+}
+
+
+# Rules a section decides by itself (the `PydanticCustomError` types raised below; a test keeps this list whole).
+SCHEMA_RULES = frozenset({
+    "bad_path", "batch_both", "batch_tokens_vs_seq", "duplicate_host", "env_name",
+    "env_value", "gpu_device_mismatch", "host_name", "hosts_count", "hosts_required",
+    "job_name", "min_lr_above_lr", "model_source", "network_interface", "offload_optimizer_needs_zero",
+    "offload_params_needs_zero3", "prompt_completion_pair", "sequence_parallel_needs_tp", "unknown_gpu", "vpp_needs_pp",
+    "warmup_vs_steps",
+})
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _safe_path(value: str | None, *, what: str) -> str | None:
+    if value is not None and (not value or any(ch in value for ch in "\n\r\0")):
+        raise PydanticCustomError("bad_path", "{what} must be a non-empty single-line path", {"what": what})
+    return value
+
+
+class ModelSpec(Section):
+    path: str | None = None  # HF checkpoint directory or config.json
+    builtin: str | None = None  # a name in toolkit.shapes.BUILTIN_SHAPES
+    config: dict[str, Any] | None = None  # inline HF config dict (a tiny Llama for CPU)
+    make_vocab_size_divisible_by: int = Field(128, ge=1)  # megatron pads the vocab to a multiple of this × tp
+
+    @field_validator("path")
+    @classmethod
+    def _path_ok(cls, value):
+        return _safe_path(value, what="model.path")
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self):
+        given = [k for k in ("path", "builtin", "config") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise PydanticCustomError(
+                "model_source", "model needs exactly one of path, builtin, config; got {given}",
+                {"given": ", ".join(given) or "none"},
+            )
+        return self
+
+
+class ClusterSpec(Section):
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)  # processes per node (CPU: ranks per machine)
+    gpu: str = "h100-80gb"
+    hosts: list[str] | Literal["slurm"] | None = None  # None: ["localhost"] on one node
+    master_addr: str | None = None  # None: the first host (127.0.0.1 for localhost)
+    master_port: int = Field(29500, ge=1024, le=65535)
+    network_interface: str | None = None  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
+    interconnect: Literal["infiniband", "roce", "tcp"] = "infiniband"
+    launcher: Literal["pdsh", "openmpi", "no_ssh"] = "pdsh"
+    device: Literal["cuda", "cpu"] = "cuda"
+    job_name: str = "dsmt"
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu_known(cls, value):
+        if value not in GPU_MEMORY_GIB:
+            raise PydanticCustomError(
+                "unknown_gpu", "gpu={value} is not a preset; valid: {valid}",
+                {"value": repr(value), "valid": ", ".join(GPU_MEMORY_GIB)},
+            )
+        return value
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts_safe(cls, value):
+        if isinstance(value, list):
+            for host in value:
+                _check_host(host)
+            if len(set(value)) != len(value):
+                raise PydanticCustomError("duplicate_host", "hosts lists a name twice: {hosts}", {"hosts": value})
+        return value
+
+    @field_validator("master_addr")
+    @classmethod
+    def _addr_safe(cls, value):
+        return value if value is None else _check_host(value)
+
+    @field_validator("network_interface")
+    @classmethod
+    def _iface_safe(cls, value):
+        if value is not None and not INTERFACE_RE.match(value):
+            raise PydanticCustomError(
+                "network_interface", "network_interface={value} is not an interface name like eth0, ib0, ens5f0",
+                {"value": repr(value)},
+            )
+        return value
+
+    @field_validator("job_name")
+    @classmethod
+    def _job_name_safe(cls, value):
+        if not JOB_NAME_RE.match(value):
+            raise PydanticCustomError("job_name", "job_name={value}: use letters, digits, '_', '.', '-'", {"value": repr(value)})
+        return value
+
+    @model_validator(mode="after")
+    def _hosts_match_nodes(self):
+        if self.device == "cpu" and self.gpu != "cpu":
+            raise PydanticCustomError("gpu_device_mismatch", "device=cpu needs gpu=cpu (got gpu={gpu})", {"gpu": repr(self.gpu)})
+        if self.device == "cuda" and self.gpu == "cpu":
+            raise PydanticCustomError("gpu_device_mismatch", "gpu=cpu needs device=cpu (got device=cuda)", {})
+        if self.hosts is None and self.nodes > 1:
+            raise PydanticCustomError(
+                "hosts_required", "nodes={nodes} needs hosts: a list of {nodes} host names, or 'slurm'", {"nodes": self.nodes}
+            )
+        if isinstance(self.hosts, list) and len(self.hosts) != self.nodes:
+            raise PydanticCustomError(
+                "hosts_count", "nodes={nodes} but hosts lists {count}: {hosts}; set nodes={count} or list {nodes} hosts",
+                {"nodes": self.nodes, "count": len(self.hosts), "hosts": self.hosts},
+            )
+        return self
+
+
+def _check_host(host: str) -> str:
+    if not isinstance(host, str) or not HOST_NAME_RE.match(host):
+        raise PydanticCustomError(
+            "host_name", "host {host} is not a valid host name (letters, digits, '-', '.')", {"host": repr(host)}
+        )
+    return host
+
+
+class ParallelSpec(Section):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    vpp: int | None = Field(None, ge=1)  # virtual pipeline stages per rank (interleaved 1F1B); None: not interleaved
+    sequence_parallel: bool = False
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    @model_validator(mode="after")
+    def _self_consistent(self):
+        if self.sequence_parallel and self.tp == 1:
+            raise PydanticCustomError(
+                "sequence_parallel_needs_tp", "sequence_parallel=true needs tp > 1 (tp=1); set tp>=2 or turn it off", {}
+            )
+        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
+            raise PydanticCustomError("vpp_needs_pp", "vpp={vpp} needs pp > 1 (pp=1); set pp>=2 or vpp=null", {"vpp": self.vpp})
+        if self.offload_params and self.zero_stage != 3:
+            raise PydanticCustomError(
+                "offload_params_needs_zero3", "offload_params=true needs zero_stage=3 (zero_stage={stage})",
+                {"stage": self.zero_stage},
+            )
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise PydanticCustomError(
+                "offload_optimizer_needs_zero", "offload_optimizer=true needs zero_stage 1, 2 or 3 (zero_stage=0)", {}
+            )
+        return self
+
+
+class TrainingSpec(Section):
+    global_batch_size: int | None = Field(None, ge=1)  # sequences per optimizer step
+    global_batch_tokens: int | None = Field(None, ge=1)  # alternative: tokens per step (a multiple of seq_length)
+    micro_batch_size: int = Field(1, ge=1)  # sequences per rank per forward
+    seq_length: int = Field(2048, ge=1)
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    recompute: Literal["none", "selective", "full"] = "none"
+    lr: float = Field(3e-4, gt=0)
+    min_lr: float = Field(3e-5, ge=0)
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(100, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    adam_beta1: float = Field(0.9, gt=0, lt=1)
+    adam_beta2: float = Field(0.95, gt=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0)  # 0: no clipping
+    train_steps: int = Field(1000, ge=1)
+    checkpoint_interval: int = Field(500, ge=1)  # steps
+    log_interval: int = Field(10, ge=1)  # steps
+    seed: int = Field(1234, ge=0)
+    output_dir: str = "runs/dsmt"
+    tensorboard: bool = False
+
+    @field_validator("output_dir")
+    @classmethod
+    def _out_ok(cls, value):
+        return _safe_path(value, what="training.output_dir")
+
+    @model_validator(mode="after")
+    def _self_consistent(self):
+        if self.global_batch_size is not None and self.global_batch_tokens is not None:
+            raise PydanticCustomError(
+                "batch_both", "give global_batch_size (sequences) or global_batch_tokens, not both ({gbs}, {gbt})",
+                {"gbs": self.global_batch_size, "gbt": self.global_batch_tokens},
+            )
+        if self.global_batch_tokens is not None and self.global_batch_tokens % self.seq_length:
+            below = self.global_batch_tokens // self.seq_length * self.seq_length
+            raise PydanticCustomError(
+                "batch_tokens_vs_seq",
+                "global_batch_tokens={gbt} is not a multiple of seq_length={seq}; nearest valid: {a}, {b}",
+                {"gbt": self.global_batch_tokens, "seq": self.seq_length, "a": below or self.seq_length,
+                 "b": below + self.seq_length},
+            )
+        if self.min_lr > self.lr:
+            raise PydanticCustomError("min_lr_above_lr", "min_lr={min_lr} exceeds lr={lr}", {"min_lr": self.min_lr, "lr": self.lr})
+        if self.warmup_steps >= self.train_steps:
+            raise PydanticCustomError(
+                "warmup_vs_steps", "warmup_steps={w} must be below train_steps={t}", {"w": self.warmup_steps, "t": self.train_steps}
+            )
+        return self
+
+
+class DataSpec(Section):
+    path: str | None = None  # jsonl/json/csv/parquet/text file or save_to_disk dir; None: synthetic tokens
+    format: Literal["auto", "jsonl", "json", "csv", "parquet", "text", "arrow"] = "auto"
+    text_field: str = "text"
+    prompt_field: str | None = None  # with completion_field: loss on the completion only
+    completion_field: str | None = None
+    tokenizer: str | None = None  # None: the model's path
+    split: str = "train"
+    shuffle: bool = True
+
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _path_ok(cls, value):
+        return _safe_path(value, what="data path")
+
+    @model_validator(mode="after")
+    def _fields_paired(self):
+        if (self.prompt_field is None) != (self.completion_field is None):
+            raise PydanticCustomError(
+                "prompt_completion_pair", "prompt_field and completion_field go together (got only one)", {}
+            )
+        return self
+
+
+class CommunicationSpec(Section):
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_elements: int = Field(500_000_000, ge=1)
+    allgather_bucket_elements: int = Field(500_000_000, ge=1)
+    prefetch_bucket_elements: int = Field(50_000_000, ge=1)  # ZeRO-3
+    param_persistence_threshold_elements: int = Field(100_000, ge=0)  # ZeRO-3
+    communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None  # None: the training precision
+    overlap_p2p_comm: bool = False  # megatron interleaved pipeline only
+    nccl_debug: Literal["VERSION", "WARN", "INFO", "TRACE"] = "WARN"
+    nccl_ib_hca: str | None = None  # e.g. mlx5_0,mlx5_1
+    nccl_ib_gid_index: int = Field(3, ge=0)  # RoCE v2
+    extra_env: dict[str, str] = Field(default_factory=dict)  # more exports for .deepspeed_env
+
+    @field_validator("nccl_ib_hca")
+    @classmethod
+    def _hca_safe(cls, value):
+        if value is not None and not ENV_VALUE_RE.match(value):
+            raise PydanticCustomError("env_value", "nccl_ib_hca={value} has characters outside [A-Za-z0-9_.,:=^+-]", {"value": repr(value)})
+        return value
+
+    @field_validator("extra_env")
+    @classmethod
+    def _env_safe(cls, value):
+        for name, text in value.items():
+            if not ENV_NAME_RE.match(name):
+                raise PydanticCustomError("env_name", "extra_env name {name} must match [A-Z][A-Z0-9_]*", {"name": repr(name)})
+            if not ENV_VALUE_RE.match(str(text)):
+                raise PydanticCustomError(
+                    "env_value", "extra_env {name}={value}: values may use only [A-Za-z0-9_.,:/=^+-]",
+                    {"name": name, "value": repr(text)},
+                )
+        return value
+
+
+class JobSpec(Section):
+    model: ModelSpec
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    communication: CommunicationSpec = Field(default_factory=CommunicationSpec)
