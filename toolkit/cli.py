@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
 
 from toolkit.errors import DsmtError
 
@@ -39,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not os.environ.get("DSMT_SHOW_WARNINGS"):  # megatron/torch fallback and deprecation noise
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         return int(args.func(args) or 0)
     except DsmtError as err:

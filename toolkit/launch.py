@@ -25,6 +25,9 @@ def launch_local_workers(*, module: str, args: list[str], nprocs: int, timeout_s
                "-m", module, *args]
     # One BLAS thread per rank: several ranks share few cores, and oversubscription slows gloo collectives.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # megatron and torch print pages of deprecation / fallback warnings per rank; DSMT_SHOW_WARNINGS=1 keeps them.
+    if not os.environ.get("DSMT_SHOW_WARNINGS"):
+        env["PYTHONWARNINGS"] = "ignore"
     try:
         completed = subprocess.run(command, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired as err:

@@ -1,0 +1,71 @@
+"""HF vs sharded megatron-core logits at TP in {1,2,4} x PP in {1,2} plus interleaved PP, every family per launch.
+
+Each launch checks all variants at once (process start-up and imports dominate on small machines). The first
+launch also saves its sharded model as a dsmt checkpoint written at TP2 x PP2; later launches load that checkpoint
+at their own layout (megatron's dist_checkpointing reshards) and compare with HF too."""
+
+import pytest
+
+from toolkit.verify.run import run_verify_many
+
+pytestmark = pytest.mark.multiproc
+
+FAMILY_VARIANTS = ["llama", "llama_tied", "llama3_rope", "qwen2", "qwen2_tied", "mistral"]
+TOLERANCE = 1e-4  # fp32; observed ~3e-7
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp2pp2(tiny_checkpoints, tmp_path_factory):
+    saved = tmp_path_factory.mktemp("written-at-tp2pp2") / "llama_tied-mcore"
+    checkpoints = [tiny_checkpoints["llama_tied"]] + [tiny_checkpoints[v] for v in FAMILY_VARIANTS if v != "llama_tied"]
+    results = run_verify_many(checkpoints=checkpoints, tp=2, pp=2, save_as=saved, tolerance=TOLERANCE)
+    return saved, results
+
+
+def assert_all_pass(results, expected_count):
+    assert len(results) == expected_count
+    failures = [r for r in results if not r["passed"]]
+    assert not failures, failures
+    for result in results:
+        assert result["kl_divergence"] < 1e-8
+
+
+def test_tp2_pp2_all_families_and_save(saved_at_tp2pp2):
+    saved, results = saved_at_tp2pp2
+    assert_all_pass(results, len(FAMILY_VARIANTS))
+    assert {r["model_type"] for r in results} == {"llama", "qwen2", "mistral"}
+    assert (saved / "dsmt_checkpoint.json").is_file()
+
+
+@pytest.mark.parametrize("tp,pp,vpp", [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (4, 2, 1), (1, 2, 2)])
+def test_layout_all_families_and_resharded_checkpoint(tp, pp, vpp, tiny_checkpoints, saved_at_tp2pp2):
+    saved, _ = saved_at_tp2pp2
+    checkpoints = [tiny_checkpoints[v] for v in FAMILY_VARIANTS] + [saved]
+    results = run_verify_many(checkpoints=checkpoints, tp=tp, pp=pp, vpp=vpp, tolerance=TOLERANCE,
+                              reference=None)
+    assert_all_pass(results, len(checkpoints))
+    assert results[-1]["checkpoint_kind"] == "mcore" and results[-1]["tied_embeddings"]
+    assert all((r["tp"], r["pp"], r["vpp"]) == (tp, pp, vpp) for r in results)
+
+
+def test_verify_cli_json_and_failing_tolerance(tiny_checkpoints, capsys):
+    import json
+
+    from toolkit.cli import main as dsmt
+
+    assert dsmt(["verify", str(tiny_checkpoints["qwen2"]), "--tp", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"max_abs_diff", "kl_divergence", "tp", "pp", "tolerance", "passed"} <= set(result)
+    assert result["passed"] and result["tp"] == 2 and result["tolerance"] == 1e-4
+    # A tolerance below fp32 rounding noise must fail: the check compares real logits, it cannot pass by default.
+    assert dsmt(["verify", str(tiny_checkpoints["qwen2"]), "--tp", "2", "--tolerance", "1e-12"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_verify_refuses_bad_layout_before_starting_processes(tiny_checkpoints, capsys):
+    from toolkit.cli import main as dsmt
+
+    assert dsmt(["verify", str(tiny_checkpoints["llama"]), "--tp", "3"]) == 2
+    assert "tp_size=3 does not divide num_attention_heads=8; valid tp_size: 1, 2, 4, 8" in capsys.readouterr().err
+    assert dsmt(["verify", str(tiny_checkpoints["llama"]), "--pp", "3"]) == 2
+    assert "num_layers=4 is not divisible by pp_size x vpp_size" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+"""The CPU backend: what it redirects when CUDA is absent, and that it touches nothing when CUDA is present."""
+
+import pytest
+import torch
+
+from toolkit import backend as backends
+from toolkit.backend import cpu
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend is only active without CUDA")
+
+
+def test_megatron_forward_runs_and_the_redirected_sites_are_listed(tmp_path):
+    from megatron.core import parallel_state
+
+    from toolkit.adapters.build import build_model_chunks
+    from toolkit.adapters.hf_config import model_settings
+    from toolkit.launch import single_process_group
+    from toolkit.parallel import Layout
+    from toolkit.tiny import tiny_config
+
+    backend = backends.current()
+    assert (backend.name, backend.dist_backend, backend.use_transformer_engine) == ("cpu", "gloo", False)
+    assert cpu.is_installed()
+    cpu.redirected_sites.clear()
+    with single_process_group(dist_backend="gloo"):
+        parallel_state.initialize_model_parallel(1, 1)
+        backend.seed(0)
+        (model,) = build_model_chunks(settings=model_settings(tiny_config("llama")), layout=Layout(), init_weights=True)
+        tokens = torch.randint(0, 250, (1, 16))
+        logits = model(tokens, torch.arange(16).unsqueeze(0), None)
+    assert logits.shape == (1, 16, 256) and logits.device.type == "cpu" and torch.isfinite(logits).all()
+    sites = {site for site in cpu.redirected_sites}
+    print("redirected:", sorted(sites))
+    # The CUDA assumptions a megatron-core forward hits (0.16.1 line numbers move; match files and APIs).
+    expected = {
+        ("torch.ones", "megatron/core/transformer/utils.py"),  # causal mask, device="cuda"
+        ("Tensor.to", "megatron/core/models/common/embeddings/rotary_pos_embedding.py"),  # inv_freq to GPU
+        ("torch.empty", "megatron/core/utils.py"),  # GlobalMemoryBuffer for attention
+    }
+    seen = {(api, path.rsplit(":", 1)[0]) for api, path in sites}
+    assert expected <= seen, seen
+
+
+def test_install_changes_nothing_when_cuda_is_present(monkeypatch):
+    cpu.uninstall()
+    originals = (torch.empty, torch.zeros, torch.Tensor.to, torch.cuda.current_device, torch.cuda.synchronize)
+    try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert cpu.install() is False
+        assert (torch.empty, torch.zeros, torch.Tensor.to, torch.cuda.current_device, torch.cuda.synchronize) == originals
+        assert not cpu.is_installed()
+    finally:
+        monkeypatch.undo()
+        assert cpu.install() is True  # restore for the rest of the session
+    assert torch.empty is not originals[0]
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.zeros(2, device="cpu").device.type == "cpu"
+
+
+def test_cuda_requests_become_cpu_and_others_pass_through():
+    backends.current()
+    assert torch.empty(3, device=0).device.type == "cpu"
+    assert torch.ones(2).to("cuda").device.type == "cpu"
+    assert torch.ones(2).to(torch.float64).dtype == torch.float64  # non-device arguments untouched
+    assert torch.ones(2).cuda().device.type == "cpu"
+    torch.cuda.synchronize()
+    torch.cuda.current_stream().wait_stream(None)
