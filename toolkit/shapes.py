@@ -80,6 +80,17 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
 }
 
 
+# Megatron's default padding unit (make_vocab_size_divisible_by). dsmt pads to a multiple of it alone, not of it
+# times tp as Megatron-LM does: the padded vocabulary, and so a converted checkpoint, is then the same for every
+# power-of-two tp up to 128, which is what lets one checkpoint load at any layout.
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, *, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    """The vocabulary rounded up to `multiple` rows (the extra rows are zeros, dropped on export)."""
+    return -(-vocab_size // multiple) * multiple
+
+
 def load_model_shape(ref: str | Path) -> ModelShape:
     """Shape of `ref`: a built-in name, an HF checkpoint directory, or a path to a config.json."""
     text = str(ref)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from toolkit.adapters.family import AdapterError, ModelFamily, get_family
 from toolkit.adapters.transforms import ShapeContext, padded_vocab_size
+from toolkit.shapes import VOCAB_PAD_MULTIPLE
 
 # (HF config field, megatron TransformerConfig field), copied as they are.
 SHARED_CONFIG_TABLE = (
@@ -36,9 +37,7 @@ SHARED_CONFIG_CONSTANTS = dict(
     persist_layer_norm=False,
 )
 
-# Megatron's default padding unit: 128 divides every power-of-two TP up to 128, so the padded vocabulary (and so
-# the checkpoint) does not depend on the layout.
-DEFAULT_VOCAB_PAD_MULTIPLE = 128
+DEFAULT_VOCAB_PAD_MULTIPLE = VOCAB_PAD_MULTIPLE  # see toolkit/shapes.py for why it is not multiplied by tp
 
 # Llama-3 rope scaling constants megatron-core 0.16 hard-codes in RotaryEmbedding._apply_scaling.
 _MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -25,6 +25,8 @@ import enum
 
 import torch
 
+from toolkit.shapes import padded_vocab_size  # noqa: F401  (one rule for adapters, spec and planner)
+
 
 class Kind(enum.Enum):
     REPLICATED = "replicated"
@@ -86,11 +88,6 @@ def split_gate_up(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- vocab padding -------------------------------------------------------------------------------------------
-
-
-def padded_vocab_size(vocab_size: int, *, multiple: int) -> int:
-    """Round the vocabulary up to `multiple` rows (megatron's make_vocab_size_divisible_by)."""
-    return -(-vocab_size // multiple) * multiple
 
 
 def pad_vocab(table: torch.Tensor, *, padded_size: int) -> torch.Tensor:

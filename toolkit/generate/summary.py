@@ -13,7 +13,7 @@ def render_summary(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> str:
     lines = [
         f"model      {shape.name}: {shape.num_params() / 1e6:,.1f} M params, {shape.num_layers} layers, "
         f"hidden {shape.hidden_size}, heads {shape.num_attention_heads} (kv {shape.num_kv_heads}), vocab {shape.vocab_size} "
-        f"(padded {padded_vocab_size(vocab_size=shape.vocab_size, divisible_by=spec.model.make_vocab_size_divisible_by, tp=layout.tp)})",
+        f"(padded {padded_vocab_size(vocab_size=shape.vocab_size, divisible_by=spec.model.make_vocab_size_divisible_by)})",
         f"cluster    {layout.nodes} node(s) x {layout.gpus_per_node} {cluster.gpu} = {layout.world_size} ranks; "
         f"device {cluster.device}, interconnect {cluster.interconnect}, launcher {cluster.launcher}",
         f"layout     tp={layout.tp} x pp={layout.pp} x dp={layout.dp} = {layout.world_size}"

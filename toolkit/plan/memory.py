@@ -20,6 +20,7 @@ from toolkit.errors import DsmtError
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.hardware import GpuSpec
 from toolkit.plan.layout import RECOMPUTE_CHOICES, Layout, TrainingShape, num_micro_batches
+from toolkit import shapes
 from toolkit.shapes import ModelShape
 
 DEFAULT_ASSUMPTIONS = Assumptions()
@@ -75,9 +76,10 @@ class MemoryBreakdown:
 
 
 def padded_vocab_size(*, shape: ModelShape, tp: int) -> int:
-    """Vocabulary padded so each TP rank holds an equal slice of a multiple of 128 (megatron's rule)."""
-    multiple = VOCAB_DIVISIBLE_BY * tp
-    return -(-shape.vocab_size // multiple) * multiple
+    """The adapters' padded vocabulary (toolkit/shapes.py), rounded up to a multiple of tp so `// tp` is the
+    rows one TP rank holds (a tp that does not divide it is refused by the layout checks anyway)."""
+    padded = shapes.padded_vocab_size(shape.vocab_size, multiple=VOCAB_DIVISIBLE_BY)
+    return -(-padded // tp) * tp
 
 
 def layer_params_per_gpu(*, shape: ModelShape, tp: int) -> int:

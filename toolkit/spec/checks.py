@@ -6,11 +6,13 @@ offload, ...) are decided by the schema itself; these need the model shape or mo
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
+from toolkit.errors import DsmtError
 from toolkit.shapes import ModelShape, ModelShapeError
-from toolkit.spec.layout import divisors, padded_vocab_size, requested_global_batch, world_size_of
+from toolkit.spec.layout import derive_layout, divisors, padded_vocab_size, requested_global_batch, world_size_of
 from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
 from toolkit.spec.report import Problem, Report, SpecError
 from toolkit.spec.schema import JobSpec
@@ -82,13 +84,18 @@ def check_layers_vs_pp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
 
 
 def check_vocab_padding(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    padded = padded_vocab_size(vocab_size=shape.vocab_size, divisible_by=spec.model.make_vocab_size_divisible_by,
-                               tp=spec.parallel.tp)
+    multiple, tp = spec.model.make_vocab_size_divisible_by, spec.parallel.tp
+    padded = padded_vocab_size(vocab_size=shape.vocab_size, divisible_by=multiple)
+    if padded % tp:
+        return [Problem("error", "vocab_padding",
+                        f"the padded vocabulary {padded} (vocab_size={shape.vocab_size} rounded up to a multiple of "
+                        f"make_vocab_size_divisible_by={multiple}) is not divisible by tp={tp}",
+                        f"set model.make_vocab_size_divisible_by to a multiple of {tp} (e.g. {multiple * tp})")]
     if padded == shape.vocab_size:
         return []
     return [Problem("info", "vocab_padding",
-                    f"vocab_size={shape.vocab_size} is padded to {padded} (multiple of "
-                    f"make_vocab_size_divisible_by={spec.model.make_vocab_size_divisible_by} × tp={spec.parallel.tp}); "
+                    f"vocab_size={shape.vocab_size} is padded to {padded} (a multiple of make_vocab_size_divisible_by="
+                    f"{multiple}, the same for every tp so one checkpoint serves all layouts); "
                     f"the {padded - shape.vocab_size} extra rows are dropped on export")]
 
 
@@ -121,17 +128,20 @@ def check_zero_with_pp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
 
 
 def check_vpp_microbatches(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    """Megatron's interleaved schedule needs at least pp micro-batches per step."""
+    """Megatron-core's interleaved schedule runs micro-batches in groups of pp (microbatch_group_size_per_vp_stage
+    defaults to pp, and dsmt leaves it there); a remainder group smaller than pp raises at the first step."""
     world, tp, pp, vpp = world_size_of(spec), spec.parallel.tp, spec.parallel.pp, spec.parallel.vpp or 1
     if vpp == 1 or world % (tp * pp):
         return []
     dp, micro = world // (tp * pp), spec.training.micro_batch_size
     num_microbatches = requested_global_batch(spec, dp=dp) // (micro * dp)
-    if num_microbatches >= pp:
+    if num_microbatches and num_microbatches % pp == 0:
         return []
+    unit = pp * micro * dp
     return [Problem("error", "vpp_microbatches",
-                    f"interleaved pipeline (vpp={vpp}) needs num_microbatches >= pp={pp}; got {num_microbatches}",
-                    f"raise global_batch_size to at least {pp * micro * dp} or set vpp=null")]
+                    f"interleaved pipeline (vpp={vpp}) needs num_microbatches to be a multiple of pp={pp}; got "
+                    f"{num_microbatches} (global_batch_size / (micro_batch_size×dp={micro}×{dp}))",
+                    f"use a global_batch_size that is a multiple of pp×micro×dp={unit}, or set vpp=null")]
 
 
 def check_tp_within_node(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
@@ -190,13 +200,63 @@ def check_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     return []
 
 
+def _planner_inputs(spec: JobSpec):
+    """The spec as the planner's (Layout, TrainingShape, GpuSpec, Assumptions); raises DsmtError if not whole."""
+    from toolkit.plan.assumptions import Assumptions
+    from toolkit.plan.hardware import get_gpu
+    from toolkit.plan.layout import Layout as PlanLayout, TrainingShape
+
+    layout, parallel, comm = derive_layout(spec), spec.parallel, spec.communication
+    plan_layout = PlanLayout(
+        tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp, zero_stage=parallel.zero_stage,
+        micro_batch_size=layout.micro_batch_size, recompute=spec.training.recompute,
+        sequence_parallel=parallel.sequence_parallel, offload_optimizer=parallel.offload_optimizer)
+    training = TrainingShape(seq_length=layout.seq_length, global_batch_size=layout.global_batch_size)
+    assumptions = Assumptions(reduce_bucket_elements=comm.reduce_bucket_elements,
+                              zero3_prefetch_elements=comm.prefetch_bucket_elements)
+    if spec.training.precision == "fp32":  # fp32 weights, grads, activations; Adam needs no separate master copy
+        assumptions = dataclasses.replace(assumptions, param_bytes=4, grad_bytes=4, master_grad_bytes=0,
+                                          optimizer_bytes_per_param=8, activation_bytes=4)
+    return plan_layout, training, get_gpu(spec.cluster.gpu), assumptions
+
+
+def _memory_fixes(spec: JobSpec, *, global_batch_size: int) -> str:
+    """The knobs that lower per-GPU memory, skipping the ones the spec already turned all the way."""
+    parallel, training, cluster = spec.parallel, spec.training, spec.cluster
+    fixes = []
+    if parallel.zero_stage < (1 if parallel.pp > 1 else 3):  # ZeRO-2/3 are refused with pp > 1
+        fixes.append(f"parallel.zero_stage={1 if parallel.pp > 1 else 3}")
+    if training.recompute != "full":
+        fixes.append("training.recompute=full")
+    fixes.append("a larger parallel.tp or parallel.pp")
+    if training.micro_batch_size > 1:
+        fixes.append(f"training.micro_batch_size={training.micro_batch_size // 2}")
+    model = spec.model.builtin or spec.model.path or "<model>"
+    fixes.append(f"`dsmt plan {model} --nodes {cluster.nodes} --gpus-per-node {cluster.gpus_per_node} --gpu "
+                 f"{cluster.gpu} --seq-len {training.seq_length} --global-batch {global_batch_size}` for layouts that fit")
+    return "; or ".join(fixes)
+
+
 def check_memory_fit(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    """Hook for the planner's memory estimate; skipped (with an info line) until toolkit.plan.memory exists."""
+    """The planner's per-GPU memory estimate (worst pipeline stage) against the GPU's capacity."""
+    if spec.cluster.device == "cpu":
+        return [Problem("info", "memory_fit", "memory fit: not modelled for CPU runs")]
+    from toolkit.plan.memory import estimate_memory  # imported here: the planner is not needed for CPU specs
+
     try:
-        from toolkit.plan import memory  # noqa: F401  (imported lazily: the planner is optional)
-    except ImportError:
-        return [Problem("info", "memory_fit", "memory fit: planner not available")]
-    return [Problem("info", "memory_fit", "memory fit: planner found; check not wired yet")]
+        layout, training, gpu, assumptions = _planner_inputs(spec)
+        memory = estimate_memory(shape=shape, layout=layout, training=training, gpu=gpu, assumptions=assumptions)
+    except DsmtError:  # a layout that is not whole (world, batch, layers); the checks above say why
+        return [Problem("info", "memory_fit", "memory fit: not estimated, the layout above is invalid")]
+    total_gb, capacity_gb = memory.total_bytes / 1e9, memory.capacity_bytes / 1e9
+    if memory.fits:
+        return [Problem("info", "memory_fit", f"memory fit: predicted {total_gb:.1f} GB per GPU of "
+                        f"{capacity_gb:.1f} GB ({gpu.name}, worst pipeline stage {memory.worst.stage})")]
+    parts = ", ".join(f"{name} {value / 1e9:.1f}" for name, value in memory.by_category().items())
+    return [Problem("error", "memory_fit",
+                    f"predicted {total_gb:.1f} GB per GPU on pipeline stage {memory.worst.stage} ({parts} GB) "
+                    f"exceeds the {capacity_gb:.1f} GB of one {gpu.name} ({layout.label()})",
+                    _memory_fixes(spec, global_batch_size=training.global_batch_size))]
 
 
 CHECKS: tuple[Check, ...] = (

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from toolkit import shapes
 from toolkit.errors import DsmtError
 from toolkit.spec.schema import JobSpec
 
@@ -62,10 +62,9 @@ def derive_layout(spec: JobSpec) -> Layout:
     )
 
 
-def padded_vocab_size(*, vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: up to a multiple of divisible_by × tp, so each TP rank holds an equal vocab slice."""
-    multiple = divisible_by * tp
-    return math.ceil(vocab_size / multiple) * multiple
+def padded_vocab_size(*, vocab_size: int, divisible_by: int) -> int:
+    """The adapters' padding (toolkit/shapes.py): a multiple of divisible_by, independent of tp."""
+    return shapes.padded_vocab_size(vocab_size, multiple=divisible_by)
 
 
 def divisors(n: int) -> list[int]:

@@ -1,0 +1,46 @@
+"""Specs the generator tests render: the ready configs plus variants that reach the other branches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from toolkit.generate.writer import render_all
+from toolkit.spec.load import validate_spec
+
+REPO = Path(__file__).parents[2]
+GOLDEN_DIR = Path(__file__).parent / "golden"
+GOLDEN_RUN_DIR = "/RUN_DIR"  # job.sbatch bakes the run directory in
+SCRIPTS = ("launch_deepspeed.sh", "launch_torchrun.sh", "job.sbatch")
+
+_TINY = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
+
+
+def _gpu_variant(**sections) -> dict:
+    raw = {"model": {"builtin": "llama3-8b"},
+           "cluster": {"nodes": 2, "gpus_per_node": 8, "hosts": ["gpu-a.cluster.local", "gpu-b.cluster.local"]},
+           "training": {"global_batch_size": 128, "micro_batch_size": 2, "seq_length": 2048}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return raw
+
+
+VARIANTS: dict[str, dict] = {
+    **{path.stem: yaml.safe_load(path.read_text()) for path in sorted((REPO / "configs").glob("*.yaml"))},
+    "no-ssh-2x8-tcp": _gpu_variant(cluster={"launcher": "no_ssh", "interconnect": "tcp", "network_interface": "eth0"},
+                                   parallel={"tp": 8, "pp": 2}, training={"recompute": "full", "lr_schedule": "constant"}),
+    "openmpi-zero3-offload-fp16": _gpu_variant(
+        cluster={"launcher": "openmpi", "master_addr": "10.0.0.1"},
+        parallel={"tp": 2, "zero_stage": 3, "offload_optimizer": True, "offload_params": True},
+        training={"precision": "fp16", "lr_schedule": "linear", "warmup_steps": 0},
+        communication={"extra_env": {"NCCL_ALGO": "Ring"}, "communication_data_type": "fp32"}),
+}
+
+
+def spec_of(name: str):
+    return validate_spec(VARIANTS[name], source=name)
+
+
+def render(name: str, *, run_dir: str = GOLDEN_RUN_DIR, train_module: str = "toolkit.train") -> dict[str, str]:
+    return render_all(spec=spec_of(name), run_dir=run_dir, train_module=train_module)

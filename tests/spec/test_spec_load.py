@@ -1,0 +1,74 @@
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.errors import DsmtError
+from toolkit.spec import schema
+from toolkit.spec.load import apply_overrides, load_spec
+from toolkit.spec.report import SpecError
+from spec_helpers import tiny_spec
+
+
+def test_model_only_spec_is_complete(write_spec):
+    spec = load_spec(write_spec({"model": {"builtin": "llama3-8b"}}))
+    assert (spec.parallel.tp, spec.parallel.zero_stage, spec.cluster.nodes) == (1, 1, 1)
+    assert spec.training.precision == "bf16" and spec.data.path is None
+
+
+def test_planner_five_key_spec_is_valid(write_spec):
+    raw = {"model": {"builtin": "llama3-70b"}, "cluster": {"nodes": 8, "gpus_per_node": 8, "gpu": "h100-80gb",
+           "hosts": [f"n{i}" for i in range(8)]}, "parallel": {"tp": 8, "pp": 4, "zero_stage": 1},
+           "training": {"global_batch_size": 512, "micro_batch_size": 1, "seq_length": 4096}, "data": {}}
+    assert load_spec(write_spec(raw)).parallel.pp == 4
+
+
+def test_json_spec_loads(tmp_path):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(tiny_spec()))
+    assert load_spec(path).cluster.device == "cpu"
+
+
+def test_unknown_keys_all_reported_with_nearest_name(write_spec):
+    raw = tiny_spec(parallel={"zero_stag": 2}, cluster={"hostz": ["a"]})
+    raw["trainig"] = {}
+    with pytest.raises(SpecError) as info:
+        load_spec(write_spec(raw))
+    problems = info.value.report.problems
+    assert [p.rule for p in problems] == ["unknown_key"] * 3
+    fixes = " ".join(p.fix for p in problems)
+    assert "'parallel.zero_stage'" in fixes and "'cluster.hosts'" in fixes and "'training'" in fixes
+
+
+def test_overrides_parse_values_as_yaml():
+    raw = apply_overrides({"parallel": {"tp": 1}}, overrides=["parallel.tp=4", "cluster.hosts=[a, b]",
+                                                             "parallel.sequence_parallel=true", "data.path="])
+    assert raw == {"parallel": {"tp": 4, "sequence_parallel": True}, "cluster": {"hosts": ["a", "b"]},
+                   "data": {"path": None}}
+
+
+@pytest.mark.parametrize("bad", ["parallel.tp", "=4", "parallel..tp=4"])
+def test_malformed_override_is_an_error(bad):
+    with pytest.raises(DsmtError, match="section.key=value"):
+        apply_overrides({}, overrides=[bad])
+
+
+def test_override_unknown_key_is_named(write_spec):
+    with pytest.raises(SpecError, match="parallel.tp"):
+        load_spec(write_spec(tiny_spec()), overrides=["parallel.tpp=2"])
+
+
+def test_schema_rules_list_is_complete():
+    source = Path(schema.__file__).read_text()
+    raised = set(re.findall(r'PydanticCustomError\(\s*"(\w+)"', source))
+    assert raised == set(schema.SCHEMA_RULES)
+
+
+def test_spec_and_generate_import_without_heavy_frameworks():
+    code = ("import sys, toolkit.spec.cli, toolkit.spec.checks, toolkit.generate.writer; "
+            "print(sorted(m for m in ('torch', 'deepspeed', 'megatron', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

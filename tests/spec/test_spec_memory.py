@@ -1,0 +1,73 @@
+"""`check_memory_fit`: the planner's estimate, reported as info when the spec fits and as an error when not."""
+
+from spec_helpers import tiny_spec
+from toolkit.cli import main
+from toolkit.plan.hardware import get_gpu
+from toolkit.plan.layout import Layout, TrainingShape
+from toolkit.plan.memory import estimate_memory
+from toolkit.shapes import BUILTIN_SHAPES
+from toolkit.spec.checks import check_file
+
+
+def _gpu_spec(**sections) -> dict:
+    """Llama-3-8B on one node of 8 H100s: tp 2, dp 4, ZeRO-1, selective recompute (fits)."""
+    raw = {"model": {"builtin": "llama3-8b"}, "cluster": {"gpu": "h100-80gb"},
+           "parallel": {"tp": 2, "sequence_parallel": True, "zero_stage": 1},
+           "training": {"global_batch_size": 64, "micro_batch_size": 2, "seq_length": 4096, "recompute": "selective"}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return raw
+
+
+def _memory_problems(report):
+    return [p for p in report.problems if p.rule == "memory_fit"]
+
+
+def test_fitting_spec_reports_the_planners_number(write_spec):
+    _, report = check_file(write_spec(_gpu_spec()))
+    expected = estimate_memory(
+        shape=BUILTIN_SHAPES["llama3-8b"],
+        layout=Layout(tp=2, pp=1, dp=4, zero_stage=1, micro_batch_size=2, recompute="selective",
+                      sequence_parallel=True),
+        training=TrainingShape(seq_length=4096, global_batch_size=64), gpu=get_gpu("h100-80gb"))
+    assert expected.fits
+    [problem] = _memory_problems(report)
+    assert report.ok, report.to_text()
+    assert problem.severity == "info"
+    assert f"predicted {expected.total_bytes / 1e9:.1f} GB per GPU of {expected.capacity_bytes / 1e9:.1f} GB" \
+        in problem.message
+
+
+def test_spec_that_cannot_fit_is_an_error_with_the_breakdown_and_fixes(write_spec, tmp_path, capsys):
+    raw = _gpu_spec(model={"builtin": "llama3-70b"}, cluster={"gpu": "a100-40gb"},
+                    parallel={"tp": 1, "sequence_parallel": False, "zero_stage": 0},
+                    training={"micro_batch_size": 1, "recompute": "none"})
+    path = write_spec(raw)
+    _, report = check_file(path)
+    [problem] = _memory_problems(report)
+    assert problem.severity == "error" and not report.ok
+    for part in ("per GPU on pipeline stage 0", "parameters", "optimizer", "activations", "a100-40gb",
+                 "tp=1 pp=1 dp=8 zero=0"):
+        assert part in problem.message
+    for fix in ("parallel.zero_stage=3", "training.recompute=full", "dsmt plan llama3-70b"):
+        assert fix in problem.fix
+    assert main(["check", path]) == 1
+    assert main(["generate", path, "--out", str(tmp_path / "run")]) == 1  # generate runs the same checks
+    assert "[memory_fit]" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_fp32_precision_counts_four_byte_weights(write_spec):
+    gb = lambda report: float(_memory_problems(report)[0].message.split("predicted ")[1].split(" GB")[0])
+    bf16 = gb(check_file(write_spec(_gpu_spec(), name="bf16.yaml"))[1])
+    fp32 = gb(check_file(write_spec(_gpu_spec(training={"precision": "fp32"}), name="fp32.yaml"))[1])
+    assert fp32 > bf16
+
+
+def test_cpu_runs_are_not_modelled(write_spec):
+    _, report = check_file(write_spec(tiny_spec()))
+    assert [p.message for p in _memory_problems(report)] == ["memory fit: not modelled for CPU runs"]
+
+
+def test_invalid_layout_is_left_to_the_divisibility_checks(write_spec):
+    _, report = check_file(write_spec(_gpu_spec(parallel={"pp": 3})))
+    assert "world_size" in report.rules("error") and "memory_fit" not in report.rules("error")
