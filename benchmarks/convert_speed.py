@@ -65,6 +65,14 @@ def timed_child(argv: list[str]) -> tuple[float, int]:
     return wall, int(done.stdout.strip().splitlines()[-1]) * 1024
 
 
+def baseline_rss() -> int:
+    """Peak RSS of a process that only imports what a conversion imports (torch, megatron-core, transformers)."""
+    code = ("import resource, torch, megatron.core, transformers, safetensors; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return int(done.stdout.strip().splitlines()[-1]) * 1024
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", type=Path, default=None)
@@ -82,7 +90,7 @@ def main() -> None:
     to_mcore_s, to_mcore_rss = timed_child(["convert", "hf-to-mcore", str(hf), str(mcore)])
     to_hf_s, to_hf_rss = timed_child(["convert", "mcore-to-hf", str(mcore), str(back)])
     print(f"model: {params / 1e9:.2f} B params, {total / 2**30:.2f} GiB bf16, largest tensor {largest / 2**20:.0f} MiB")
-    print(f"plain copy of the safetensors: {copy_s:.1f} s")
+    print(f"plain copy of the safetensors: {copy_s:.1f} s; imports alone: peak RSS {baseline_rss() / 2**30:.2f} GiB")
     print(f"hf-to-mcore: {to_mcore_s:.1f} s = {to_mcore_s / copy_s:.1f}x copy; peak RSS {to_mcore_rss / 2**30:.2f} GiB "
           f"= {to_mcore_rss / largest:.1f}x largest tensor = {to_mcore_rss / total:.2f}x model")
     print(f"mcore-to-hf: {to_hf_s:.1f} s = {to_hf_s / copy_s:.1f}x copy; peak RSS "

@@ -1,5 +1,6 @@
 """Streamed reads of an HF checkpoint's safetensors: headers first (names, shapes, dtypes), then one tensor at a
-time, so conversion never holds the HF model and the megatron model together."""
+time, so conversion never holds the HF model and the megatron model together. Header handles stay open (they
+touch only the headers); tensor reads use their own short-lived handle."""
 
 from __future__ import annotations
 
@@ -75,8 +76,11 @@ class SafetensorsSource:
         return numel * torch.empty((), dtype=self.dtype(name)).element_size()
 
     def get(self, name: str) -> torch.Tensor:
+        # A fresh handle per tensor: safetensors memory-maps the file, and the pages a read touches stay resident
+        # (and counted in RSS) while a handle is open. Closing it after each tensor keeps reads streamed.
         try:
-            return self._handles[self._file_of[name]].get_tensor(name)
+            with safe_open(str(self._file_of[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as err:
             raise AdapterError(f"cannot read tensor {name!r} from {self._file_of[name]} ({err}); the file may be corrupt") from err
 
