@@ -19,6 +19,7 @@ from toolkit.errors import DsmtError
 COMMAND_MODULES = [
     "toolkit.convert.cli",     # dsmt convert hf-to-mcore | mcore-to-hf
     "toolkit.verify.cli",      # dsmt verify
+    "toolkit.train.cli",       # dsmt train
     "toolkit.demo",            # dsmt demo
     "toolkit.spec.cli",        # dsmt check, dsmt generate
     "toolkit.plan.cli",        # dsmt plan

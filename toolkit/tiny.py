@@ -58,3 +58,17 @@ def _save_tiny_tokenizer(path: Path, *, vocab_size: int) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
+
+
+def save_random_init(path: Path, *, config_fields: dict, seed: int) -> Path:
+    """A randomly initialised HF model of an inline config (job specs with `model.config`), saved with
+    save_pretrained, plus the tiny word tokenizer when the vocabulary is large enough for it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(config_fields)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    if config.vocab_size >= 64:
+        _save_tiny_tokenizer(path, vocab_size=config.vocab_size)
+    return Path(path)

@@ -71,6 +71,8 @@ CATALOGUE = {
     "min_lr_above_lr": (tiny_spec(training={"lr": 1e-4, "min_lr": 1e-3}), "min_lr_above_lr", "lr=0.0001"),
     "warmup_vs_steps": (tiny_spec(training={"warmup_steps": 5}), "warmup_vs_steps", "train_steps=5"),
     "prompt_without_completion": (tiny_spec(data={"prompt_field": "q"}), "prompt_completion_pair", "together"),
+    "messages_with_prompt": (tiny_spec(data={"messages_field": "messages", "prompt_field": "q", "completion_field": "a"}),
+                             "messages_vs_prompt", "exclusive"),
     "bad_path_newline": (tiny_spec(data={"path": "a\nb"}), "bad_path", "single-line"),
 }
 

@@ -30,8 +30,8 @@ GPU_MEMORY_GIB: dict[str, float | None] = {
 SCHEMA_RULES = frozenset({
     "bad_path", "batch_both", "batch_tokens_vs_seq", "duplicate_host", "env_name",
     "env_value", "gpu_device_mismatch", "host_name", "hosts_count", "hosts_required",
-    "job_name", "min_lr_above_lr", "model_source", "network_interface", "offload_optimizer_needs_zero",
-    "offload_params_needs_zero3", "prompt_completion_pair", "sequence_parallel_needs_tp", "unknown_gpu", "vpp_needs_pp",
+    "job_name", "messages_vs_prompt", "min_lr_above_lr", "model_source", "network_interface",
+    "offload_optimizer_needs_zero", "offload_params_needs_zero3", "prompt_completion_pair", "sequence_parallel_needs_tp", "unknown_gpu", "vpp_needs_pp",
     "warmup_vs_steps",
 })
 
@@ -236,6 +236,7 @@ class DataSpec(Section):
     text_field: str = "text"
     prompt_field: str | None = None  # with completion_field: loss on the completion only
     completion_field: str | None = None
+    messages_field: str | None = None  # chat records [{"role", "content"}, ...]: loss on assistant turns only
     tokenizer: str | None = None  # None: the model's path
     split: str = "train"
     shuffle: bool = True
@@ -250,6 +251,12 @@ class DataSpec(Section):
         if (self.prompt_field is None) != (self.completion_field is None):
             raise PydanticCustomError(
                 "prompt_completion_pair", "prompt_field and completion_field go together (got only one)", {}
+            )
+        if self.messages_field is not None and self.prompt_field is not None:
+            raise PydanticCustomError(
+                "messages_vs_prompt",
+                "messages_field={messages} (chat) and prompt_field/completion_field are exclusive; keep one record kind",
+                {"messages": repr(self.messages_field)},
             )
         return self
 

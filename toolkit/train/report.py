@@ -1,0 +1,93 @@
+"""What a user sees of a run: one line per step on rank 0, metrics.jsonl, DeepSpeed's monitors (CSV /
+TensorBoard, switched on in the job spec), the resolved configuration next to the checkpoints, a loss PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def memory_in_use_gib() -> float | None:
+    """Peak device memory on CUDA; resident memory of this process on the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**30
+    except ImportError:
+        return None
+
+
+class RunLog:
+    def __init__(self, *, output_dir: Path, is_writer: bool, layout, spec, ds_config: dict):
+        self.output_dir = Path(output_dir)
+        self.is_writer = is_writer
+        self.layout = layout
+        self.log_interval = spec.training.log_interval
+        self.history: list[dict] = []
+        if is_writer:
+            self._write_resolved(spec=spec, ds_config=ds_config)
+
+    def _write_resolved(self, *, spec, ds_config: dict) -> None:
+        from toolkit.spec.load import dump_spec
+
+        resolved = self.output_dir / "resolved"
+        resolved.mkdir(parents=True, exist_ok=True)
+        (resolved / "job.resolved.yaml").write_text(dump_spec(spec))
+        (resolved / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+        (resolved / "layout.json").write_text(json.dumps(self.layout.__dict__, indent=2) + "\n")
+
+    def started(self, *, start_step: int, total_steps: int) -> None:
+        if not self.is_writer:
+            return
+        layout = self.layout
+        resumed = f", resuming after step {start_step}" if start_step else ""
+        print(f"dsmt train: tp={layout.tp} pp={layout.pp} vpp={layout.vpp} dp={layout.dp} world={layout.world_size}, "
+              f"global batch {layout.global_batch_size} x {layout.seq_length} tokens, "
+              f"{layout.grad_accum_steps} micro-batches of {layout.micro_batch_size} per rank, {total_steps} steps{resumed}",
+              flush=True)
+        if start_step == 0:
+            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+    def step(self, *, step: int, stats, engine) -> None:
+        tokens_per_s = self.layout.tokens_per_step / stats.step_time_s
+        record = {"step": step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+                  "step_time_s": stats.step_time_s, "tokens_per_s": tokens_per_s, "memory_gib": memory_in_use_gib()}
+        self.history.append(record)
+        if not self.is_writer:
+            return
+        with (self.output_dir / "metrics.jsonl").open("a") as file:
+            file.write(json.dumps(record) + "\n")
+        if getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
+            samples = step * self.layout.global_batch_size
+            engine.monitor.write_events([("Train/Samples/train_loss", stats.loss, samples)])
+        if step % self.log_interval == 0 or step == 1:
+            norm = "n/a" if stats.grad_norm is None else f"{stats.grad_norm:.3f}"
+            memory = "n/a" if record["memory_gib"] is None else f"{record['memory_gib']:.2f} GiB"
+            print(f"step {step:5d} | loss {stats.loss:.4f} | lr {stats.lr:.3e} | grad norm {norm} | "
+                  f"{tokens_per_s:,.0f} tok/s | {stats.step_time_s:.2f} s | mem {memory}", flush=True)
+
+    def finished(self) -> None:
+        if not self.is_writer or not self.history:
+            return
+        self._plot_loss()
+        first, last = self.history[0]["loss"], self.history[-1]["loss"]
+        print(f"dsmt train: done; loss {first:.4f} -> {last:.4f}; HF checkpoint in {self.output_dir / 'final-hf'}",
+              flush=True)
+
+    def _plot_loss(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axis = plt.subplots(figsize=(6, 3.5))
+        axis.plot([r["step"] for r in self.history], [r["loss"] for r in self.history], marker="o", markersize=3)
+        axis.set(xlabel="step", ylabel="loss", title=f"dsmt train (tp={self.layout.tp} pp={self.layout.pp} dp={self.layout.dp})")
+        axis.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(self.output_dir / "loss_curve.png", dpi=120)
+        plt.close(figure)

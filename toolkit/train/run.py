@@ -1,0 +1,149 @@
+"""One rank of a `dsmt train` run: job spec in, trained HF checkpoint out.
+
+Every rank runs this (under torchrun, the deepspeed launcher, SLURM or `dsmt train`'s local launcher)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from toolkit.errors import DsmtError
+from toolkit.train import checkpoints
+from toolkit.train.report import RunLog
+
+
+def model_checkpoint(*, spec, output_dir: Path) -> Path:
+    """The HF checkpoint to start from: `model.path`, or a random init of the inline `model.config` (rank 0
+    writes it once into the output dir; a tiny model for CPU runs and the demo)."""
+    import torch.distributed as dist
+
+    if spec.model.path is not None:
+        return Path(spec.model.path)
+    if spec.model.config is None:
+        raise DsmtError(f"model.builtin={spec.model.builtin!r} is a shape without weights: `dsmt train` needs "
+                        "model.path (an HF checkpoint) or model.config (an HF config to initialise randomly)")
+    init_dir = output_dir / "init-hf"
+    if dist.get_rank() == 0 and not (init_dir / "config.json").is_file():
+        from toolkit.tiny import save_random_init
+
+        save_random_init(init_dir, config_fields=spec.model.config, seed=spec.training.seed)
+    dist.barrier()
+    return init_dir
+
+
+def params_dtype(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
+    from megatron.core import parallel_state
+
+    from toolkit.data import MicroBatches, build_examples
+
+    examples = build_examples(data=spec.data, model_path=str(hf_dir), seq_length=layout.seq_length,
+                              vocab_size=vocab_size, seed=spec.training.seed)
+    return MicroBatches(examples=examples, micro_batch_size=layout.micro_batch_size,
+                        num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
+                        dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle)
+
+
+def train(*, spec) -> list[dict]:
+    """Run the spec's training on this rank; returns the per-step history (same on every rank)."""
+    import torch.distributed as dist
+
+    from toolkit import backend as backends
+    from toolkit.generate.deepspeed_config import build_deepspeed_config
+    from toolkit.models import load_model_chunks
+    from toolkit.parallel import Layout, init_process_groups
+    from toolkit.spec.layout import derive_layout
+    from toolkit.train.engine import HybridEngine
+
+    backend = backends.current()
+    layout = derive_layout(spec)
+    parallel = Layout(tp_size=layout.tp, pp_size=layout.pp, vpp_size=layout.vpp, dp_size=layout.dp)
+    init_process_groups(layout=parallel, dist_backend=backend.dist_backend)
+    backend.seed(spec.training.seed)
+    output_dir = Path(spec.training.output_dir)
+    hf_dir = model_checkpoint(spec=spec, output_dir=output_dir)
+    chunks, info = load_model_chunks(checkpoint=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
+                                     show_progress=dist.get_rank() == 0)
+    ds_config = build_deepspeed_config(spec=spec, layout=layout)
+    hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
+                          tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp)
+    batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
+    log = RunLog(output_dir=output_dir, is_writer=dist.get_rank() == 0, layout=layout, spec=spec, ds_config=ds_config)
+    start = checkpoints.resume(engine=hybrid.engine, checkpoint_dir=output_dir / "checkpoints")
+    log.started(start_step=start, total_steps=spec.training.train_steps)
+    _loop(hybrid=hybrid, batches=batches, spec=spec, log=log, start=start, output_dir=output_dir)
+    _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir)
+    log.finished()
+    return log.history
+
+
+def _loop(*, hybrid, batches, spec, log, start: int, output_dir: Path) -> None:
+    import torch.distributed as dist
+
+    total = spec.training.train_steps
+    with tqdm(total=total, initial=start, desc="training", disable=dist.get_rank() != 0, leave=False) as bar:
+        for step in range(start, total):
+            stats = hybrid.train_step(batches.batches_for_step(step))
+            log.step(step=step + 1, stats=stats, engine=hybrid.engine)
+            bar.update(1)
+            if (step + 1) % spec.training.checkpoint_interval == 0 or step + 1 == total:
+                checkpoints.save(engine=hybrid.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1)
+
+
+def _export(*, hybrid, info, spec, output_dir: Path) -> None:
+    """Trained weights -> dsmt megatron checkpoint (collective) -> HF directory (rank 0, one process)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from toolkit.models import save_mcore_checkpoint
+
+    mcore_dir, hf_dir = output_dir / "final-mcore", output_dir / "final-hf"
+    with _gathered(hybrid):
+        save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
+                              params_dtype=params_dtype(spec.training.precision), overwrite=True)
+    if dist.get_rank() == 0:
+        # A fresh one-process job: the launcher's RANK / WORLD_SIZE / MASTER_* must not leak into it.
+        launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+        env = {k: v for k, v in os.environ.items() if k not in launcher_vars and not k.startswith("TORCHELASTIC")}
+        code = "import sys; from toolkit.cli import main; sys.exit(main(sys.argv[1:]))"
+        subprocess.run([sys.executable, "-c", code, "convert", "mcore-to-hf", str(mcore_dir), str(hf_dir), "--overwrite"],
+                       check=True, env=env)
+    dist.barrier()
+
+
+def _gathered(hybrid):
+    """ZeRO-3 keeps only a partition of each parameter on a rank: gather them for the export."""
+    import contextlib
+
+    import deepspeed
+
+    if hybrid.engine.zero_optimization_stage() < 3:
+        return contextlib.nullcontext()
+    params = [p for chunk in hybrid.chunks for p in chunk.parameters()]
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m toolkit.train")
+    parser.add_argument("--config", required=True, help="job spec (YAML/JSON)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = parser.parse_args(argv)
+    from toolkit.spec.checks import check_file
+
+    spec, report = check_file(args.config, overrides=args.set)
+    if spec is None or not report.ok:
+        raise DsmtError(f"job spec {args.config} does not pass `dsmt check`:\n{report.to_text()}")
+    history = train(spec=spec)
+    return 0 if history else 1
+
