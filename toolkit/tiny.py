@@ -45,17 +45,21 @@ def make_tiny_checkpoint(path: Path, *, model_type: str = "llama", seed: int = 0
 
 
 def _save_tiny_tokenizer(path: Path, *, vocab_size: int) -> None:
-    """A byte-level BPE-free word tokenizer over `vocab_size` ids, saved in HF format (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A character-level tokenizer (letters, digits, space, punctuation) over `vocab_size` ids, saved in HF format
+    (no download); the ids past the characters are unused filler tokens."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>"]
-    words = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
+    words = list(string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,!?'\"-:;\n")
     vocab = {tok: i for i, tok in enumerate(specials + words)}
     extra = [f"w{i}" for i in range(vocab_size - len(vocab))]
     vocab.update({tok: len(specials) + len(words) + i for i, tok in enumerate(extra)})
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()  # characters back together, no spaces between them
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
 

@@ -26,6 +26,7 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
         # Weights come from the checkpoint: random initialisation would only cost time (minutes at 70B).
         perform_initialization=init_weights,
         use_cpu_initialization=backend.name == "cpu",
+        batch_p2p_comm=backend.batch_p2p_comm,
     )
 
 

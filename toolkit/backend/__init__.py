@@ -18,6 +18,10 @@ class Backend:
     name: str  # "cuda" or "cpu"
     dist_backend: str  # "nccl" or "gloo"
     use_transformer_engine: bool
+    # Batched p2p (torch's batch_isend_irecv) lets NCCL pair concurrent sends and receives. Gloo pairs them by
+    # posting order per peer, so with PP=2 (next rank == previous rank) the interleaved schedule's simultaneous
+    # activation and gradient transfers can cross; megatron's unbatched path orders them by rank parity instead.
+    batch_p2p_comm: bool = True
 
     @property
     def device(self) -> torch.device:
@@ -44,4 +48,4 @@ def current() -> Backend:
     from toolkit.backend import cpu
 
     cpu.install()
-    return Backend(name="cpu", dist_backend="gloo", use_transformer_engine=False)
+    return Backend(name="cpu", dist_backend="gloo", use_transformer_engine=False, batch_p2p_comm=False)

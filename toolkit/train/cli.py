@@ -20,6 +20,9 @@ def run(args) -> int:
     spec, report = check_file(args.config, overrides=args.set)
     if spec is None or not report.ok:  # before any process group starts
         raise DsmtError(f"job spec {args.config} does not pass `dsmt check`:\n{report.to_text()}")
+    from toolkit.train.run import require_weights
+
+    require_weights(spec)
     if spec.cluster.nodes > 1:
         raise DsmtError(f"cluster.nodes={spec.cluster.nodes}: `dsmt train` starts ranks on this machine only; "
                         f"run `dsmt generate {args.config} --out run/` and launch run/launch_deepspeed.sh or job.sbatch")

@@ -64,7 +64,7 @@ class HybridEngine:
 
     def train_step(self, micro_batches: list[dict]) -> StepStats:
         start = time.perf_counter()
-        lr = self.engine.get_lr()[0]  # the rate this step's update uses (the scheduler steps after it)
+        lr = self.engine.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler steps after the update)
         local_loss = self._pipeline_step(micro_batches) if self.pp_size > 1 else self._deepspeed_step(micro_batches)
         norm = self.engine.get_global_grad_norm()
         tokens = sum(int(mb["loss_mask"].numel()) for mb in micro_batches)

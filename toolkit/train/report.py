@@ -49,8 +49,15 @@ class RunLog:
               f"global batch {layout.global_batch_size} x {layout.seq_length} tokens, "
               f"{layout.grad_accum_steps} micro-batches of {layout.micro_batch_size} per rank, {total_steps} steps{resumed}",
               flush=True)
-        if start_step == 0:
-            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self._truncate_metrics(after_step=start_step)
+
+    def _truncate_metrics(self, *, after_step: int) -> None:
+        """A resumed run redoes the steps after its checkpoint: drop the killed run's lines for them."""
+        path = self.output_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= after_step]
+        path.write_text("".join(line + "\n" for line in kept))
 
     def step(self, *, step: int, stats, engine) -> None:
         tokens_per_s = self.layout.tokens_per_step / stats.step_time_s

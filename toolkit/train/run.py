@@ -19,11 +19,9 @@ def model_checkpoint(*, spec, output_dir: Path) -> Path:
     writes it once into the output dir; a tiny model for CPU runs and the demo)."""
     import torch.distributed as dist
 
+    require_weights(spec)
     if spec.model.path is not None:
         return Path(spec.model.path)
-    if spec.model.config is None:
-        raise DsmtError(f"model.builtin={spec.model.builtin!r} is a shape without weights: `dsmt train` needs "
-                        "model.path (an HF checkpoint) or model.config (an HF config to initialise randomly)")
     init_dir = output_dir / "init-hf"
     if dist.get_rank() == 0 and not (init_dir / "config.json").is_file():
         from toolkit.tiny import save_random_init
@@ -31,6 +29,12 @@ def model_checkpoint(*, spec, output_dir: Path) -> Path:
         save_random_init(init_dir, config_fields=spec.model.config, seed=spec.training.seed)
     dist.barrier()
     return init_dir
+
+
+def require_weights(spec) -> None:
+    if spec.model.path is None and spec.model.config is None:
+        raise DsmtError(f"model.builtin={spec.model.builtin!r} is a shape without weights: `dsmt train` needs "
+                        "model.path (an HF checkpoint) or model.config (an HF config to initialise randomly)")
 
 
 def params_dtype(precision: str) -> torch.dtype:

@@ -1,0 +1,53 @@
+"""A run killed with SIGKILL resumes from its last complete checkpoint and continues exactly as an
+uninterrupted run; a half-written checkpoint is never taken."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from toolkit.train.checkpoints import COMPLETE_MARKER, latest_complete
+from train_helpers import read_metrics, write_spec
+
+pytestmark = pytest.mark.multiproc
+STEPS = 40
+
+
+def launch(spec):
+    code = "import sys; from toolkit.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, "train", "--config", str(spec)], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tiny_llama, tmp_path):
+    reference_spec = write_spec(tmp_path / "ref.yaml", model_dir=tiny_llama, output_dir=tmp_path / "ref", dp=2,
+                                steps=STEPS, checkpoint_interval=5, seq=16, global_batch=4, micro=1)
+    killed_spec = write_spec(tmp_path / "job.yaml", model_dir=tiny_llama, output_dir=tmp_path / "run", dp=2,
+                             steps=STEPS, checkpoint_interval=5, seq=16, global_batch=4, micro=1)
+    first = launch(killed_spec)
+    marker = tmp_path / "run" / "checkpoints" / "step_000010" / COMPLETE_MARKER
+    deadline = time.time() + 300
+    while not marker.exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert first.poll() is None, f"the run ended before it could be killed: {first.stderr.read()[-2000:]}"
+    os.killpg(first.pid, signal.SIGKILL)  # the launcher and every rank, mid-run
+    first.wait()
+    assert not (tmp_path / "run" / "final-hf").exists()
+    done_before = max(r["step"] for r in read_metrics(tmp_path / "run"))
+    assert 10 <= done_before < STEPS
+    # A checkpoint directory without its completion marker (as a kill during a save leaves it) is ignored.
+    (tmp_path / "run" / "checkpoints" / "step_000039").mkdir(exist_ok=True)
+    assert latest_complete(tmp_path / "run" / "checkpoints").startswith("step_0000")
+    assert int(latest_complete(tmp_path / "run" / "checkpoints")[5:]) >= 10
+
+    for spec in (killed_spec, reference_spec):
+        result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", "--config", str(spec)],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+    resumed, reference = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "ref")
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in reference], abs=1e-6)
+    assert (tmp_path / "run" / "final-hf" / "model.safetensors").is_file()
