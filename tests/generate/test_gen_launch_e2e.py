@@ -67,4 +67,7 @@ def test_generated_script_trains_tiny_cpu_spec(script, tmp_path):
     run = _tiny_run_dir(tmp_path, train_module="toolkit.train", train_steps=3, checkpoint_interval=3)
     result = _launch(run / script, timeout_s=480)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert (tmp_path / "out").exists()
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["loss"] > 0 for m in metrics)
+    assert (tmp_path / "out" / "checkpoints" / "step_000003" / "dsmt_complete.json").is_file()
+    assert (tmp_path / "out" / "final-hf" / "model.safetensors").is_file()

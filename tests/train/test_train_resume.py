@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from toolkit.train.checkpoints import COMPLETE_MARKER, latest_complete
@@ -14,6 +15,13 @@ from train_helpers import read_metrics, write_spec
 
 pytestmark = pytest.mark.multiproc
 STEPS = 40
+
+
+def _process(pid):
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
 
 
 def launch(spec):
@@ -33,8 +41,12 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_llama, tmp_path):
     while not marker.exists() and first.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     assert first.poll() is None, f"the run ended before it could be killed: {first.stderr.read()[-2000:]}"
-    os.killpg(first.pid, signal.SIGKILL)  # the launcher and every rank, mid-run
+    # SIGKILL the launcher and every rank, mid-run (torchrun puts its workers in sessions of their own).
+    job = [first.pid] + [child.pid for child in psutil.Process(first.pid).children(recursive=True)]
+    for pid in job:
+        os.kill(pid, signal.SIGKILL)
     first.wait()
+    psutil.wait_procs([p for p in map(_process, job) if p is not None], timeout=30)
     assert not (tmp_path / "run" / "final-hf").exists()
     done_before = max(r["step"] for r in read_metrics(tmp_path / "run"))
     assert 10 <= done_before < STEPS
@@ -46,7 +58,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_llama, tmp_path):
     for spec in (killed_spec, reference_spec):
         result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", "--config", str(spec)],
                                 capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     resumed, reference = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "ref")
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in reference], abs=1e-6)

@@ -267,12 +267,41 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
+def _model_type_of(spec: JobSpec) -> str | None:
+    """model_type of an HF checkpoint directory in model.path (None when there is none to read)."""
+    import json
+
+    if spec.model.path is None or not (Path(spec.model.path) / "config.json").is_file():
+        return None
+    try:
+        return json.loads((Path(spec.model.path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
+    """Checks for an HF model that is not a transformer LM (e.g. ResNet): it trains with DeepSpeed data
+    parallelism only, so only tp = pp = 1 and the batch arithmetic apply. None when model.path is no such model."""
+    model_type = _model_type_of(spec)
+    if model_type is None:
+        return None
+    problems = [Problem("info", "plain_model", f"model_type {model_type}: not a transformer LM shape; it trains with "
+                                               "DeepSpeed ZeRO data parallelism only (tp=1, pp=1)")]
+    if spec.parallel.tp > 1 or spec.parallel.pp > 1:
+        problems.append(Problem("error", "plain_model_layout",
+                                f"tp={spec.parallel.tp}, pp={spec.parallel.pp}: model_type {model_type} has no "
+                                "megatron-core adapter", "set parallel.tp=1 and parallel.pp=1"))
+    problems += check_batch_divisibility(spec=spec, shape=None)
+    return problems
+
+
 def run_checks(*, spec: JobSpec, source: str = "job spec") -> Report:
     """Every cross-section problem of a validated spec, in one report."""
     try:
         shape = model_shape(spec.model)
     except ModelShapeError as err:
-        return Report(source=source, problems=(shape_problem(err),))
+        plain = plain_model_problems(spec=spec)
+        return Report(source=source, problems=tuple(plain) if plain is not None else (shape_problem(err),))
     problems: list[Problem] = []
     for check in CHECKS:
         problems.extend(check(spec=spec, shape=shape))

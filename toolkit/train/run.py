@@ -4,6 +4,7 @@ Every rank runs this (under torchrun, the deepspeed launcher, SLURM or `dsmt tra
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -71,6 +72,10 @@ def train(*, spec) -> list[dict]:
     backend.seed(spec.training.seed)
     output_dir = Path(spec.training.output_dir)
     hf_dir = model_checkpoint(spec=spec, output_dir=output_dir)
+    from toolkit.train import plain
+
+    if plain.is_plain_model(hf_dir):
+        return _train_plain(spec=spec, layout=layout, hf_dir=hf_dir, output_dir=output_dir)
     chunks, info = load_model_chunks(checkpoint=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
                                      show_progress=dist.get_rank() == 0)
     ds_config = build_deepspeed_config(spec=spec, layout=layout)
@@ -82,6 +87,36 @@ def train(*, spec) -> list[dict]:
     log.started(start_step=start, total_steps=spec.training.train_steps)
     _loop(hybrid=hybrid, batches=batches, spec=spec, log=log, start=start, output_dir=output_dir)
     _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir)
+    log.finished()
+    return log.history
+
+
+def _train_plain(*, spec, layout, hf_dir: Path, output_dir: Path) -> list[dict]:
+    """An HF model without a megatron-core adapter: DeepSpeed ZeRO data parallelism only, synthetic inputs."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from toolkit.generate.deepspeed_config import build_deepspeed_config
+    from toolkit.train import plain
+
+    model_type = json.loads((hf_dir / "config.json").read_text())["model_type"]
+    plain.check_plain_layout(tp=layout.tp, pp=layout.pp, model_type=model_type)
+    if spec.data.path is not None:
+        raise DsmtError(f"data.path is set, but model_type {model_type} has no adapter and trains on synthetic inputs "
+                        "only; leave data.path unset")
+    model = plain.load_plain_model(hf_dir, dtype=params_dtype(spec.training.precision))
+    ds_config = build_deepspeed_config(spec=spec, layout=layout)
+    engine = plain.PlainEngine(model=model, ds_config=ds_config)
+    batches = plain.PlainBatches(model_config=model.config, micro_batch_size=layout.micro_batch_size,
+                                 num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
+                                 dp_size=layout.dp, seed=spec.training.seed, seq_length=layout.seq_length)
+    log = RunLog(output_dir=output_dir, is_writer=dist.get_rank() == 0, layout=layout, spec=spec, ds_config=ds_config)
+    if dist.get_rank() == 0:
+        print(plain.plain_notice(model_type=model_type, zero_stage=spec.parallel.zero_stage), flush=True)
+    start = checkpoints.resume(engine=engine.engine, checkpoint_dir=output_dir / "checkpoints")
+    log.started(start_step=start, total_steps=spec.training.train_steps)
+    _loop(hybrid=engine, batches=batches, spec=spec, log=log, start=start, output_dir=output_dir)
+    plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf")
     log.finished()
     return log.history
 
@@ -148,6 +183,6 @@ def main(argv=None) -> int:
     spec, report = check_file(args.config, overrides=args.set)
     if spec is None or not report.ok:
         raise DsmtError(f"job spec {args.config} does not pass `dsmt check`:\n{report.to_text()}")
-    history = train(spec=spec)
-    return 0 if history else 1
+    train(spec=spec)  # a run resumed after its last step has nothing to do, and succeeds
+    return 0
 
