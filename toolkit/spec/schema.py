@@ -50,7 +50,7 @@ class ModelSpec(Section):
     path: str | None = None  # HF checkpoint directory or config.json
     builtin: str | None = None  # a name in toolkit.shapes.BUILTIN_SHAPES
     config: dict[str, Any] | None = None  # inline HF config dict (a tiny Llama for CPU)
-    make_vocab_size_divisible_by: int = Field(128, ge=1)  # megatron pads the vocab to a multiple of this × tp
+    make_vocab_size_divisible_by: int = Field(128, ge=1)  # vocab padded to a multiple of this (not × tp: see toolkit/shapes.py)
 
     @field_validator("path")
     @classmethod
