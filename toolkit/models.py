@@ -63,14 +63,14 @@ def check_layout(settings: ModelSettings, layout: Layout) -> None:
 
 
 def load_model_chunks(*, checkpoint: Path, layout: Layout, params_dtype: torch.dtype | None = None,
-                      parallel_output: bool = True, show_progress: bool = False):
+                      parallel_output: bool = True, show_progress: bool = False, recompute: str = "none"):
     """(chunks, info): this rank's model chunks with the checkpoint's weights, and what the checkpoint is."""
     from megatron.core import parallel_state
 
     info = inspect_checkpoint(checkpoint)
     check_layout(info.settings, layout)
     chunks = build_model_chunks(settings=info.settings, layout=layout, params_dtype=params_dtype or info.params_dtype,
-                                parallel_output=parallel_output)
+                                parallel_output=parallel_output, recompute=recompute)
     if info.kind == "hf":
         load_hf_weights(chunks=chunks, settings=info.settings, source=SafetensorsSource(info.hf_dir),
                         tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=layout.tp_size,

@@ -65,3 +65,31 @@ def test_cuda_requests_become_cpu_and_others_pass_through():
     assert torch.ones(2).cuda().device.type == "cpu"
     torch.cuda.synchronize()
     torch.cuda.current_stream().wait_stream(None)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_activation_recompute_runs_on_cpu_and_matches(recompute):
+    """megatron's recompute saves/restores the CUDA RNG state; the backend points it at the CPU generator."""
+    from megatron.core import parallel_state
+
+    from toolkit.adapters.build import build_model_chunks
+    from toolkit.adapters.hf_config import model_settings
+    from toolkit.launch import single_process_group
+    from toolkit.parallel import Layout
+    from toolkit.tiny import tiny_config
+
+    backend = backends.current()
+    settings = model_settings(tiny_config("llama"))
+    tokens, positions = torch.randint(0, 250, (2, 16)), torch.arange(16).unsqueeze(0)
+    grads = {}
+    with single_process_group(dist_backend="gloo"):
+        parallel_state.initialize_model_parallel(1, 1)
+        for mode in ("none", recompute):
+            backend.seed(0)
+            cpu.redirected_sites.clear()
+            (model,) = build_model_chunks(settings=settings, layout=Layout(), init_weights=True, recompute=mode)
+            model(tokens, positions, None).float().pow(2).mean().backward()
+            grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
+            apis = {api for api, _ in cpu.redirected_sites}
+            assert ("megatron _get_cuda_rng_state" in apis) == (mode != "none"), apis
+    assert torch.allclose(grads["none"], grads[recompute], atol=1e-6)

@@ -19,6 +19,8 @@ LAYOUTS = {
     "tp2-dp2-zero3": dict(tp=2, dp=2, zero=3),
     "pp2-vpp2-zero0": dict(pp=2, vpp=2, dp=1, zero=0),     # interleaved schedule, 4 micro-batches
     "dp2-zero1-ga4": dict(dp=2, zero=1, micro=1),          # gradient accumulation over 4 micro-batches per rank
+    "tp2-dp2-zero1-full-recompute": dict(tp=2, dp=2, zero=1, extra={"training": {"recompute": "full"}}),
+    "pp2-dp2-zero1-selective-recompute": dict(pp=2, dp=2, zero=1, extra={"training": {"recompute": "selective"}}),
 }
 
 

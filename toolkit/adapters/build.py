@@ -9,7 +9,16 @@ from toolkit.adapters.hf_config import ModelSettings
 from toolkit.parallel import Layout
 
 
-def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype, init_weights: bool = False):
+# training.recompute -> megatron's activation recompute settings (selective: core attention only).
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
+def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype, init_weights: bool = False,
+                       recompute: str = "none"):
     from megatron.core.transformer import TransformerConfig
 
     backend = backends.current()
@@ -27,6 +36,7 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
         perform_initialization=init_weights,
         use_cpu_initialization=backend.name == "cpu",
         batch_p2p_comm=backend.batch_p2p_comm,
+        **RECOMPUTE[recompute],
     )
 
 
@@ -40,7 +50,7 @@ def layer_spec():
 
 
 def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype = torch.float32,
-                       parallel_output: bool = True, init_weights: bool = False) -> list:
+                       parallel_output: bool = True, init_weights: bool = False, recompute: str = "none") -> list:
     """This rank's model chunks (one per virtual stage), on the backend's device.
 
     `parallel_output=False` gathers the vocab-parallel logits on every TP rank (verification); training keeps
@@ -48,7 +58,8 @@ def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=init_weights)
+    config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=init_weights,
+                                recompute=recompute)
     spec = layer_spec()
     device = backends.current().device
     chunks = []

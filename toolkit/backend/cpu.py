@@ -57,6 +57,7 @@ def install() -> bool:
         _patch(torch.cuda, "current_device", _current_device)
         _patch(torch.cuda, "synchronize", _noop("torch.cuda.synchronize"))
         _patch(torch.cuda, "current_stream", _current_stream)
+        _patch_megatron_rng()
         _installed = True
     return True
 
@@ -73,6 +74,26 @@ def uninstall() -> None:
 
 
 _OWNERS = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.cuda": torch.cuda}
+
+
+def _patch_megatron_rng() -> None:
+    """Activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA generator's state around the
+    recomputed forward; on the CPU the generator that matters is torch's CPU one, which megatron already saves
+    too. Its two CUDA state helpers are pointed at the CPU generator (module attributes, looked up per call)."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    _OWNERS["megatron.core.tensor_parallel.random"] = megatron_random
+
+    def get_state(*args, **kwargs):
+        _record("megatron _get_cuda_rng_state")
+        return torch.get_rng_state()
+
+    def set_state(new_state, *args, **kwargs):
+        _record("megatron _set_cuda_rng_state")
+        torch.set_rng_state(new_state)
+
+    _patch(megatron_random, "_get_cuda_rng_state", get_state)
+    _patch(megatron_random, "_set_cuda_rng_state", set_state)
 
 
 def _patch(owner, attr: str, replacement) -> None:

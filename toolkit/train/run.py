@@ -33,6 +33,10 @@ def model_checkpoint(*, spec, output_dir: Path) -> Path:
 
 
 def require_weights(spec) -> None:
+    """What `dsmt train` needs beyond `dsmt check` (which also serves `dsmt generate` for other trainers)."""
+    if spec.parallel.sequence_parallel:
+        raise DsmtError("parallel.sequence_parallel=true is not wired into `dsmt train` yet (it was not tested on "
+                        "GPU); set parallel.sequence_parallel=false, or use training.recompute to save activations")
     if spec.model.path is None and spec.model.config is None:
         raise DsmtError(f"model.builtin={spec.model.builtin!r} is a shape without weights: `dsmt train` needs "
                         "model.path (an HF checkpoint) or model.config (an HF config to initialise randomly)")
@@ -77,7 +81,7 @@ def train(*, spec) -> list[dict]:
     if plain.is_plain_model(hf_dir):
         return _train_plain(spec=spec, layout=layout, hf_dir=hf_dir, output_dir=output_dir)
     chunks, info = load_model_chunks(checkpoint=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
-                                     show_progress=dist.get_rank() == 0)
+                                     show_progress=dist.get_rank() == 0, recompute=spec.training.recompute)
     ds_config = build_deepspeed_config(spec=spec, layout=layout)
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
                           tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp)
