@@ -4,8 +4,8 @@ Inside a torch.distributed job whose megatron parallel state is initialised (`to
 
     chunks, settings = load_model_chunks(checkpoint=path, layout=layout)
 
-`path` is an HF checkpoint directory (streamed from safetensors, each rank reading only what it holds) or a dsmt
-megatron checkpoint (`dsmt convert hf-to-mcore`; megatron's dist_checkpointing reshards it to this layout).
+`path` is an HF checkpoint directory (streamed from safetensors one tensor at a time, each rank reading only the
+tensors of its own layers and slicing its TP shard from them) or a dsmt megatron checkpoint (`dsmt convert hf-to-mcore`; megatron's dist_checkpointing reshards it to this layout).
 """
 
 from __future__ import annotations
@@ -31,6 +31,19 @@ class CheckpointInfo:
     settings: ModelSettings
     hf_config: object
     params_dtype: torch.dtype  # dtype the weights are stored in
+    vocab_pad_multiple: int  # what settings.padded_vocab_size was rounded to
+    metadata: dict | None = None  # dsmt_checkpoint.json of a megatron checkpoint (None for HF)
+
+    def source_checkpoint(self) -> str:
+        """The HF checkpoint these weights came from (a megatron checkpoint records it)."""
+        return self.metadata["source"] if self.metadata else str(self.hf_dir.resolve())
+
+    def hf_tensor_dtypes(self) -> dict[str, str]:
+        """HF tensor name -> dtype name, so an export restores every tensor's original dtype."""
+        if self.metadata:
+            return self.metadata["hf_tensor_dtypes"]
+        source = SafetensorsSource(self.hf_dir)
+        return {name: ckpt.dtype_name(source.dtype(name)) for name in source.names()}
 
 
 def inspect_checkpoint(path: Path, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE) -> CheckpointInfo:
@@ -39,11 +52,13 @@ def inspect_checkpoint(path: Path, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PA
     if any((path / marker).exists() for marker in megatron_markers):
         metadata = ckpt.read_metadata(path)
         hf_config = load_hf_config(path / "hf")
-        settings = model_settings(hf_config, vocab_pad_multiple=metadata["vocab_pad_multiple"])
-        return CheckpointInfo("mcore", path / "hf", settings, hf_config, getattr(torch, metadata["params_dtype"]))
+        multiple = metadata["vocab_pad_multiple"]
+        settings = model_settings(hf_config, vocab_pad_multiple=multiple)
+        return CheckpointInfo("mcore", path / "hf", settings, hf_config, getattr(torch, metadata["params_dtype"]),
+                              multiple, metadata)
     hf_config = load_hf_config(path)
     settings = model_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple)
-    return CheckpointInfo("hf", path, settings, hf_config, stored_dtype(SafetensorsSource(path)))
+    return CheckpointInfo("hf", path, settings, hf_config, stored_dtype(SafetensorsSource(path)), vocab_pad_multiple)
 
 
 def stored_dtype(source: SafetensorsSource) -> torch.dtype:
@@ -125,22 +140,12 @@ def save_mcore_checkpoint(*, chunks: list, info: CheckpointInfo, out_dir: Path, 
     dist.barrier()
     if rank == 0:
         ckpt.copy_side_files(info.hf_dir, temp_dir / "hf")
-        if info.kind == "mcore":
-            metadata = ckpt.read_metadata(info.hf_dir.parent)
-            source, hf_dtypes = metadata["source"], metadata["hf_tensor_dtypes"]
-        else:
-            hf = SafetensorsSource(info.hf_dir)
-            source, hf_dtypes = str(info.hf_dir.resolve()), {n: ckpt.dtype_name(hf.dtype(n)) for n in hf.names()}
         ckpt.write_metadata(temp_dir, model_type=info.settings.family.model_type,
-                            padded_vocab_size=info.settings.padded_vocab_size, vocab_pad_multiple=_pad_multiple(info),
-                            params_dtype=params_dtype, source=source, hf_tensor_dtypes=hf_dtypes)
+                            padded_vocab_size=info.settings.padded_vocab_size,
+                            vocab_pad_multiple=info.vocab_pad_multiple, params_dtype=params_dtype,
+                            source=info.source_checkpoint(), hf_tensor_dtypes=info.hf_tensor_dtypes())
         if out_dir.exists():
             shutil.rmtree(out_dir)
         temp_dir.rename(out_dir)
     dist.barrier()
 
-
-def _pad_multiple(info: CheckpointInfo) -> int:
-    if info.kind == "mcore":
-        return ckpt.read_metadata(info.hf_dir.parent)["vocab_pad_multiple"]
-    return DEFAULT_VOCAB_PAD_MULTIPLE

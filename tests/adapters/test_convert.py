@@ -122,3 +122,11 @@ def test_foreign_or_newer_megatron_checkpoints_refused(tiny_checkpoints, tmp_pat
     (mcore / "dsmt_checkpoint.json").write_text(json.dumps({**metadata, "format_version": 99}))
     assert_fails(["convert", "mcore-to-hf", str(mcore), str(tmp_path / "out")], capsys, "format_version 99")
     assert no_partial_output(tmp_path)
+
+
+def test_non_default_vocab_padding_is_recorded_and_round_trips(tiny_checkpoints, tmp_path):
+    mcore, back = round_trip(tiny_checkpoints["llama"], tmp_path, "--vocab-pad-multiple", "100")
+    metadata = json.loads((mcore / "dsmt_checkpoint.json").read_text())
+    assert (metadata["vocab_pad_multiple"], metadata["padded_vocab_size"]) == (100, 300)
+    original, exported = hf_state(tiny_checkpoints["llama"]), hf_state(back)
+    assert all(torch.equal(original[k], exported[k]) for k in original)

@@ -79,8 +79,7 @@ def convert_mcore_to_hf(*, mcore_dir: Path, out_dir: Path, overwrite: bool = Fal
         chunks = build_model_chunks(settings=info.settings, layout=Layout(), params_dtype=info.params_dtype)
         load_dist_checkpoint(chunks=chunks, model_dir=Path(mcore_dir) / "model")
         with ckpt.atomic_output_dir(out_dir, overwrite=overwrite) as temp_dir:
-            stored = ckpt.read_metadata(mcore_dir)["hf_tensor_dtypes"]
-            dtypes = {name: getattr(torch, dtype) for name, dtype in stored.items()}
+            dtypes = {name: getattr(torch, dtype) for name, dtype in info.hf_tensor_dtypes().items()}
             tensors = hf_tensors(chunks=chunks, settings=info.settings, dtypes=dtypes)
             num_shards = write_safetensors(tensors, out_dir=temp_dir, max_shard_bytes=max_shard_bytes)
             ckpt.copy_side_files(info.hf_dir, temp_dir)

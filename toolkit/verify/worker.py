@@ -114,11 +114,7 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
 def _reference_model(info, hf_dir, auto_class):
     """The HF model the logits are compared with: the checkpoint itself, or for a dsmt megatron checkpoint, the
     HF checkpoint it was converted from (recorded in its metadata)."""
-    if hf_dir is None:
-        from toolkit.convert.checkpoint import read_metadata
-
-        hf_dir = Path(read_metadata(info.hf_dir.parent)["source"])
-    return auto_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return auto_class.from_pretrained(hf_dir or info.source_checkpoint(), dtype=torch.float32).eval()
 
 
 if __name__ == "__main__":
