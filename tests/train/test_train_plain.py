@@ -49,7 +49,7 @@ WORKER = textwrap.dedent('''
         stats = [plain.train_step(batches.batches_for_step(step)) for step in range(spec["steps"])]
         export_plain(engine=plain.engine, out_dir=Path(run["out_dir"]))
         results[name] = {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats],
-                         "lr": [s.lr for s in stats], "tokens": [s.tokens for s in stats],
+                         "lr": [s.lr for s in stats],
                          "notice": plain_notice(model_type=model.config.model_type,
                                                 zero_stage=plain.engine.zero_optimization_stage())}
     if rank == 0:

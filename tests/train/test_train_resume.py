@@ -25,8 +25,7 @@ def _process(pid):
 
 
 def launch(spec):
-    code = "import sys; from toolkit.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.Popen([sys.executable, "-c", code, "train", "--config", str(spec)], start_new_session=True,
+    return subprocess.Popen([sys.executable, "-m", "toolkit.cli", "train", "--config", str(spec)], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

@@ -33,7 +33,6 @@ class StepStats:
     grad_norm: float | None
     lr: float
     step_time_s: float
-    tokens: int
 
 
 def engine_config(ds_config: dict, *, pp_size: int) -> dict:
@@ -67,9 +66,8 @@ class HybridEngine:
         lr = self.engine.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler steps after the update)
         local_loss = self._pipeline_step(micro_batches) if self.pp_size > 1 else self._deepspeed_step(micro_batches)
         norm = self.engine.get_global_grad_norm()
-        tokens = sum(int(mb["loss_mask"].numel()) for mb in micro_batches)
         return StepStats(loss=self._global_mean_loss(local_loss), grad_norm=None if norm is None else float(norm),
-                         lr=float(lr), step_time_s=time.perf_counter() - start, tokens=tokens)
+                         lr=float(lr), step_time_s=time.perf_counter() - start)
 
     def _deepspeed_step(self, micro_batches: list[dict]) -> torch.Tensor:
         losses = []

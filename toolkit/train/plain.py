@@ -114,8 +114,7 @@ class PlainEngine:
         return self._engine
 
     def train_step(self, micro_batches: list[dict]) -> StepStats:
-        """One optimizer step over this rank's micro-batches. `tokens` counts this rank's input tokens
-        (`input_ids` elements), or its samples for models without `input_ids` (images)."""
+        """One optimizer step over this rank's micro-batches."""
         import torch.distributed as dist
 
         start = time.perf_counter()
@@ -133,12 +132,7 @@ class PlainEngine:
         dist.all_reduce(loss)
         norm = self._engine.get_global_grad_norm()
         return StepStats(loss=loss.item() / dist.get_world_size(), grad_norm=None if norm is None else float(norm),
-                         lr=float(lr), step_time_s=time.perf_counter() - start,
-                         tokens=sum(_count(batch) for batch in micro_batches))
-
-
-def _count(batch: dict) -> int:
-    return int(batch["input_ids"].numel()) if "input_ids" in batch else int(next(iter(batch.values())).shape[0])
+                         lr=float(lr), step_time_s=time.perf_counter() - start)
 
 
 class PlainBatches:

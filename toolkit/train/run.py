@@ -60,14 +60,11 @@ def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
 
 def train(*, spec) -> list[dict]:
     """Run the spec's training on this rank; returns the per-step history (same on every rank)."""
-    import torch.distributed as dist
-
     from toolkit import backend as backends
     from toolkit.generate.deepspeed_config import build_deepspeed_config
-    from toolkit.models import load_model_chunks
     from toolkit.parallel import Layout, init_process_groups
     from toolkit.spec.layout import derive_layout
-    from toolkit.train.engine import HybridEngine
+    from toolkit.train import plain
 
     backend = backends.current()
     layout = derive_layout(spec)
@@ -76,31 +73,33 @@ def train(*, spec) -> list[dict]:
     backend.seed(spec.training.seed)
     output_dir = Path(spec.training.output_dir)
     hf_dir = model_checkpoint(spec=spec, output_dir=output_dir)
-    from toolkit.train import plain
+    ds_config = build_deepspeed_config(spec=spec, layout=layout)
+    build = _plain_parts if plain.is_plain_model(hf_dir) else _hybrid_parts
+    trainer, batches, export, notice = build(spec=spec, layout=layout, parallel=parallel, hf_dir=hf_dir,
+                                             ds_config=ds_config, output_dir=output_dir)
+    return _run(trainer=trainer, batches=batches, export=export, notice=notice, spec=spec, layout=layout,
+                ds_config=ds_config, output_dir=output_dir)
 
-    if plain.is_plain_model(hf_dir):
-        return _train_plain(spec=spec, layout=layout, hf_dir=hf_dir, output_dir=output_dir)
+
+def _hybrid_parts(*, spec, layout, parallel, hf_dir: Path, ds_config: dict, output_dir: Path):
+    """megatron-core chunks from the adapters inside DeepSpeed, on tokenised `datasets` data."""
+    import torch.distributed as dist
+
+    from toolkit.models import load_model_chunks
+    from toolkit.train.engine import HybridEngine
+
     chunks, info = load_model_chunks(checkpoint=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
                                      show_progress=dist.get_rank() == 0, recompute=spec.training.recompute)
-    ds_config = build_deepspeed_config(spec=spec, layout=layout)
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
                           tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp)
     batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
-    log = RunLog(output_dir=output_dir, is_writer=dist.get_rank() == 0, layout=layout, spec=spec, ds_config=ds_config)
-    start = checkpoints.resume(engine=hybrid.engine, checkpoint_dir=output_dir / "checkpoints")
-    log.started(start_step=start, total_steps=spec.training.train_steps)
-    _loop(hybrid=hybrid, batches=batches, spec=spec, log=log, start=start, output_dir=output_dir)
-    _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir)
-    log.finished()
-    return log.history
+    return hybrid, batches, lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir), None
 
 
-def _train_plain(*, spec, layout, hf_dir: Path, output_dir: Path) -> list[dict]:
+def _plain_parts(*, spec, layout, parallel, hf_dir: Path, ds_config: dict, output_dir: Path):
     """An HF model without a megatron-core adapter: DeepSpeed ZeRO data parallelism only, synthetic inputs."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from toolkit.generate.deepspeed_config import build_deepspeed_config
     from toolkit.train import plain
 
     model_type = json.loads((hf_dir / "config.json").read_text())["model_type"]
@@ -109,33 +108,40 @@ def _train_plain(*, spec, layout, hf_dir: Path, output_dir: Path) -> list[dict]:
         raise DsmtError(f"data.path is set, but model_type {model_type} has no adapter and trains on synthetic inputs "
                         "only; leave data.path unset")
     model = plain.load_plain_model(hf_dir, dtype=params_dtype(spec.training.precision))
-    ds_config = build_deepspeed_config(spec=spec, layout=layout)
     engine = plain.PlainEngine(model=model, ds_config=ds_config)
     batches = plain.PlainBatches(model_config=model.config, micro_batch_size=layout.micro_batch_size,
                                  num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
                                  dp_size=layout.dp, seed=spec.training.seed, seq_length=layout.seq_length)
+    notice = plain.plain_notice(model_type=model_type, zero_stage=spec.parallel.zero_stage)
+    return engine, batches, lambda: plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf"), notice
+
+
+def _run(*, trainer, batches, export, notice: str | None, spec, layout, ds_config: dict, output_dir: Path) -> list[dict]:
+    """Resume, train to train_steps with checkpoints, export, report: the same for every kind of trainer."""
+    import torch.distributed as dist
+
     log = RunLog(output_dir=output_dir, is_writer=dist.get_rank() == 0, layout=layout, spec=spec, ds_config=ds_config)
-    if dist.get_rank() == 0:
-        print(plain.plain_notice(model_type=model_type, zero_stage=spec.parallel.zero_stage), flush=True)
-    start = checkpoints.resume(engine=engine.engine, checkpoint_dir=output_dir / "checkpoints")
+    if notice and dist.get_rank() == 0:
+        print(notice, flush=True)
+    start = checkpoints.resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints")
     log.started(start_step=start, total_steps=spec.training.train_steps)
-    _loop(hybrid=engine, batches=batches, spec=spec, log=log, start=start, output_dir=output_dir)
-    plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf")
+    _loop(trainer=trainer, batches=batches, spec=spec, log=log, start=start, output_dir=output_dir)
+    export()
     log.finished()
     return log.history
 
 
-def _loop(*, hybrid, batches, spec, log, start: int, output_dir: Path) -> None:
+def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path) -> None:
     import torch.distributed as dist
 
     total = spec.training.train_steps
     with tqdm(total=total, initial=start, desc="training", disable=dist.get_rank() != 0, leave=False) as bar:
         for step in range(start, total):
-            stats = hybrid.train_step(batches.batches_for_step(step))
-            log.step(step=step + 1, stats=stats, engine=hybrid.engine)
+            stats = trainer.train_step(batches.batches_for_step(step))
+            log.step(step=step + 1, stats=stats, engine=trainer.engine)
             bar.update(1)
             if (step + 1) % spec.training.checkpoint_interval == 0 or step + 1 == total:
-                checkpoints.save(engine=hybrid.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1)
+                checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1)
 
 
 def _export(*, hybrid, info, spec, output_dir: Path) -> None:
@@ -156,9 +162,8 @@ def _export(*, hybrid, info, spec, output_dir: Path) -> None:
         # A fresh one-process job: the launcher's RANK / WORLD_SIZE / MASTER_* must not leak into it.
         launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
         env = {k: v for k, v in os.environ.items() if k not in launcher_vars and not k.startswith("TORCHELASTIC")}
-        code = "import sys; from toolkit.cli import main; sys.exit(main(sys.argv[1:]))"
-        subprocess.run([sys.executable, "-c", code, "convert", "mcore-to-hf", str(mcore_dir), str(hf_dir), "--overwrite"],
-                       check=True, env=env)
+        subprocess.run([sys.executable, "-m", "toolkit.cli", "convert", "mcore-to-hf", str(mcore_dir), str(hf_dir),
+                        "--overwrite"], check=True, env=env)
     dist.barrier()
 
 
