@@ -12,7 +12,8 @@ class LayoutError(DsmtError):
     """A TP / PP / VPP / DP layout that does not fit the model or the world."""
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """1..n values dividing n: the candidates every layout rule lists as valid choices."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -39,7 +40,7 @@ class Layout:
                 found.append(f"{name}={value} must be >= 1")
         if found:
             return found
-        valid_tp = [t for t in _divisors(num_attention_heads)
+        valid_tp = [t for t in divisors(num_attention_heads)
                     if (num_query_groups % t == 0 or t % num_query_groups == 0) and padded_vocab_size % t == 0]
         if num_attention_heads % tp:
             found.append(f"tp_size={tp} does not divide num_attention_heads={num_attention_heads}; valid tp_size: {_fmt(valid_tp)}")
@@ -52,7 +53,7 @@ class Layout:
             found.append(f"vpp_size={self.vpp_size} needs pp_size > 1 (virtual stages interleave a pipeline)")
         chunks = self.pp_size * self.vpp_size
         if num_layers % chunks:
-            valid_pp = [p for p in _divisors(num_layers) if num_layers % (p * self.vpp_size) == 0]
+            valid_pp = [p for p in divisors(num_layers) if num_layers % (p * self.vpp_size) == 0]
             found.append(f"num_layers={num_layers} is not divisible by pp_size x vpp_size = {self.pp_size} x {self.vpp_size} "
                          f"= {chunks}; valid pp_size for vpp_size={self.vpp_size}: {_fmt(valid_pp)}")
         return found

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from toolkit.errors import DsmtError
+from toolkit.parallel import divisors
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.layout import RECOMPUTE_CHOICES, Cluster, Layout, TrainingShape
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, MemoryBreakdown, estimate_memory
@@ -45,10 +46,6 @@ class Plan:
         return self.fitting[0] if self.fitting else None
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _valid_values(values, pred) -> str:
     return ", ".join(str(v) for v in values if pred(v)) or "none"
 
@@ -63,12 +60,12 @@ def layout_violations(*, shape: ModelShape, layout: Layout, training: TrainingSh
     for what, count in (("num_attention_heads", shape.num_attention_heads), ("num_kv_heads", shape.num_kv_heads),
                         ("ffn_hidden_size", shape.ffn_hidden_size)):
         if count % layout.tp:
-            valid = _valid_values(_divisors(min(count, world)), lambda t: count % t == 0 and world % t == 0)
+            valid = _valid_values(divisors(min(count, world)), lambda t: count % t == 0 and world % t == 0)
             problems.append(f"tp={layout.tp} does not divide {what}={count}; valid tp: {valid}")
     chunks = layout.pp * layout.vpp
     if shape.num_layers % chunks:
         problems.append(f"pp({layout.pp}) * vpp({layout.vpp}) = {chunks} does not divide num_layers="
-                        f"{shape.num_layers}; valid pp*vpp: {_valid_values(_divisors(shape.num_layers), bool)}")
+                        f"{shape.num_layers}; valid pp*vpp: {_valid_values(divisors(shape.num_layers), bool)}")
     if layout.vpp > 1 and layout.pp < 2:
         problems.append(f"vpp={layout.vpp} needs pp >= 2 (interleaving splits a pipeline stage); set vpp=1")
     per_step = layout.micro_batch_size * layout.dp
@@ -107,10 +104,10 @@ def enumerate_layouts(*, shape: ModelShape, training: TrainingShape, cluster: Cl
     """Yield every valid layout; invalid combinations are pruned by the same rules as layout_violations."""
     world = cluster.world_size
     recomputes = [r for r in RECOMPUTE_CHOICES if not (r == "selective" and assumptions.flash_attention)]
-    for tp in _divisors(world):
+    for tp in divisors(world):
         if shape.num_attention_heads % tp or shape.num_kv_heads % tp or shape.ffn_hidden_size % tp:
             continue
-        for pp in _divisors(world // tp):
+        for pp in divisors(world // tp):
             if shape.num_layers % pp:
                 continue
             dp = world // (tp * pp)
@@ -146,7 +143,7 @@ def plan(*, shape: ModelShape, training: TrainingShape, cluster: Cluster,
         (fitting if candidate.fits else rejected).append(candidate)
         evaluated += 1
     if evaluated == 0:
-        dps = [d for d in _divisors(cluster.world_size) if training.global_batch_size % d == 0]
+        dps = [d for d in divisors(cluster.world_size) if training.global_batch_size % d == 0]
         raise DsmtError(
             f"no valid layout: global_batch_size={training.global_batch_size} must be divisible by "
             f"micro_batch_size * dp, with tp dividing heads ({shape.num_attention_heads}) and KV heads "

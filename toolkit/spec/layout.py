@@ -6,6 +6,7 @@ import dataclasses
 
 from toolkit import shapes
 from toolkit.errors import DsmtError
+from toolkit.parallel import divisors  # noqa: F401  (re-exported for the checks)
 from toolkit.spec.schema import JobSpec
 
 
@@ -66,6 +67,3 @@ def padded_vocab_size(*, vocab_size: int, divisible_by: int) -> int:
     """The adapters' padding (toolkit/shapes.py): a multiple of divisible_by, independent of tp."""
     return shapes.padded_vocab_size(vocab_size, multiple=divisible_by)
 
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

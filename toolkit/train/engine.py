@@ -35,6 +35,18 @@ class StepStats:
     step_time_s: float
 
 
+def zero3_gathered(engine):
+    """Context in which every parameter of `engine.module` is whole on every rank: ZeRO-3 keeps only a partition
+    of each parameter per rank, so exports gather them first (a no-op at lower stages)."""
+    import contextlib
+
+    import deepspeed
+
+    if engine.zero_optimization_stage() < 3:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+
+
 def engine_config(ds_config: dict, *, pp_size: int) -> dict:
     """The generated DeepSpeed config, adjusted for the driver the layout uses."""
     config = {**ds_config, "zero_optimization": dict(ds_config.get("zero_optimization", {}))}

@@ -13,8 +13,6 @@ DP2 is not the same computation as one process on the global batch (as with any 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -239,22 +237,13 @@ def export_plain(*, engine, out_dir: Path) -> None:
     """Save the trained model with save_pretrained into `out_dir` (replaced if present). Collective: every rank
     calls it; under ZeRO-3 the partitioned parameters are gathered first. Rank 0 writes into a temporary
     sibling and renames it, so `out_dir` is never a half-written model."""
-    import contextlib
-
-    import deepspeed
     import torch.distributed as dist
 
-    out_dir = Path(out_dir)
-    module = engine.module
-    gathered = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-                if engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
-    with gathered:
+    from toolkit.convert.checkpoint import atomic_output_dir
+    from toolkit.train.engine import zero3_gathered
+
+    with zero3_gathered(engine):
         if dist.get_rank() == 0:
-            temp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-            shutil.rmtree(temp, ignore_errors=True)
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
-            module.save_pretrained(temp)
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            os.replace(temp, out_dir)
+            with atomic_output_dir(Path(out_dir), overwrite=True) as temp_dir:
+                engine.module.save_pretrained(temp_dir)
     dist.barrier()

@@ -153,9 +153,10 @@ def _export(*, hybrid, info, spec, output_dir: Path) -> None:
     import torch.distributed as dist
 
     from toolkit.models import save_mcore_checkpoint
+    from toolkit.train.engine import zero3_gathered
 
     mcore_dir, hf_dir = output_dir / "final-mcore", output_dir / "final-hf"
-    with _gathered(hybrid):
+    with zero3_gathered(hybrid.engine):
         save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
                               params_dtype=params_dtype(spec.training.precision), overwrite=True)
     if dist.get_rank() == 0:
@@ -165,18 +166,6 @@ def _export(*, hybrid, info, spec, output_dir: Path) -> None:
         subprocess.run([sys.executable, "-m", "toolkit.cli", "convert", "mcore-to-hf", str(mcore_dir), str(hf_dir),
                         "--overwrite"], check=True, env=env)
     dist.barrier()
-
-
-def _gathered(hybrid):
-    """ZeRO-3 keeps only a partition of each parameter on a rank: gather them for the export."""
-    import contextlib
-
-    import deepspeed
-
-    if hybrid.engine.zero_optimization_stage() < 3:
-        return contextlib.nullcontext()
-    params = [p for chunk in hybrid.chunks for p in chunk.parameters()]
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
 def main(argv=None) -> int:
