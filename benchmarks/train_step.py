@@ -25,7 +25,7 @@ MICRO, NUM_MICRO, SEQ = 2, 4, 128
 def ds_config(dp: int, *, unmanaged: bool) -> dict:
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": NUM_MICRO,
               "train_batch_size": MICRO * NUM_MICRO * dp, "zero_optimization": {"stage": 1, "overlap_comm": False},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "steps_per_print": 10**9}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}}, "steps_per_print": 10**9}
     if unmanaged:
         config["managed_gradient_accumulation"] = False
     return config

@@ -48,7 +48,6 @@ def single_process_group(*, dist_backend: str):
     try:
         yield
     finally:
-        from megatron.core import parallel_state
+        from toolkit.parallel import destroy_process_groups
 
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        destroy_process_groups()

@@ -78,18 +78,30 @@ def check_layout(settings: ModelSettings, layout: Layout) -> None:
 
 
 def load_model_chunks(*, checkpoint: Path, layout: Layout, params_dtype: torch.dtype | None = None,
-                      parallel_output: bool = True, show_progress: bool = False, recompute: str = "none"):
-    """(chunks, info): this rank's model chunks with the checkpoint's weights, and what the checkpoint is."""
+                      parallel_output: bool = True, show_progress: bool = False, recompute: str = "none",
+                      zero3_config: dict | None = None):
+    """(chunks, info): this rank's model chunks with the checkpoint's weights, and what the checkpoint is.
+
+    With `zero3_config` (the run's ZeRO-3 DeepSpeed config) the chunks are built partitioned over megatron's
+    data-parallel group (`deepspeed.zero.Init`) and loaded one parameter at a time: no rank holds more than its
+    share plus one module's parameters (`toolkit/train/zero3.py`). HF checkpoints only: a megatron checkpoint is
+    loaded by dist_checkpointing into whole tensors."""
     from megatron.core import parallel_state
+
+    from toolkit.train.zero3 import load_partitioned, partitioned_build
 
     info = inspect_checkpoint(checkpoint)
     check_layout(info.settings, layout)
-    chunks = build_model_chunks(settings=info.settings, layout=layout, params_dtype=params_dtype or info.params_dtype,
-                                parallel_output=parallel_output, recompute=recompute)
+    if zero3_config is not None and info.kind != "hf":
+        raise ckpt.CheckpointError(f"{checkpoint} is a dsmt megatron checkpoint: a ZeRO-3 partitioned build loads HF "
+                                   "checkpoints only; export it first (`dsmt convert mcore-to-hf`) or train at ZeRO <= 2")
+    with partitioned_build(zero3_config):
+        chunks = build_model_chunks(settings=info.settings, layout=layout, params_dtype=params_dtype or info.params_dtype,
+                                    parallel_output=parallel_output, recompute=recompute)
     if info.kind == "hf":
         load_hf_weights(chunks=chunks, settings=info.settings, source=SafetensorsSource(info.hf_dir),
                         tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=layout.tp_size,
-                        show_progress=show_progress)
+                        show_progress=show_progress, write=load_partitioned if zero3_config is not None else None)
     else:
         load_dist_checkpoint(chunks=chunks, model_dir=Path(checkpoint) / "model")
     return chunks, info
@@ -149,3 +161,32 @@ def save_mcore_checkpoint(*, chunks: list, info: CheckpointInfo, out_dir: Path, 
         temp_dir.rename(out_dir)
     dist.barrier()
 
+
+
+def init_model_chunks(*, hf_dir: Path, layout: Layout, params_dtype: torch.dtype, init_method_std: float, seed: int,
+                      vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE, recompute: str = "none"):
+    """(chunks, info) for pretraining: this rank's chunks initialised by megatron-core itself (normal(0, std),
+    output projections std / sqrt(2 * num_layers), norms 1), no weights read. `hf_dir` holds only config.json (and
+    tokenizer files); `info` lets the export write final-mcore / final-hf as for a loaded checkpoint.
+
+    Seeded with seed + 100 * pipeline rank, as Megatron-LM does, so the stages' layers differ (the same seed would
+    give layer i and layer i + num_layers / pp equal weights); the data-parallel replicas stay identical."""
+    from megatron.core import parallel_state
+
+    from toolkit import backend as backends
+    from toolkit.adapters.load import expand_table
+
+    hf_config = load_hf_config(hf_dir)
+    settings = model_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple)
+    check_layout(settings, layout)
+    backend = backends.current()
+    backend.seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    chunks = build_model_chunks(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=True,
+                                init_method_std=init_method_std, recompute=recompute)
+    backend.seed(seed)  # back to the state every rank of the load path continues from
+    table = settings.family.weight_table(tied_embeddings=settings.tied_embeddings)
+    hf_names = [name for item in expand_table(table, num_layers=settings.num_layers).values() for name in item.hf]
+    metadata = {"source": str(Path(hf_dir).resolve()),  # config and tokenizer only: there are no source weights
+                "hf_tensor_dtypes": {name: ckpt.dtype_name(params_dtype) for name in hf_names}}
+    info = CheckpointInfo("init", Path(hf_dir), settings, hf_config, params_dtype, vocab_pad_multiple, metadata)
+    return chunks, info

@@ -69,12 +69,18 @@ def _fmt(values: list[int]) -> str:
 
 
 def init_process_groups(*, layout: Layout, dist_backend: str, timeout_s: float = 600.0) -> None:
-    """torch.distributed (from the launcher's environment: RANK, WORLD_SIZE, MASTER_ADDR/PORT) + megatron groups."""
+    """This rank's own device (cuda:<LOCAL_RANK>), then torch.distributed (from the launcher's environment: RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT) bound to it, then megatron's groups."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from toolkit import backend as backends
+
+    device = backends.use_rank_device()  # before the group: NCCL and megatron's buffers use the current device
     if not dist.is_initialized():
-        dist.init_process_group(backend=dist_backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # device_id binds the NCCL communicators to this rank's GPU (gloo takes no device).
+        bound = {"device_id": device} if dist_backend == "nccl" else {}
+        dist.init_process_group(backend=dist_backend, timeout=datetime.timedelta(seconds=timeout_s), **bound)
     world = dist.get_world_size()
     if world != layout.world_size:
         raise LayoutError(
@@ -94,4 +100,19 @@ def destroy_process_groups() -> None:
 
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
+        destroy_world()
+
+
+def destroy_world() -> None:
+    """Destroy the default process group, through DeepSpeed when it has used it: DeepSpeed caches the world group
+    (and its data-parallel groups) in module globals, and only its own destroy forgets them. A stale cache breaks
+    the next `deepspeed.initialize` in this process ("Group ... is not registered")."""
+    import sys
+
+    import torch.distributed as dist
+
+    ds_comm = sys.modules.get("deepspeed.comm")
+    if ds_comm is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    else:
         dist.destroy_process_group()

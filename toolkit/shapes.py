@@ -73,6 +73,8 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
         _llama_like("mistral-7b", 4096, 32, 32, 8, 14336, 32000, max_pos=32768),
         _llama_like("qwen2-7b", 3584, 28, 28, 4, 18944, 152064, max_pos=32768),
         _llama_like("qwen2-72b", 8192, 80, 64, 8, 29568, 152064, max_pos=32768),
+        # toolkit/tiny.py's TINY_LLAMA (its character tokenizer fits the 250 ids): CPU pretraining tests.
+        _llama_like("tiny-llama", 64, 4, 8, 2, 96, 250, max_pos=128),
         # GPT-3 175B (Brown et al. 2020) and the 1T configuration of Narayanan et al. 2021, Table 1.
         ModelShape("gpt3-175b", 12288, 96, 96, 96, 4 * 12288, 51200, True, False, 2048),
         ModelShape("gpt-1t", 25600, 128, 160, 160, 4 * 25600, 51200, True, False, 2048),

@@ -130,3 +130,80 @@ def test_non_default_vocab_padding_is_recorded_and_round_trips(tiny_checkpoints,
     assert (metadata["vocab_pad_multiple"], metadata["padded_vocab_size"]) == (100, 300)
     original, exported = hf_state(tiny_checkpoints["llama"]), hf_state(back)
     assert all(torch.equal(original[k], exported[k]) for k in original)
+
+
+def test_export_streams_tensor_by_tensor_without_a_model(tiny_checkpoints, tmp_path, monkeypatch):
+    """mcore-to-hf reads the torch_dist files one tensor (one layer of a stacked key) at a time: no model is built
+    and no process group started, and no read returns more than the largest single tensor."""
+    import torch.distributed as dist
+
+    from toolkit.convert import mcore_to_hf
+
+    assert dsmt(["convert", "hf-to-mcore", str(tiny_checkpoints["qwen2"]), str(tmp_path / "mcore")]) == 0
+    monkeypatch.setattr("toolkit.adapters.build.build_model_chunks", lambda **_: pytest.fail("built a model"))
+    largest, get = [0], mcore_to_hf.McoreTensorReader.get
+
+    def tracked_get(reader, name):
+        tensor = get(reader, name)
+        largest[0] = max(largest[0], tensor.numel())
+        return tensor
+
+    monkeypatch.setattr(mcore_to_hf.McoreTensorReader, "get", tracked_get)
+    assert dsmt(["convert", "mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "back")]) == 0
+    assert not dist.is_initialized()
+    original, exported = hf_state(tiny_checkpoints["qwen2"]), hf_state(tmp_path / "back")
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    assert largest[0] == max(t.numel() for t in original.values()) + 6 * 64  # the vocab-padded embedding (250 -> 256)
+
+
+def test_checkpoint_tensors_missing_from_the_table_are_named(tiny_checkpoints, tmp_path, capsys):
+    """A megatron checkpoint of another shape (here: fewer layers than its config says) fails before writing."""
+    assert dsmt(["convert", "hf-to-mcore", str(tiny_checkpoints["llama"]), str(tmp_path / "mcore")]) == 0
+    config = json.loads((tmp_path / "mcore" / "hf" / "config.json").read_text())
+    (tmp_path / "mcore" / "hf" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))
+    assert_fails(["convert", "mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "out")], capsys,
+                 "weight table row 'decoder.layers.5.self_attention.linear_qkv.weight' has no tensor",
+                 "stacks 4 layers, the config has 6")
+    assert no_partial_output(tmp_path)
+
+
+def test_rank0_task_status_done_failed_and_dead(tmp_path):
+    """The ranks that wait for rank 0's export: done returns, a failure on rank 0 raises on the waiter with rank
+    0's error, a rank 0 that stops beating is reported after the stale time, another run's file is ignored."""
+    import threading
+
+    from toolkit.convert.checkpoint import RankTaskError, lead_task, wait_for_task
+
+    status = tmp_path / "status.json"
+
+    def lead_in_thread(task, token):
+        def run():
+            try:
+                lead_task(task, status_file=status, token=token, heartbeat_s=0.05)
+            except RuntimeError:
+                pass
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    def slow_ok(progress):
+        for i in range(5):
+            progress(f"tensor {i}")
+            __import__("time").sleep(0.1)
+
+    thread = lead_in_thread(slow_ok, "run-1")
+    wait_for_task(status_file=status, token="run-1", what="export", stale_after_s=2, poll_s=0.01)
+    thread.join()
+    assert json.loads(status.read_text())["state"] == "done"
+
+    def fails(progress):
+        progress("halfway")
+        raise RuntimeError("disk full")
+
+    thread = lead_in_thread(fails, "run-2")
+    with pytest.raises(RankTaskError, match="export failed on rank 0: RuntimeError: disk full"):
+        wait_for_task(status_file=status, token="run-2", what="export", stale_after_s=2, poll_s=0.01)
+    thread.join()
+    # "run-2" failed and "run-1" was done: a waiter for "run-3" takes neither, and gives up when nothing beats.
+    with pytest.raises(RankTaskError, match="has not updated .* for 0 s .it never started"):
+        wait_for_task(status_file=status, token="run-3", what="export", stale_after_s=0.3, poll_s=0.01)

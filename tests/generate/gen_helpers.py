@@ -20,7 +20,8 @@ _TINY = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
 def _gpu_variant(**sections) -> dict:
     raw = {"model": {"builtin": "llama3-8b"},
            "cluster": {"nodes": 2, "gpus_per_node": 8, "hosts": ["gpu-a.cluster.local", "gpu-b.cluster.local"]},
-           "training": {"global_batch_size": 128, "micro_batch_size": 2, "seq_length": 2048}}
+           "training": {"global_batch_size": 128, "micro_batch_size": 2, "seq_length": 2048},
+           "data": {"synthetic": True}}
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
     return raw

@@ -122,6 +122,7 @@ def valid_specs(draw):
                      "lr_schedule": draw(st.sampled_from(["cosine", "linear", "constant"])),
                      "warmup_steps": draw(st.integers(0, 50)), "grad_clip": draw(st.sampled_from([0.0, 1.0]))},
         "communication": {"overlap_comm": draw(st.booleans()), "reduce_bucket_elements": draw(st.integers(1, 10**9))},
+        "data": {"synthetic": True},
     }
     return raw, dp
 

@@ -116,10 +116,11 @@ def test_cli_emit_spec_exact_keys(tmp_path, capsys):
     assert main(BASE + ["--emit-spec", str(path)]) == 0
     spec = yaml.safe_load(path.read_text())
     assert spec["model"] == {"builtin": "llama3-70b"}
-    assert spec["cluster"] == {"nodes": 8, "gpus_per_node": 8, "gpu": "h100-80gb"}
+    assert spec["cluster"] == {"nodes": 8, "gpus_per_node": 8, "gpu": "h100-80gb", "hosts": "slurm"}
     assert set(spec["parallel"]) == {"tp", "pp", "vpp", "sequence_parallel", "zero_stage", "offload_optimizer"}
     assert set(spec["training"]) == {"global_batch_size", "micro_batch_size", "seq_length", "precision", "recompute"}
-    assert list(spec) == ["model", "cluster", "parallel", "training"] and spec["training"]["precision"] == "bf16"
+    assert list(spec) == ["model", "cluster", "parallel", "training", "data"] and spec["training"]["precision"] == "bf16"
+    assert spec["data"] == {"synthetic": True} and spec["parallel"]["sequence_parallel"] is False  # what dsmt train runs
     assert [p.name for p in tmp_path.iterdir()] == ["job.yaml"]  # no temp file left behind
 
 

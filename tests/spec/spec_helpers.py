@@ -18,6 +18,7 @@ def tiny_spec(**sections) -> dict:
         "cluster": {"gpus_per_node": 2, "gpu": "cpu", "device": "cpu", "interconnect": "tcp"},
         "training": {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 64, "precision": "fp32",
                      "train_steps": 5, "warmup_steps": 1, "checkpoint_interval": 5},
+        "data": {"synthetic": True},
     }
     for name, values in sections.items():
         spec.setdefault(name, {}).update(values)

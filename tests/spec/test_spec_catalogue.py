@@ -14,7 +14,7 @@ def _model(**changes):
 
 
 def _llama8b(**sections):
-    raw = {"model": {"builtin": "llama3-8b"}, "training": {"global_batch_size": 64}}
+    raw = {"model": {"builtin": "llama3-8b"}, "training": {"global_batch_size": 64}, "data": {"synthetic": True}}
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
     return raw
@@ -73,7 +73,11 @@ CATALOGUE = {
     "prompt_without_completion": (tiny_spec(data={"prompt_field": "q"}), "prompt_completion_pair", "together"),
     "messages_with_prompt": (tiny_spec(data={"messages_field": "messages", "prompt_field": "q", "completion_field": "a"}),
                              "messages_vs_prompt", "exclusive"),
-    "bad_path_newline": (tiny_spec(data={"path": "a\nb"}), "bad_path", "single-line"),
+    "bad_path_newline": (tiny_spec(data={"path": "a\nb", "synthetic": False}), "bad_path", "single-line"),
+    "data_source": (tiny_spec(data={"synthetic": False}), "data_source", "data.synthetic: true for synthetic tokens"),
+    "synthetic_with_path": (tiny_spec(data={"path": "train.jsonl"}), "synthetic_with_path", "path='train.jsonl'"),
+    "builtin_needs_tokenizer": (_llama8b(data={"synthetic": False, "path": "train.jsonl"}), "builtin_needs_tokenizer",
+                                "vocab_size=128256"),
 }
 
 

@@ -13,7 +13,8 @@ def _gpu_spec(**sections) -> dict:
     """Llama-3-8B on one node of 8 H100s: tp 2, dp 4, ZeRO-1, selective recompute (fits)."""
     raw = {"model": {"builtin": "llama3-8b"}, "cluster": {"gpu": "h100-80gb"},
            "parallel": {"tp": 2, "sequence_parallel": True, "zero_stage": 1},
-           "training": {"global_batch_size": 64, "micro_batch_size": 2, "seq_length": 4096, "recompute": "selective"}}
+           "training": {"global_batch_size": 64, "micro_batch_size": 2, "seq_length": 4096, "recompute": "selective"},
+           "data": {"synthetic": True}}
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
     return raw

@@ -25,13 +25,18 @@ def test_tp_not_dividing_heads_is_refused(tiny_llama, tmp_path, capsys):
     assert "heads_vs_tp" in capsys.readouterr().err
 
 
-def test_builtin_shape_without_weights_is_refused(tmp_path, capsys):
+def test_builtin_shape_with_text_data_and_no_tokenizer_is_refused(tmp_path, capsys):
+    """A built-in shape pretrains from megatron-core's init (test_train_pretrain.py), but has no tokenizer files."""
     import yaml
+
+    from train_helpers import STORIES
 
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump({"model": {"builtin": "llama3-8b"}, "cluster": {"gpus_per_node": 1, "gpu": "cpu", "device": "cpu"},
                                     "training": {"precision": "fp32", "seq_length": 32, "warmup_steps": 0, "train_steps": 2,
-                                                 "output_dir": str(tmp_path / "out")}}))
+                                                 "output_dir": str(tmp_path / "out")},
+                                    "data": {"path": str(STORIES)}}))
     code = dsmt(["train", "--config", str(spec)])
     err = capsys.readouterr().err
-    assert code != 0 and "model.builtin" in err and "model.path" in err
+    assert code != 0 and "builtin_needs_tokenizer" in err and "model.builtin=llama3-8b" in err and "data.tokenizer" in err
+    assert not (tmp_path / "out").exists()

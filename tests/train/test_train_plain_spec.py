@@ -24,7 +24,8 @@ def spec_for(tmp_path, model_dir, **parallel):
             "parallel": {"tp": 1, "pp": 1, "zero_stage": 1, **parallel},
             "training": {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 16, "precision": "fp32",
                          "lr": 1e-3, "min_lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "train_steps": 3,
-                         "checkpoint_interval": 3, "log_interval": 1, "output_dir": str(tmp_path / "out")}}
+                         "checkpoint_interval": 3, "log_interval": 1, "output_dir": str(tmp_path / "out")},
+            "data": {"synthetic": True}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path

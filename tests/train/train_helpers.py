@@ -1,4 +1,5 @@
-"""Job specs for CPU training tests and the single-process HF reference they are compared with."""
+"""Job specs, launches and metrics for CPU training tests (the HF reference they are compared with is in
+reference.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 STORIES = REPO / "examples" / "data" / "tiny_stories.jsonl"
+PROMPTS = REPO / "examples" / "data" / "tiny_prompts.jsonl"
 
 
 def write_spec(path: Path, *, model_dir: Path, output_dir: Path, tp=1, pp=1, vpp=None, dp=2, zero=1, micro=2,
@@ -26,7 +28,7 @@ def write_spec(path: Path, *, model_dir: Path, output_dir: Path, tp=1, pp=1, vpp
         "data": {"path": str(STORIES), "shuffle": True},
     }
     for section, values in (extra or {}).items():
-        spec[section].update(values)
+        spec.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(spec))
     return path
 
@@ -35,38 +37,90 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def hf_reference(*, model_dir: Path, spec_path: Path, lrs: list[float]) -> tuple[list[float], dict]:
-    """Plain HF + torch AdamW in this process on the same global batches; returns (losses, final state dict)."""
-    from transformers import AutoModelForCausalLM
+def run_dsmt(spec_path: Path) -> None:
+    """`dsmt train --config spec_path` in a subprocess (it launches the ranks itself); fails with its output."""
+    import subprocess
+    import sys
 
-    from toolkit.data import MicroBatches, build_examples
-    from toolkit.spec.layout import derive_layout
-    from toolkit.spec.load import load_spec
+    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", "--config", str(spec_path)],
+                            capture_output=True, text=True, cwd=REPO)
+    if result.returncode != 0:
+        # torchrun's summary of killed ranks fills the tail; the first rank's exception is what explains a failure
+        output = result.stdout + result.stderr
+        errors = dict.fromkeys(line for line in output.splitlines()
+                               if "Error:" in line and "ChildFailedError" not in line)
+        raise AssertionError("dsmt train failed:\n" + "\n".join(list(errors)[:10]) + "\n--- tail:\n" + output[-3000:])
 
-    spec = load_spec(spec_path)
-    layout = derive_layout(spec)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    examples = build_examples(data=spec.data, model_path=str(model_dir), seq_length=layout.seq_length,
-                              vocab_size=model.config.vocab_size, seed=spec.training.seed)
-    # One process holding every data-parallel rank's micro-batches, in the pipeline's (micro-batch, rank) order.
-    batches = MicroBatches(examples=examples, micro_batch_size=layout.micro_batch_size,
-                           num_microbatches=layout.grad_accum_steps * layout.dp, dp_rank=0, dp_size=1,
-                           seed=spec.training.seed, shuffle=spec.data.shuffle)
-    t = spec.training
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lrs[0], betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
-    losses = []
-    for step, lr in enumerate(lrs):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro_losses = []
-        for batch in batches.batches_for_step(step):
-            logits = model(input_ids=batch["tokens"]).logits
-            per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
-            micro_losses.append((per_token * batch["loss_mask"].flatten()).sum() / batch["loss_mask"].sum())
-        loss = torch.stack(micro_losses).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+# --- dsmt against the independent reference (reference.py) -----------------------------------------------------
+
+PARITY_STEPS = 6
+GRAD_CLIP = 0.5  # below every step's pre-clip norm in these runs (~2-3), so clipping acts on every step
+# lr 0, 0, lr/2, then cosine to min_lr (DeepSpeed's WarmupCosineLR as dsmt configures it, see reference.py)
+PARITY_TRAINING = {"lr": 2e-3, "min_lr": 2e-4, "lr_schedule": "cosine", "warmup_steps": 2, "weight_decay": 0.1,
+                   "grad_clip": GRAD_CLIP, "train_steps": PARITY_STEPS}
+SFT_DATA = {"path": str(PROMPTS), "prompt_field": "prompt", "completion_field": "completion"}
+SFT_SEQ = 64  # prompts are 18-42 characters, prompt + completion + EOS up to 88: some completions are cut
+
+
+def parity_spec(path: Path, *, model_dir: Path, output_dir: Path, sft: bool = False, extra: dict | None = None,
+                **layout) -> Path:
+    """A spec for `layout` with the parity training settings (and prompt/completion data when `sft`)."""
+    merged = {"training": dict(PARITY_TRAINING)}
+    if sft:
+        merged["data"] = dict(SFT_DATA)
+        layout.setdefault("seq", SFT_SEQ)
+    for section, values in (extra or {}).items():
+        merged.setdefault(section, {}).update(values)
+    return write_spec(path, model_dir=model_dir, output_dir=output_dir, steps=PARITY_STEPS, extra=merged, **layout)
+
+
+def beyond_bf16_rounding(exported: torch.Tensor, reference: torch.Tensor) -> float:
+    """Largest |exported - reference| beyond what rounding to bf16 explains: half the bf16 spacing (8 significant
+    bits: spacing 2^(exponent - 7)) at the larger magnitude of the two. What remains is the difference between
+    the trained (master) weights before the export rounded them."""
+    magnitude = torch.maximum(exported.float().abs(), reference.abs()).clamp(min=1e-30)
+    half_spacing = torch.exp2(torch.floor(torch.log2(magnitude)) - 8)
+    return (exported.float() - reference).abs().sub(half_spacing).clamp(min=0).max().item()
+
+
+def parity_figures(*, name: str, spec_path: Path, output_dir: Path, model_dir: Path,
+                   bf16: bool = False) -> dict[str, float]:
+    """Run the reference for a finished dsmt run's spec and return the worst differences: per-step loss and
+    pre-clip grad norm (absolute), exported weights (absolute), and how far the reference weights moved.
+    Asserts what holds at any precision: the steps, the lr of every step, clipping active, the exported keys.
+    `bf16`: the reference starts from the checkpoint rounded to bf16 (as dsmt's fp32 master weights do) and the
+    figures add the weight difference beyond the export's bf16 rounding (`beyond_bf16_rounding`)."""
+    from safetensors.torch import load_file
+
+    from reference import train_reference
+
+    metrics = read_metrics(output_dir)
+    assert [r["step"] for r in metrics] == list(range(1, PARITY_STEPS + 1))
+    reference = train_reference(spec_path, start_rounded_to=torch.bfloat16 if bf16 else None)
+    assert min(reference.grad_norms) > GRAD_CLIP, reference.grad_norms
+    lrs = [r["lr"] for r in metrics]
+    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(lrs, reference.lrs)), (lrs, reference.lrs)
+    exported = load_file(Path(output_dir) / "final-hf" / "model.safetensors")
+    tied_only = set(reference.state_dict) - set(exported)
+    assert set(exported) <= set(reference.state_dict) and tied_only <= {"lm_head.weight"}, tied_only
+    start = {k: v.float() for k, v in load_file(Path(model_dir) / "model.safetensors").items()}
+    if bf16:
+        start = {k: v.to(torch.bfloat16).float() for k, v in start.items()}
+    figures = {
+        "loss": max(abs(r["loss"] - x) for r, x in zip(metrics, reference.losses)),
+        "grad_norm": max(abs(r["grad_norm"] - x) for r, x in zip(metrics, reference.grad_norms)),
+        "weight": max((exported[k].float() - reference.state_dict[k]).abs().max().item() for k in exported),
+        "moved": max((reference.state_dict[k] - start[k]).abs().max().item() for k in exported),
+    }
+    if bf16:
+        figures["weight_beyond_bf16"] = max(beyond_bf16_rounding(exported[k], reference.state_dict[k])
+                                           for k in exported)
+    print(f"\n{name:<34}" + " | ".join(f"{key} {value:.2e}" for key, value in figures.items()))
+    print(f"{'':<34}dsmt loss {[round(r['loss'], 5) for r in metrics]} grad_norm "
+          f"{[round(r['grad_norm'], 4) for r in metrics]}")
+    print(f"{'':<34}ref  loss {[round(x, 5) for x in reference.losses]} grad_norm "
+          f"{[round(x, 4) for x in reference.grad_norms]}")
+    assert reference.losses[-1] < reference.losses[0]  # it learns
+    assert figures["moved"] > 1e-3  # the weights compared are trained ones, not two copies of the start
+    return figures

@@ -18,7 +18,7 @@ RECOMPUTE = {
 
 
 def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype, init_weights: bool = False,
-                       recompute: str = "none"):
+                       init_method_std: float = 0.02, recompute: str = "none"):
     from megatron.core.transformer import TransformerConfig
 
     backend = backends.current()
@@ -34,6 +34,8 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
         fp16=params_dtype == torch.float16,
         # Weights come from the checkpoint: random initialisation would only cost time (minutes at 70B).
         perform_initialization=init_weights,
+        # With init_weights: normal(0, std) everywhere, std / sqrt(2 * num_layers) for the two output projections.
+        init_method_std=init_method_std,
         use_cpu_initialization=backend.name == "cpu",
         batch_p2p_comm=backend.batch_p2p_comm,
         **RECOMPUTE[recompute],
@@ -50,7 +52,8 @@ def layer_spec():
 
 
 def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype = torch.float32,
-                       parallel_output: bool = True, init_weights: bool = False, recompute: str = "none") -> list:
+                       parallel_output: bool = True, init_weights: bool = False, init_method_std: float = 0.02,
+                       recompute: str = "none") -> list:
     """This rank's model chunks (one per virtual stage), on the backend's device.
 
     `parallel_output=False` gathers the vocab-parallel logits on every TP rank (verification); training keeps
@@ -59,7 +62,7 @@ def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype:
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=init_weights,
-                                recompute=recompute)
+                                init_method_std=init_method_std, recompute=recompute)
     spec = layer_spec()
     device = backends.current().device
     chunks = []
@@ -79,5 +82,29 @@ def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype:
             vp_stage=vp,
             **(settings.rope_scaling or {}),
         )
+        mark_tensor_parallel_weights(model)
         chunks.append(model.to(device))
     return chunks
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Give every TP-sharded weight megatron's `tensor_model_parallel` / `partition_dim` attributes.
+
+    megatron's local layers set them only inside their random initialisation, which we skip when weights come from a
+    checkpoint. Without them DeepSpeed counts each shard as a replicated parameter: the gradient norm sums over TP
+    ranks wrongly (so clipping is wrong) and the bf16 optimizer mis-partitions. Weights that already carry the
+    attributes (Transformer Engine layers, or megatron's own initialisation) are left as they are."""
+    from megatron.core.tensor_parallel import layers
+
+    for module in model.modules():
+        if isinstance(module, (layers.ColumnParallelLinear, layers.VocabParallelEmbedding)):
+            partition_dim = 0
+        elif isinstance(module, layers.RowParallelLinear):
+            partition_dim = 1
+        else:
+            partition_dim = {"column": 0, "row": 1}.get(getattr(module, "parallel_mode", None))
+        weight = getattr(module, "weight", None)
+        if partition_dim is None or not isinstance(weight, torch.nn.Parameter):
+            continue
+        if not any(hasattr(weight, name) for name in ("tensor_model_parallel", "partition_dim", "partition_stride")):
+            layers.set_tensor_model_parallel_attributes(weight, True, partition_dim, 1)

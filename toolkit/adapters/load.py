@@ -9,8 +9,10 @@ last stage's copy of tied embeddings (megatron keys it as `embedding.word_embedd
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -21,6 +23,11 @@ from toolkit.adapters.hf_config import ModelSettings
 from toolkit.adapters.transforms import Kind
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape, also for a DeepSpeed ZeRO-3 parameter (its data is empty outside a gather)."""
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))
 
 
 def canonical_tensors(chunks: list) -> dict[str, torch.Tensor]:
@@ -39,6 +46,31 @@ def canonical_tensors(chunks: list) -> dict[str, torch.Tensor]:
             else:
                 found[item.key] = data
     return found
+
+
+@contextlib.contextmanager
+def _full_shape_standins(params: list[torch.Tensor]):
+    """megatron's `sharded_state_dict()` checks shapes, and a ZeRO-3 parameter's data is empty: inside, each such
+    parameter holds a one-element, zero-stride stand-in of its full shape, with storage of its own so that a state
+    dict tensor is traced back to its parameter by data pointer. The empty data comes back on exit."""
+    saved = []
+    try:
+        for param in params:
+            if hasattr(param, "ds_shape"):
+                saved.append((param, param.data))
+                param.data = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.ds_shape)
+        yield
+    finally:
+        for param, data in saved:
+            param.data = data
+
+
+def canonical_parameters(chunks: list) -> dict[str, torch.nn.Parameter]:
+    """Canonical megatron name -> this rank's parameter object (also when ZeRO-3 has partitioned it)."""
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    with _full_shape_standins(params):
+        by_pointer = {p.data_ptr(): p for p in params}
+        return {name: by_pointer[tensor.data_ptr()] for name, tensor in canonical_tensors(chunks).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +133,8 @@ def plan_load(*, settings: ModelSettings, source, targets: dict[str, torch.Tenso
         expected_hf = transforms.expected_hf_shapes(item.kind, transforms.megatron_shape(item.kind, hf_shapes, ctx=ctx), ctx=ctx)
         wrong = [f"{n} {s} (expected {e})" for n, s, e in zip(item.hf, hf_shapes, expected_hf) if tuple(s) != tuple(e)]
         want = local_shape(item, hf_shapes, settings=settings, tp_size=tp_size)
-        if wrong or want != tuple(tensor.shape):
-            problems.append(f"shape mismatch for {name}: local {tuple(tensor.shape)} vs {want} from HF; {'; '.join(wrong) or 'HF shapes as expected'}")
+        if wrong or want != full_shape(tensor):
+            problems.append(f"shape mismatch for {name}: local {full_shape(tensor)} vs {want} from HF; {'; '.join(wrong) or 'HF shapes as expected'}")
         plan.append(item)
     if problems:
         raise AdapterError(f"{len(problems)} problem(s) between the HF checkpoint and the megatron model:\n  - " + "\n  - ".join(problems))
@@ -116,15 +148,28 @@ def local_shard(item: LoadItem, hf: list[torch.Tensor], *, settings: ModelSettin
     return transforms.shard(item.kind, full, tp_rank=tp_rank, tp_size=tp_size)
 
 
+def _copy_into(target: torch.Tensor, value: Callable[[], torch.Tensor]) -> None:
+    target.copy_(value())
+
+
 @torch.no_grad()
-def load_hf_weights(*, chunks: list, settings: ModelSettings, source, tp_rank: int, tp_size: int, show_progress: bool = False) -> int:
-    """Copy HF tensors into this rank's chunks, one at a time. Returns the number of bytes read."""
-    targets = canonical_tensors(chunks)
+def load_hf_weights(*, chunks: list, settings: ModelSettings, source, tp_rank: int, tp_size: int,
+                    show_progress: bool = False, write: Callable | None = None) -> int:
+    """Copy HF tensors into this rank's chunks, one at a time. Returns the number of bytes of HF tensors.
+
+    `write(parameter, value)` stores one tensor, `value()` reading and transforming it on demand: the default
+    copies into the local tensor; ZeRO-3 passes `toolkit.train.zero3.load_partitioned`, which reads on one rank
+    of the data-parallel group and broadcasts into the partitions."""
+    targets = canonical_tensors(chunks) if write is None else canonical_parameters(chunks)
+    write = write or _copy_into
     plan = plan_load(settings=settings, source=source, targets=targets, tp_size=tp_size)
     total = sum(source.nbytes(n) for item in plan for n in item.hf)
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading HF tensors", disable=not show_progress) as bar:
         for item in plan:
-            hf = [source.get(n) for n in item.hf]
-            targets[item.megatron].copy_(local_shard(item, hf, settings=settings, tp_rank=tp_rank, tp_size=tp_size))
-            bar.update(sum(t.numel() * t.element_size() for t in hf))
+            def value(item=item):
+                hf = [source.get(n) for n in item.hf]
+                return local_shard(item, hf, settings=settings, tp_rank=tp_rank, tp_size=tp_size)
+
+            write(targets[item.megatron], value)
+            bar.update(sum(source.nbytes(n) for n in item.hf))
     return total

@@ -2,6 +2,11 @@
 
 This is the one place that knows the difference. Everything else asks `current()` for the device, the
 torch.distributed backend, the megatron layer spec flavour and how to seed megatron's RNG tracker.
+
+Per rank, in this order: `select(device=spec.cluster.device)` (the spec's device must be this machine's: never a
+silent CPU run on a GPU node), then `use_rank_device()` (cuda:<LOCAL_RANK> made current, before the process group
+exists, so NCCL, `Backend.device` and megatron's `torch.cuda.current_device()` buffers all name the rank's own GPU),
+then the process group (`toolkit.parallel.init_process_groups` does the last two).
 """
 
 from __future__ import annotations
@@ -9,8 +14,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import os
+from collections.abc import Mapping
 
 import torch
+
+from toolkit.errors import DsmtError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +34,9 @@ class Backend:
 
     @property
     def device(self) -> torch.device:
+        """This rank's device: cuda:<LOCAL_RANK> once `use_rank_device()` ran, the current CUDA device before."""
         if self.name == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
+            return _rank_device or torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
     def seed(self, seed: int) -> None:
@@ -49,3 +59,74 @@ def current() -> Backend:
 
     cpu.install()
     return Backend(name="cpu", dist_backend="gloo", use_transformer_engine=False, batch_p2p_comm=False)
+
+
+class DeviceError(DsmtError):
+    """The spec's device is not this machine's, or this rank has no GPU of its own."""
+
+
+_rank_device: torch.device | None = None  # set once by use_rank_device()
+
+
+def select(*, device: str) -> Backend:
+    """The backend for a job spec's `cluster.device` ("cuda" or "cpu"), refused when this machine differs.
+
+    Backend choice stays automatic (`current()`); this only makes a spec/machine mismatch an error instead of
+    a silent CPU run on a GPU node whose CUDA broke, or CUDA code on a machine the spec calls a CPU."""
+    if device not in ("cuda", "cpu"):
+        raise DeviceError(f"cluster.device={device!r}; valid: cuda, cpu")
+    has_cuda = torch.cuda.is_available()
+    if device == "cuda" and not has_cuda:
+        raise DeviceError(
+            "cluster.device=cuda but CUDA is not available on this machine (torch.cuda.is_available() is False, "
+            f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); for a CPU run set "
+            "cluster.device: cpu and cluster.gpu: cpu; on a GPU node check the driver (nvidia-smi), "
+            "CUDA_VISIBLE_DEVICES and that torch is a CUDA build"
+        )
+    if device == "cpu" and has_cuda:
+        # The CPU backend redirects megatron's hard-coded CUDA calls only where CUDA is absent (toolkit/backend/cpu.py);
+        # with GPUs visible those calls would land on cuda:0 next to CPU weights.
+        raise DeviceError(
+            f"cluster.device=cpu but this machine has CUDA ({torch.cuda.device_count()} GPU(s) visible); to train "
+            "on the CPU hide the GPUs (CUDA_VISIBLE_DEVICES= with an empty value), or set cluster.device: cuda and "
+            "cluster.gpu to this GPU's preset to use them"
+        )
+    return current()
+
+
+def local_rank_from(environ: Mapping[str, str]) -> int:
+    """This process's index on its node: LOCAL_RANK (torchrun, the deepspeed launcher), else SLURM_LOCALID (srun
+    with one task per GPU), else 0 for a lone process."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = environ.get(name)
+        if value is not None:
+            if not value.isdigit():
+                raise DeviceError(f"{name}={value!r} is not a process index (0, 1, ...); check the launcher")
+            return int(value)
+    world_size = environ.get("WORLD_SIZE", "1")
+    if world_size.isdigit() and int(world_size) > 1:
+        raise DeviceError(f"WORLD_SIZE={world_size} but neither LOCAL_RANK nor SLURM_LOCALID is set, so this rank "
+                          "cannot tell which GPU is its own; launch with torchrun, the deepspeed launcher or srun")
+    return 0
+
+
+def use_rank_device(environ: Mapping[str, str] | None = None) -> torch.device:
+    """Make this rank's own GPU (cuda:<local rank>) current and return it; on the CPU backend, cpu (no CUDA call).
+
+    Call before `torch.distributed.init_process_group`: NCCL binds each communicator to the current device, and
+    megatron allocates buffers on `torch.cuda.current_device()`; without it every rank of a node uses cuda:0."""
+    global _rank_device
+    if current().name != "cuda":
+        return torch.device("cpu")
+    local_rank = local_rank_from(os.environ if environ is None else environ)
+    num_gpus = torch.cuda.device_count()
+    if local_rank >= num_gpus:
+        raise DeviceError(
+            f"local rank {local_rank} needs GPU {local_rank}, but this node has {num_gpus} visible GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); launch at most "
+            f"{num_gpus} processes per node (cluster.gpus_per_node <= {num_gpus}) or make more GPUs visible"
+        )
+    torch.cuda.set_device(local_rank)
+    _rank_device = torch.device("cuda", local_rank)
+    return _rank_device

@@ -114,3 +114,104 @@ def atomic_output_dir(out_dir: Path, *, overwrite: bool):
         shutil.rmtree(old, ignore_errors=True)
     else:
         temp_dir.rename(out_dir)
+
+
+# ---- one rank works, the others wait on a status file ------------------------------------------------------------
+# A collective (barrier) would time out after the process group's timeout (600 s) however well the work goes;
+# a status file with a heartbeat lets the other ranks wait as long as the working rank is alive, and carries its
+# failure to them. The directory must be shared by all ranks, as the checkpoints already require.
+
+HEARTBEAT_S = 5.0
+STALE_AFTER_S = 120.0  # no heartbeat for this long: the working rank died (or its filesystem is gone)
+
+
+class RankTaskError(DsmtError):
+    """The rank doing a task for all ranks failed, or stopped signalling that it is alive."""
+
+
+def _write_status(path: Path, status: dict) -> None:
+    temp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    temp.write_text(json.dumps(status))
+    os.replace(temp, path)  # readers see the old or the new status, never half of one
+
+
+def _read_status(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def lead_task(task, *, status_file: Path, token: str, heartbeat_s: float = HEARTBEAT_S):
+    """Run `task(progress)` and publish its state in `status_file`: "running" with a heartbeat counter every
+    `heartbeat_s` (and the last `progress(message)`), then "done", or "failed" with the error (re-raised here)."""
+    import threading
+
+    status_file = Path(status_file)
+    status_file.parent.mkdir(parents=True, exist_ok=True)
+    lock, stop = threading.Lock(), threading.Event()
+    state = {"token": token, "state": "running", "beat": 0, "progress": "started", "error": None}
+
+    def publish(**changes):
+        with lock:
+            state.update(changes)
+            state["beat"] += 1
+            _write_status(status_file, state)
+
+    def beat():
+        while not stop.wait(heartbeat_s):
+            publish()
+
+    publish()
+    thread = threading.Thread(target=beat, name="dsmt-status-heartbeat", daemon=True)
+    thread.start()
+    try:
+        result = task(lambda message: publish(progress=message))
+    except BaseException as err:
+        stop.set()
+        thread.join()
+        publish(state="failed", error=f"{type(err).__name__}: {err}")
+        raise
+    stop.set()
+    thread.join()
+    publish(state="done")
+    return result
+
+
+def wait_for_task(*, status_file: Path, token: str, what: str, stale_after_s: float = STALE_AFTER_S,
+                  poll_s: float = 0.5) -> None:
+    """Return when the task with `token` is done; raise RankTaskError when it failed or its heartbeat stopped for
+    `stale_after_s` (measured on this rank's clock from the last change seen, so clocks need not agree)."""
+    import time
+
+    last_beat, last_change = None, time.monotonic()
+    while True:
+        status = _read_status(Path(status_file))
+        if status is not None and status.get("token") == token:  # another run's leftover file is not ours
+            if status["state"] == "done":
+                return
+            if status["state"] == "failed":
+                raise RankTaskError(f"{what} failed on rank 0: {status['error']}")
+            if status["beat"] != last_beat:
+                last_beat, last_change = status["beat"], time.monotonic()
+        if time.monotonic() - last_change > stale_after_s:
+            ours = status is not None and status.get("token") == token
+            seen = f"last progress: {status['progress']}" if ours else "it never started"
+            raise RankTaskError(f"{what}: rank 0 has not updated {status_file} for {stale_after_s:.0f} s ({seen}); "
+                                "it died or hangs: see rank 0's output")
+        time.sleep(poll_s)
+
+
+def run_on_rank0(task, *, status_file: Path, what: str, stale_after_s: float = STALE_AFTER_S):
+    """Collective entry: rank 0 runs `task(progress)`, every other rank waits for it through `status_file`
+    (no collective while it works). A failure raises on every rank."""
+    import uuid
+
+    import torch.distributed as dist
+
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)  # names this run's status, so a stale file is never taken as done
+    if dist.get_rank() == 0:
+        return lead_task(task, status_file=status_file, token=token[0])
+    wait_for_task(status_file=status_file, token=token[0], what=what, stale_after_s=stale_after_s)
+    return None

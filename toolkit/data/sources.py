@@ -42,7 +42,7 @@ def load_records(*, data: DataSpec, cache_dir: str | None = None):
     holding every field the record kind needs. `cache_dir` is the `datasets` cache (None: its default)."""
     if data.path is None:
         raise DsmtError("data.path is not set: load_records needs a file or directory "
-                        "(use synthetic_examples for data.path=null)")
+                        "(data.synthetic: true uses synthetic_examples instead)")
     path = Path(data.path).expanduser()
     if path.is_dir():
         records = _load_directory(path=path, data=data)

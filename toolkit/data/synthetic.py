@@ -1,4 +1,4 @@
-"""Token sequences for `data.path: null`: no files, no tokenizer, still learnable.
+"""Token sequences for `data.synthetic: true`: no files, no tokenizer, still learnable.
 
 Each example counts up from a random start with a random stride of 1, 2 or 3 (mod `vocab_size`), so after two
 tokens the next one is determined: a tiny model's loss falls well below log(vocab_size) within a few dozen steps,

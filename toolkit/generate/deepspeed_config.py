@@ -18,11 +18,13 @@ def build_deepspeed_config(*, spec: JobSpec, layout: Layout) -> dict:
         "steps_per_print": training.log_interval,
         "gradient_clipping": training.grad_clip,
         "zero_optimization": _zero_section(spec=spec),
-        "bf16": {"enabled": training.precision == "bf16"},
+        "bf16": _bf16_section(enabled=training.precision == "bf16"),
         "fp16": _fp16_section(enabled=training.precision == "fp16"),
+        "data_types": {"grad_accum_dtype": grad_accum_dtype(spec=spec)},
         "optimizer": _optimizer_section(spec=spec),
         "scheduler": _scheduler_section(spec=spec),
-        "communication_data_type": spec.communication.communication_data_type or training.precision,
+        # megatron's default: gradients are reduced over data parallelism in fp32 whatever the training precision
+        "communication_data_type": spec.communication.communication_data_type or "fp32",
         "prescale_gradients": False,
         "wall_clock_breakdown": False,
         "tensorboard": {"enabled": training.tensorboard, "output_path": f"{training.output_dir}/tensorboard",
@@ -57,6 +59,22 @@ def _zero_section(*, spec: JobSpec) -> dict:
     return section
 
 
+def grad_accum_dtype(*, spec: JobSpec) -> str:
+    """The dtype gradients accumulate in across micro-batches: fp32 (megatron's default) unless the spec says."""
+    if spec.training.precision == "fp32":
+        return "fp32"
+    return spec.communication.grad_accum_dtype or "fp32"
+
+
+def _bf16_section(*, enabled: bool) -> dict:
+    if not enabled:
+        return {"enabled": False}
+    # With fp32 accumulation DeepSpeed's BF16 optimizer (ZeRO-1) moves each bf16 gradient into its fp32 buffer
+    # as soon as backward produces it; otherwise megatron's pipeline schedule, which runs backward itself, would
+    # accumulate the micro-batches in bf16 before DeepSpeed sees them.
+    return {"enabled": True, "immediate_grad_update": True}
+
+
 def _fp16_section(*, enabled: bool) -> dict:
     if not enabled:
         return {"enabled": False}
@@ -75,7 +93,11 @@ def _optimizer_section(*, spec: JobSpec) -> dict:
 
 
 def _scheduler_section(*, spec: JobSpec) -> dict:
-    """DeepSpeed refuses warmup_num_steps=0: no warmup is written as one step that starts at lr already."""
+    """DeepSpeed refuses warmup_num_steps=0: no warmup is written as one step that starts at lr already.
+
+    DeepSpeed's schedulers (as of 0.19) start at iteration -1 with lr 0 and advance after each optimizer step, so
+    the first step always runs at lr 0; WarmupLR and WarmupCosineLR also warm up over max(2, warmup) steps. The
+    training-parity reference reproduces exactly this (tests/train/reference.py)."""
     training = spec.training
     kind = _SCHEDULERS[training.lr_schedule]
     warmup_steps = max(training.warmup_steps, 1)

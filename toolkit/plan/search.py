@@ -114,7 +114,9 @@ def enumerate_layouts(*, shape: ModelShape, training: TrainingShape, cluster: Cl
             if training.global_batch_size % dp:
                 continue
             vpps = [1] + [v for v in range(2, max_vpp + 1) if pp > 1 and shape.num_layers % (pp * v) == 0]
-            zeros = [0] if dp == 1 else [0, 1] if pp > 1 else [0, 1, 2, 3]  # ZeRO needs dp > 1 to partition
+            # Plans are bf16: DeepSpeed keeps fp32 master weights and accumulates gradients in fp32 only under ZeRO
+            # (stage 1 is the BF16 optimizer; at dp = 1 it partitions nothing and costs what ZeRO-0 would).
+            zeros = [1] if dp == 1 or pp > 1 else [1, 2, 3]
             for mbs in range(1, max_micro_batch_size + 1):
                 if training.global_batch_size % (mbs * dp):
                     continue

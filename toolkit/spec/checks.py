@@ -164,6 +164,30 @@ def check_precision_on_device(*, spec: JobSpec, shape: ModelShape) -> list[Probl
     return problems
 
 
+def check_mixed_precision(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """What DeepSpeed and megatron can do with 16-bit training at this layout (see deepspeed_config.py)."""
+    precision, zero, pp = spec.training.precision, spec.parallel.zero_stage, spec.parallel.pp
+    accum = spec.communication.grad_accum_dtype or "fp32"
+    problems = []
+    if precision == "fp16" and pp > 1:
+        # megatron's schedule scales the loss only through config.grad_scale_func, DeepSpeed's fp16 optimizer
+        # unscales by its own loss scale: updates would be ~65,536x too small.
+        problems.append(Problem("error", "fp16_with_pp",
+                                f"precision=fp16 with pp={pp}: DeepSpeed's dynamic loss scale does not reach "
+                                "megatron's pipeline schedule", "use precision: bf16 (no loss scaling needed), or pp: 1"))
+    if precision != "fp32" and accum not in ("fp32", precision):
+        problems.append(Problem("error", "grad_accum_dtype",
+                                f"communication.grad_accum_dtype={accum} with precision={precision}",
+                                f"use fp32 (the default) or {precision}"))
+    if precision != "fp32" and zero == 0 and accum == "fp32":
+        problems.append(Problem("error", "fp32_accumulation_needs_zero",
+                                f"precision={precision} with zero_stage=0: DeepSpeed has no fp32 gradient accumulation "
+                                "(nor fp32 master weights) without ZeRO",
+                                f"use zero_stage: 1 (same memory as 0 at dp=1), or communication.grad_accum_dtype: "
+                                f"{precision} to accept 16-bit accumulation"))
+    return problems
+
+
 def check_hosts_for_multi_node(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     hosts = spec.cluster.hosts
     loopback = {"localhost", "127.0.0.1"}
@@ -190,14 +214,34 @@ def check_lengths_and_intervals(*, spec: JobSpec, shape: ModelShape) -> list[Pro
     return problems
 
 
+DATA_SOURCE_FIX = ("set data.path to a jsonl/json/csv/parquet/text file or a save_to_disk directory, or "
+                   "data.synthetic: true for synthetic tokens (benchmarks, smoke tests)")
+
+
 def check_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     path = spec.data.path
-    if path is None:
-        return [Problem("info", "synthetic_data", "data.path is unset: training uses synthetic tokens")]
+    if spec.data.synthetic:
+        return [Problem("info", "synthetic_data", "data.synthetic=true: training uses synthetic tokens")]
+    if path is None:  # training on made-up tokens must be asked for, never a silent fallback
+        return [Problem("error", "data_source", "data.path is unset and data.synthetic=false: there is no data to "
+                        "train on", DATA_SOURCE_FIX)]
     if not Path(path).expanduser().exists():
         return [Problem("warning", "data_path_missing", f"data.path={path} does not exist on this machine",
                         "fine if it exists on the cluster; otherwise fix the path")]
     return []
+
+
+def check_builtin_tokenizer(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """A built-in shape has no tokenizer files: text data needs data.tokenizer (whose size `dsmt train --dry-run`
+    checks against vocab_size; loading it here would make `dsmt check` slow)."""
+    data = spec.data
+    if spec.model.builtin is None or data.tokenizer is not None or data.path is None or data.synthetic:
+        return []
+    return [Problem("error", "builtin_needs_tokenizer",
+                    f"model.builtin={spec.model.builtin} is a shape without tokenizer files, and data.path={data.path} "
+                    "is text to tokenise, but data.tokenizer is unset",
+                    f"set data.tokenizer to a tokenizer directory whose vocabulary fits vocab_size={shape.vocab_size} "
+                    "(the model family's own), or data.synthetic: true with no data.path")]
 
 
 def _planner_inputs(spec: JobSpec):
@@ -262,8 +306,8 @@ def check_memory_fit(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
 CHECKS: tuple[Check, ...] = (
     check_world_size, check_heads_vs_tp, check_kv_heads_vs_tp, check_ffn_vs_tp, check_layers_vs_pp,
     check_vocab_padding, check_batch_divisibility, check_zero_with_pp, check_vpp_microbatches,
-    check_tp_within_node, check_precision_on_device, check_hosts_for_multi_node, check_lengths_and_intervals,
-    check_data, check_memory_fit,
+    check_tp_within_node, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node, check_lengths_and_intervals,
+    check_data, check_builtin_tokenizer, check_memory_fit,
 )
 
 
@@ -292,7 +336,17 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
                                 f"tp={spec.parallel.tp}, pp={spec.parallel.pp}: model_type {model_type} has no "
                                 "megatron-core adapter", "set parallel.tp=1 and parallel.pp=1"))
     problems += check_batch_divisibility(spec=spec, shape=None)
+    problems += check_plain_model_data(spec=spec, model_type=model_type)
     return problems
+
+
+def check_plain_model_data(*, spec: JobSpec, model_type: str) -> list[Problem]:
+    """A model without an adapter has no tokenised-data path: it trains on synthetic inputs, asked for by name."""
+    if spec.data.synthetic:
+        return []
+    return [Problem("error", "data_source", f"model_type {model_type} has no megatron-core adapter and trains on "
+                    f"synthetic inputs only, but data.synthetic=false (data.path={spec.data.path!r})",
+                    "set data.synthetic: true and leave data.path unset")]
 
 
 def run_checks(*, spec: JobSpec, source: str = "job spec") -> Report:

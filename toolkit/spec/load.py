@@ -108,7 +108,8 @@ def absolutize_paths(spec: JobSpec, *, base_dir: Path) -> JobSpec:
         return None if value is None else str((base_dir / Path(value).expanduser()).resolve())
     return spec.model_copy(update={
         "model": spec.model.model_copy(update={"path": pin(spec.model.path)}),
-        "data": spec.data.model_copy(update={"path": pin(spec.data.path), "tokenizer": pin(spec.data.tokenizer)}),
+        "data": spec.data.model_copy(update={"path": pin(spec.data.path), "tokenizer": pin(spec.data.tokenizer),
+                                                  "cache_dir": pin(spec.data.cache_dir)}),
         "training": spec.training.model_copy(update={"output_dir": pin(spec.training.output_dir)}),
     })
 

@@ -31,7 +31,7 @@ SCHEMA_RULES = frozenset({
     "bad_path", "batch_both", "batch_tokens_vs_seq", "duplicate_host", "env_name",
     "env_value", "gpu_device_mismatch", "host_name", "hosts_count", "hosts_required",
     "job_name", "messages_vs_prompt", "min_lr_above_lr", "model_source", "network_interface",
-    "offload_optimizer_needs_zero", "offload_params_needs_zero3", "prompt_completion_pair", "sequence_parallel_needs_tp", "unknown_gpu", "vpp_needs_pp",
+    "offload_optimizer_needs_zero", "offload_params_needs_zero3", "prompt_completion_pair", "sequence_parallel_needs_tp", "synthetic_with_path", "unknown_gpu", "vpp_needs_pp",
     "warmup_vs_steps",
 })
 
@@ -196,6 +196,7 @@ class TrainingSpec(Section):
     grad_clip: float = Field(1.0, ge=0)  # 0: no clipping
     train_steps: int = Field(1000, ge=1)
     checkpoint_interval: int = Field(500, ge=1)  # steps
+    keep_checkpoints: int | None = Field(None, ge=1)  # newest complete checkpoints kept; None: keep every one
     log_interval: int = Field(10, ge=1)  # steps
     seed: int = Field(1234, ge=0)
     output_dir: str = "runs/dsmt"
@@ -231,7 +232,9 @@ class TrainingSpec(Section):
 
 
 class DataSpec(Section):
-    path: str | None = None  # jsonl/json/csv/parquet/text file or save_to_disk dir; None: synthetic tokens
+    path: str | None = None  # jsonl/json/csv/parquet/text file or save_to_disk dir (or data.synthetic: true)
+    synthetic: bool = False  # generated token sequences instead of data.path (benchmarks, smoke tests)
+    cache_dir: str | None = None  # tokenised-examples cache; None: <training.output_dir>/data-cache
     format: Literal["auto", "jsonl", "json", "csv", "parquet", "text", "arrow"] = "auto"
     text_field: str = "text"
     prompt_field: str | None = None  # with completion_field: loss on the completion only
@@ -241,13 +244,18 @@ class DataSpec(Section):
     split: str = "train"
     shuffle: bool = True
 
-    @field_validator("path", "tokenizer")
+    @field_validator("path", "tokenizer", "cache_dir")
     @classmethod
     def _path_ok(cls, value):
         return _safe_path(value, what="data path")
 
     @model_validator(mode="after")
     def _fields_paired(self):
+        if self.synthetic and self.path is not None:
+            raise PydanticCustomError(
+                "synthetic_with_path", "data.synthetic=true and data.path={path} are exclusive; set data.path for "
+                "real data, or data.synthetic: true (no path) for synthetic tokens", {"path": repr(self.path)},
+            )
         if (self.prompt_field is None) != (self.completion_field is None):
             raise PydanticCustomError(
                 "prompt_completion_pair", "prompt_field and completion_field go together (got only one)", {}
@@ -269,7 +277,8 @@ class CommunicationSpec(Section):
     allgather_bucket_elements: int = Field(500_000_000, ge=1)
     prefetch_bucket_elements: int = Field(50_000_000, ge=1)  # ZeRO-3
     param_persistence_threshold_elements: int = Field(100_000, ge=0)  # ZeRO-3
-    communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None  # None: the training precision
+    communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None  # DP reduction dtype; None: fp32
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None  # micro-batch accumulation; None: fp32
     overlap_p2p_comm: bool = False  # megatron interleaved pipeline only
     nccl_debug: Literal["VERSION", "WARN", "INFO", "TRACE"] = "WARN"
     nccl_ib_hca: str | None = None  # e.g. mlx5_0,mlx5_1

@@ -6,14 +6,24 @@ what makes a resumed run identical (step, per-rank RNG), and a completion marker
     <output_dir>/checkpoints/step_000010/dsmt_complete.json   written by rank 0 after every rank has saved
     <output_dir>/checkpoints/latest_complete     the newest complete tag (replaced atomically)
 
-A run killed while saving leaves a tag without `dsmt_complete.json`; resume never takes it."""
+A run killed while saving leaves a tag without `dsmt_complete.json`; resume never takes it. With
+`training.keep_checkpoints: K`, rank 0 deletes the oldest complete tags beyond the newest K after each save.
+
+The per-rank RNG file holds every generator a step can draw from: torch's CPU generator, the CUDA generator of
+this rank's device (when CUDA is available), megatron's RNG tracker states (the tensor-parallel / expert streams
+dropout forks into; on the CPU backend dsmt seeds megatron's inference-flavour tracker, which holds no states and
+makes `fork()` a no-op, so there is nothing to save and that is recorded as such), and Python's `random` and
+numpy's global generator (dsmt draws from neither; libraries might)."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 COMPLETE_MARKER = "dsmt_complete.json"
@@ -24,20 +34,86 @@ def tag_for(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def save(*, engine, checkpoint_dir: Path, step: int) -> None:
+def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | None = None) -> None:
     import torch.distributed as dist
 
     tag = tag_for(step)
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"dsmt_step": step}, save_latest=False)
     rank = dist.get_rank()
-    torch.save({"torch": torch.get_rng_state()}, Path(checkpoint_dir) / tag / f"dsmt_rng_rank{rank}.pt")
+    torch.save(rng_states(), Path(checkpoint_dir) / tag / f"dsmt_rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         (Path(checkpoint_dir) / tag / COMPLETE_MARKER).write_text(json.dumps({"step": step, "world_size": dist.get_world_size()}))
         temp = Path(checkpoint_dir) / f".{LATEST}.tmp"
         temp.write_text(tag)
         os.replace(temp, Path(checkpoint_dir) / LATEST)
+        if keep_checkpoints is not None:
+            prune(checkpoint_dir, keep=keep_checkpoints)
     dist.barrier()
+
+
+def complete_tags(checkpoint_dir: Path) -> list[str]:
+    """Tags with a completion marker, oldest first (by step number, not by name)."""
+    tags = [p.parent.name for p in Path(checkpoint_dir).glob(f"step_*/{COMPLETE_MARKER}")]
+    return sorted((t for t in tags if t[len("step_"):].isdigit()), key=lambda t: int(t[len("step_"):]))
+
+
+def prune(checkpoint_dir: Path, *, keep: int) -> list[str]:
+    """Delete the oldest complete tags beyond the newest `keep`; returns the deleted tags.
+
+    Never deleted: the tag `latest_complete` names, any tag at or after the newest complete one, and incomplete
+    tags (one may be another save in progress; a crashed save is left for a person to look at)."""
+    from toolkit.errors import DsmtError
+
+    if keep < 1:
+        raise DsmtError(f"keep_checkpoints={keep} must be >= 1 (or null to keep every checkpoint)")
+    checkpoint_dir = Path(checkpoint_dir)
+    tags = complete_tags(checkpoint_dir)
+    protected = {latest_complete(checkpoint_dir), *tags[-keep:]}
+    doomed = [t for t in tags[:-keep] if t not in protected]
+    for tag in doomed:
+        (checkpoint_dir / tag / COMPLETE_MARKER).unlink()  # first: a crash mid-delete leaves an incomplete tag
+        shutil.rmtree(checkpoint_dir / tag)
+    return doomed
+
+
+def rng_states() -> dict:
+    """Every RNG state of this process a training step may draw from (see the module docstring)."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    numpy_state = np.random.get_state(legacy=False)
+    states = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "megatron_tracker": None,
+        "python": random.getstate(),
+        # As tensors and ints: torch.load(weights_only=True) refuses numpy arrays.
+        "numpy": {"state": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                  "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]),
+                  "gauss": float(numpy_state["gauss"])},
+    }
+    if megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED:  # not touched (or created) when nothing seeded it
+        tracker = megatron_random.get_cuda_rng_tracker()
+        states["megatron_tracker"] = {name: state.clone() for name, state in tracker.get_states().items()}
+    return states
+
+
+def restore_rng_states(states: dict) -> None:
+    """Set every generator `rng_states` saved; the tracker only when states were saved (the CPU backend's
+    inference-flavour tracker has none, and `set_states({})` would wipe a real tracker's streams)."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    torch.set_rng_state(states["torch"])
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    if states.get("megatron_tracker"):
+        megatron_random.get_cuda_rng_tracker().set_states(dict(states["megatron_tracker"]))
+    if states.get("python") is not None:
+        random.setstate(states["python"])
+    if states.get("numpy") is not None:
+        saved = states["numpy"]
+        np.random.set_state(("MT19937", saved["state"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
+                             saved["gauss"]))
 
 
 def latest_complete(checkpoint_dir: Path) -> str | None:
@@ -67,6 +143,5 @@ def resume(*, engine, checkpoint_dir: Path) -> int:
             "exported HF / dsmt megatron checkpoint"
         )
     _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
-    rng = torch.load(Path(checkpoint_dir) / tag / f"dsmt_rng_rank{dist.get_rank()}.pt")
-    torch.set_rng_state(rng["torch"])
+    restore_rng_states(torch.load(Path(checkpoint_dir) / tag / f"dsmt_rng_rank{dist.get_rank()}.pt"))
     return int(client_state["dsmt_step"])

@@ -1,32 +1,58 @@
-"""`dsmt train --config job.yaml`: checks the spec, then starts the spec's ranks on this machine (torchrun).
+"""`dsmt train SPEC` (or `--config SPEC`): checks the spec, then starts the spec's ranks on this machine (torchrun).
+`--dry-run` does every check `dsmt train` would do before launching (`toolkit/train/dryrun.py`) and writes nothing.
 On a cluster use the generated scripts (`dsmt generate`), which start `python -m toolkit.train` per rank."""
 
 from __future__ import annotations
 
+from toolkit.errors import DsmtError
+
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("train", help="fine-tune an HF checkpoint (ranks on this machine)")
-    parser.add_argument("--config", required=True, help="job spec (YAML/JSON)")
+    parser = subparsers.add_parser("train", help="train a job spec (ranks on this machine); --dry-run checks only")
+    parser.add_argument("spec", nargs="?", metavar="JOB", help="job spec (YAML/JSON), as for `dsmt check JOB`")
+    parser.add_argument("--config", help="job spec (YAML/JSON); the same as the positional JOB")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check spec, model at this layout (meta device), DeepSpeed config, data and tokenizer; "
+                             "exit 0, or 2 listing every problem; writes nothing")
     parser.set_defaults(func=run)
 
 
+def spec_path(args) -> str:
+    if args.spec and args.config and args.spec != args.config:
+        raise DsmtError(f"two job specs given: JOB={args.spec!r} and --config={args.config!r}; give one "
+                        f"(`dsmt train JOB` or `dsmt train --config JOB`)")
+    path = args.spec or args.config
+    if not path:
+        raise DsmtError("no job spec: use `dsmt train JOB.yaml` or `dsmt train --config JOB.yaml` (configs/ has examples)")
+    return path
+
+
 def run(args) -> int:
-    from toolkit.errors import DsmtError
+    path = spec_path(args)
+    if args.dry_run:
+        from toolkit.train.dryrun import dry_run
+
+        report = dry_run(path, overrides=args.set)
+        print(report.to_text())
+        return 0 if report.ok else 2
     from toolkit.launch import launch_local_workers
     from toolkit.spec.checks import check_file
     from toolkit.spec.layout import world_size_of
 
-    spec, report = check_file(args.config, overrides=args.set)
+    spec, report = check_file(path, overrides=args.set)
     if spec is None or not report.ok:  # before any process group starts
-        raise DsmtError(f"job spec {args.config} does not pass `dsmt check`:\n{report.to_text()}")
+        raise DsmtError(f"job spec {path} does not pass `dsmt check`:\n{report.to_text()}")
     from toolkit.train.run import require_weights
 
     require_weights(spec)
+    from toolkit import backend as backends
+
+    backends.select(device=spec.cluster.device)  # CUDA asked for but absent: stop here, before any rank starts
     if spec.cluster.nodes > 1:
         raise DsmtError(f"cluster.nodes={spec.cluster.nodes}: `dsmt train` starts ranks on this machine only; "
-                        f"run `dsmt generate {args.config} --out run/` and launch run/launch_deepspeed.sh or job.sbatch")
+                        f"run `dsmt generate {path} --out run/` and launch run/launch_deepspeed.sh or job.sbatch")
     overrides = [f"--set={item}" for item in args.set]
-    launch_local_workers(module="toolkit.train", args=["--config", str(args.config), *overrides],
+    launch_local_workers(module="toolkit.train", args=["--config", str(path), *overrides],
                          nprocs=world_size_of(spec), timeout_s=24 * 3600)
     return 0

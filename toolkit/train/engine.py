@@ -9,11 +9,14 @@
 Two drivers, chosen by the layout:
   * PP > 1 (ZeRO 0/1): megatron's schedule calls `torch.autograd.backward` itself, so DeepSpeed runs with
     `managed_gradient_accumulation: false`; one `engine.step()` after the schedule is the accumulation boundary
-    (reduce over DP, clip, step). megatron already divides each micro-batch loss by the number of micro-batches.
+    (reduce over DP, clip, step). Needs DeepSpeed >= 0.19.4; `check_driver` refuses an engine that still manages
+    accumulation.
   * PP = 1 (ZeRO 0-3): DeepSpeed's own loop, `engine(batch)` / `engine.backward(loss)` / `engine.step()`, because
     ZeRO-2/3 reduce and partition gradients in hooks that only `engine.backward` arms (a megatron schedule with
     PP = 1 is the same loop over micro-batches, so nothing is lost).
 ZeRO-2/3 with PP > 1 is refused before launch (`dsmt check`): every micro-batch would add DP traffic.
+Both drivers backpropagate the same per-token loss over the global batch (`HybridEngine`); bf16 accumulates and
+reduces gradients in fp32 (`toolkit/generate/deepspeed_config.py`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ import time
 
 import torch
 
-from toolkit.train.loss import masked_token_loss
+from toolkit import backend as backends
+from toolkit.errors import DsmtError
+from toolkit.train.loss import masked_token_loss_sum
 from toolkit.train.mpu import MegatronMpu
+
+MIN_DEEPSPEED = "0.19.4"  # the first release with `managed_gradient_accumulation` (the PP > 1 driver needs it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,16 +42,8 @@ class StepStats:
     step_time_s: float
 
 
-def zero3_gathered(engine):
-    """Context in which every parameter of `engine.module` is whole on every rank: ZeRO-3 keeps only a partition
-    of each parameter per rank, so exports gather them first (a no-op at lower stages)."""
-    import contextlib
-
-    import deepspeed
-
-    if engine.zero_optimization_stage() < 3:
-        return contextlib.nullcontext()
-    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+# ZeRO-3 build / load / export helpers live in toolkit/train/zero3.py; re-exported for existing importers.
+from toolkit.train.zero3 import zero3_gathered  # noqa: E402,F401
 
 
 def engine_config(ds_config: dict, *, pp_size: int) -> dict:
@@ -57,13 +56,25 @@ def engine_config(ds_config: dict, *, pp_size: int) -> dict:
 
 
 class HybridEngine:
+    """One rank's DeepSpeed engine around its megatron-core chunks, and the training step of both drivers.
+
+    The loss of a step is per token over the GLOBAL batch: the sum of the token losses of every micro-batch on
+    every data-parallel rank divided by the step's number of loss tokens (HF's `num_items_in_batch`). Each
+    micro-batch therefore backpropagates `sum(token losses) * dp / global_tokens`; DeepSpeed's data-parallel mean
+    divides by dp again, so the summed gradient is d(sum over the global batch)/global_tokens whatever the split
+    into TP / PP / DP ranks and micro-batches."""
+
     def __init__(self, *, chunks: list, ds_config: dict, vocab_size: int, tied_embeddings: bool, pp_size: int):
         import deepspeed
 
         module = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params,
-                                                    config=engine_config(ds_config, pp_size=pp_size), mpu=MegatronMpu())
+        if tied_embeddings and pp_size > 1:
+            mark_tied_output_copies(chunks)
+        config = engine_config(ds_config, pp_size=pp_size)
+        groups = weight_decay_groups(module, weight_decay=config["optimizer"]["params"]["weight_decay"])
+        self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=config,
+                                                    mpu=MegatronMpu())
+        check_driver(self.engine, pp_size=pp_size)
         self.vocab_size = vocab_size
         self.pp_size = pp_size
         self.tied_embeddings = tied_embeddings
@@ -76,35 +87,47 @@ class HybridEngine:
     def train_step(self, micro_batches: list[dict]) -> StepStats:
         start = time.perf_counter()
         lr = self.engine.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler steps after the update)
-        local_loss = self._pipeline_step(micro_batches) if self.pp_size > 1 else self._deepspeed_step(micro_batches)
+        device = backends.current().device
+        micro_batches = [{key: value.to(device) for key, value in batch.items()} for batch in micro_batches]
+        global_tokens = global_loss_tokens(micro_batches, device=device)
+        # dp / global_tokens: see the class docstring (clamped: a step whose tokens are all masked learns nothing)
+        scale = parallel_state_dp_size() / max(global_tokens, 1)
+        step = self._pipeline_step if self.pp_size > 1 else self._deepspeed_step
+        local_sum = step(micro_batches, scale=scale)
         norm = self.engine.get_global_grad_norm()
-        return StepStats(loss=self._global_mean_loss(local_loss), grad_norm=None if norm is None else float(norm),
-                         lr=float(lr), step_time_s=time.perf_counter() - start)
+        return StepStats(loss=self._global_loss(local_sum, global_tokens=global_tokens),
+                         grad_norm=None if norm is None else float(norm), lr=float(lr),
+                         step_time_s=time.perf_counter() - start)
 
-    def _deepspeed_step(self, micro_batches: list[dict]) -> torch.Tensor:
-        losses = []
+    def _deepspeed_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
+        local_sum = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)
         for batch in micro_batches:
             logits = self.engine(batch["tokens"], batch["position_ids"], None)
-            loss = masked_token_loss(logits, labels=batch["labels"], loss_mask=batch["loss_mask"], vocab_size=self.vocab_size)
-            self.engine.backward(loss)
+            token_sum = masked_token_loss_sum(logits, labels=batch["labels"], loss_mask=batch["loss_mask"],
+                                              vocab_size=self.vocab_size)
+            # The scale already accounts for accumulation: DeepSpeed must not divide by its GAS again.
+            self.engine.backward(token_sum * scale, scale_wrt_gas=False)
             self.engine.step()  # steps at the accumulation boundary only
-            losses.append(loss.detach())
-        return torch.stack(losses).mean()
+            local_sum += token_sum.detach()
+        return local_sum
 
-    def _pipeline_step(self, micro_batches: list[dict]) -> torch.Tensor:
+    def _pipeline_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        losses: list[torch.Tensor] = []
+        sums: list[torch.Tensor] = []
+        num_microbatches = len(micro_batches)
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
             logits = model(batch["tokens"], batch["position_ids"], None)
 
             def loss_func(output):
-                loss = masked_token_loss(output, labels=batch["labels"], loss_mask=batch["loss_mask"],
-                                         vocab_size=self.vocab_size)
-                losses.append(loss.detach().clone())  # the schedule divides the returned loss in place
-                return loss, {}
+                token_sum = masked_token_loss_sum(output, labels=batch["labels"], loss_mask=batch["loss_mask"],
+                                                  vocab_size=self.vocab_size)
+                sums.append(token_sum.detach().clone())
+                # megatron's schedule divides a (loss, {}) return by num_microbatches: undo it so that the
+                # backpropagated value is token_sum * scale, as in the DeepSpeed driver.
+                return token_sum * (scale * num_microbatches), {}
 
             return logits, loss_func
 
@@ -114,12 +137,15 @@ class HybridEngine:
         self.engine.zero_grad()
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro_batches),
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
             seq_length=first.shape[1], micro_batch_size=first.shape[0], forward_only=False,
         )
         self._allreduce_tied_embedding_grads()
+        # DeepSpeed counts samples by its backward calls, which megatron's schedule bypasses; without this its
+        # CSV / TensorBoard monitors plot every PP > 1 step at x = 0 samples.
+        self.engine._unmanaged_backward_count = num_microbatches
         self.engine.step()  # unmanaged accumulation: this call reduces over DP, clips and steps
-        return torch.stack(losses).mean() if losses else torch.zeros(())
+        return torch.stack(sums).sum() if sums else torch.zeros((), device=first.device)
 
     def _allreduce_tied_embedding_grads(self) -> None:
         """With tied embeddings and PP > 1 the first and last stages each hold a copy of the embedding; summing
@@ -132,17 +158,83 @@ class HybridEngine:
         for chunk in self.chunks:
             if chunk.pre_process or chunk.post_process:
                 weight = chunk.shared_embedding_or_output_weight()
-                if weight is not None and weight.grad is not None:
-                    dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+                if weight is not None:
+                    dist.all_reduce(accumulated_grad(weight), group=parallel_state.get_embedding_group())
 
-    def _global_mean_loss(self, local_loss: torch.Tensor) -> float:
-        """The step's loss on every rank: from the last pipeline stage, averaged over data-parallel ranks."""
+    def _global_loss(self, local_sum: torch.Tensor, *, global_tokens: int) -> float:
+        """The step's per-token loss on every rank: token-loss sums of the last pipeline stage, summed over
+        data-parallel ranks, divided by the global number of loss tokens."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        value = local_loss.detach().float().reshape(1).clone()
+        value = local_sum.detach().float().reshape(1).clone()
         if not parallel_state.is_pipeline_last_stage():
             value.zero_()
         dist.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
         dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
-        return value.item() / parallel_state.get_data_parallel_world_size()
+        return value.item() / max(global_tokens, 1)
+
+
+def parallel_state_dp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_world_size()
+
+
+def global_loss_tokens(micro_batches: list[dict], *, device: torch.device) -> int:
+    """Loss tokens of this step summed over this rank's micro-batches and every data-parallel rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    count = sum(int(batch["loss_mask"].sum().item()) for batch in micro_batches)
+    total = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return int(total.item())
+
+
+def accumulated_grad(param: torch.Tensor) -> torch.Tensor:
+    """The tensor holding `param`'s accumulated gradient: `param.grad`, or under bf16 with fp32 accumulation the
+    fp32 buffer DeepSpeed's BF16_Optimizer moved it into (`immediate_grad_update` frees the bf16 gradient)."""
+    if param.grad is not None:
+        return param.grad
+    hp_grad = getattr(param, "_hp_grad", None)
+    if hp_grad is None:
+        raise DsmtError("a tied embedding copy has no gradient after the pipeline schedule (neither param.grad nor "
+                        "DeepSpeed's fp32 accumulation buffer): the two copies would drift apart; this DeepSpeed "
+                        "release keeps gradients elsewhere, please report it with `pip show deepspeed`")
+    return hp_grad
+
+
+def mark_tied_output_copies(chunks: list) -> None:
+    """The last stage's copy of a tied embedding gets the gradient of the same parameter as the first stage's;
+    DeepSpeed skips parameters marked `ds_pipe_replicated` in the gradient norm, so the tied weight counts once."""
+    for chunk in chunks:
+        if chunk.post_process and not chunk.pre_process:
+            chunk.output_layer.weight.ds_pipe_replicated = True
+
+
+def weight_decay_groups(module: torch.nn.Module, *, weight_decay: float) -> list[dict]:
+    """megatron's convention: no weight decay on biases and norm weights (every 1-D parameter). Under ZeRO-3 a
+    partitioned parameter is a flat 1-D shard; its full shape is `ds_shape`."""
+    decay, no_decay = [], []
+    for param in module.parameters():
+        if param.requires_grad:
+            full_shape = getattr(param, "ds_shape", param.shape)
+            (no_decay if len(full_shape) == 1 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def check_driver(engine, *, pp_size: int) -> None:
+    """At PP > 1 megatron's schedule runs backward itself and one `engine.step()` must be the accumulation
+    boundary; a DeepSpeed without `managed_gradient_accumulation` ignores the key, steps every GAS calls and never
+    reduces over DP, and the replicas drift apart silently."""
+    if pp_size == 1:
+        return
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if managed is None or managed() or not hasattr(engine, "_unmanaged_backward_count"):
+        import deepspeed
+
+        raise DsmtError(f"pipeline parallelism (pp={pp_size}) needs DeepSpeed >= {MIN_DEEPSPEED} "
+                        f"(managed_gradient_accumulation: false); this is DeepSpeed {deepspeed.__version__}: "
+                        f"pip install 'deepspeed>={MIN_DEEPSPEED},<0.20'")

@@ -1,4 +1,4 @@
-"""The training loss on megatron's vocab-parallel logits: masked token mean, padded vocabulary excluded.
+"""The training loss on megatron's vocab-parallel logits: masked token sum, padded vocabulary excluded.
 
 The padded rows of the output layer (vocab 250 -> 256) would otherwise take part in the softmax with logit 0,
 which HF's model does not have; they are set to -inf so the loss equals HF's and those rows get no gradient."""
@@ -20,12 +20,13 @@ def mask_padded_vocab(logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def masked_token_loss(logits: torch.Tensor, *, labels: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Mean cross entropy over the tokens with loss_mask 1. logits [b, s, vocab/tp], labels [b, s]."""
+def masked_token_loss_sum(logits: torch.Tensor, *, labels: torch.Tensor, loss_mask: torch.Tensor,
+                          vocab_size: int) -> torch.Tensor:
+    """SUM of the cross entropies of the tokens with loss_mask 1 (fp32). logits [b, s, vocab/tp], labels [b, s].
+    The caller divides by the global batch's number of loss tokens (`toolkit/train/engine.py`)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = mask_padded_vocab(logits.float(), vocab_size=vocab_size)
     # megatron's cross entropy takes [s, b, v] and labels [s, b]
     per_token = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), labels.transpose(0, 1).contiguous())
-    per_token = per_token.transpose(0, 1)
-    return (per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+    return (per_token.transpose(0, 1) * loss_mask.to(per_token.dtype)).sum()

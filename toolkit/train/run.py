@@ -16,8 +16,9 @@ from toolkit.train.report import RunLog
 
 
 def model_checkpoint(*, spec, output_dir: Path) -> Path:
-    """The HF checkpoint to start from: `model.path`, or a random init of the inline `model.config` (rank 0
-    writes it once into the output dir; a tiny model for CPU runs and the demo)."""
+    """The HF checkpoint to start from: `model.path`; for the inline `model.config` a random HF init (rank 0
+    writes it once into the output dir; a tiny model for CPU runs and the demo); for `model.builtin` only the
+    shape's config.json and the tokenizer files (`toolkit/train/pretrain.py`: megatron-core initialises the weights)."""
     import torch.distributed as dist
 
     require_weights(spec)
@@ -26,8 +27,12 @@ def model_checkpoint(*, spec, output_dir: Path) -> Path:
     init_dir = output_dir / "init-hf"
     if dist.get_rank() == 0 and not (init_dir / "config.json").is_file():
         from toolkit.tiny import save_random_init
+        from toolkit.train.pretrain import write_init_dir
 
-        save_random_init(init_dir, config_fields=spec.model.config, seed=spec.training.seed)
+        if spec.model.builtin is not None:
+            write_init_dir(init_dir, spec=spec)
+        else:
+            save_random_init(init_dir, config_fields=spec.model.config, seed=spec.training.seed)
     dist.barrier()
     return init_dir
 
@@ -37,9 +42,10 @@ def require_weights(spec) -> None:
     if spec.parallel.sequence_parallel:
         raise DsmtError("parallel.sequence_parallel=true is not wired into `dsmt train` yet (it was not tested on "
                         "GPU); set parallel.sequence_parallel=false, or use training.recompute to save activations")
-    if spec.model.path is None and spec.model.config is None:
-        raise DsmtError(f"model.builtin={spec.model.builtin!r} is a shape without weights: `dsmt train` needs "
-                        "model.path (an HF checkpoint) or model.config (an HF config to initialise randomly)")
+    if spec.model.builtin is not None:  # pretrained from megatron-core's init: a Llama-like shape, a fitting tokenizer
+        from toolkit.train.pretrain import require_trainable
+
+        require_trainable(spec)
 
 
 def params_dtype(precision: str) -> torch.dtype:
@@ -49,10 +55,12 @@ def params_dtype(precision: str) -> torch.dtype:
 def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
     from megatron.core import parallel_state
 
-    from toolkit.data import MicroBatches, build_examples
+    from toolkit.data import MicroBatches, cache_root_for, shared_examples
 
-    examples = build_examples(data=spec.data, model_path=str(hf_dir), seq_length=layout.seq_length,
-                              vocab_size=vocab_size, seed=spec.training.seed)
+    # Collective: rank 0 tokenises once into the on-disk cache, every rank memory-maps it (toolkit/data/cache.py).
+    examples = shared_examples(data=spec.data, model_path=str(hf_dir), seq_length=layout.seq_length,
+                               vocab_size=vocab_size, seed=spec.training.seed,
+                               cache_root=cache_root_for(data=spec.data, output_dir=spec.training.output_dir))
     return MicroBatches(examples=examples, micro_batch_size=layout.micro_batch_size,
                         num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
                         dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle)
@@ -66,7 +74,7 @@ def train(*, spec) -> list[dict]:
     from toolkit.spec.layout import derive_layout
     from toolkit.train import plain
 
-    backend = backends.current()
+    backend = backends.select(device=spec.cluster.device)  # the spec's device or an error, never a silent CPU run
     layout = derive_layout(spec)
     parallel = Layout(tp_size=layout.tp, pp_size=layout.pp, vpp_size=layout.vpp, dp_size=layout.dp)
     init_process_groups(layout=parallel, dist_backend=backend.dist_backend)
@@ -88,8 +96,16 @@ def _hybrid_parts(*, spec, layout, parallel, hf_dir: Path, ds_config: dict, outp
     from toolkit.models import load_model_chunks
     from toolkit.train.engine import HybridEngine
 
-    chunks, info = load_model_chunks(checkpoint=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
-                                     show_progress=dist.get_rank() == 0, recompute=spec.training.recompute)
+    if spec.model.builtin is not None:  # megatron-core's own initialisation, no weights read
+        from toolkit.train.pretrain import init_chunks
+
+        chunks, info = init_chunks(spec=spec, hf_dir=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision))
+    else:
+        # At ZeRO-3 the chunks are built partitioned and loaded one parameter at a time (toolkit/train/zero3.py).
+        zero3_config = ds_config if spec.parallel.zero_stage == 3 else None
+        chunks, info = load_model_chunks(checkpoint=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
+                                         show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
+                                         zero3_config=zero3_config)
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
                           tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp)
     batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
@@ -104,9 +120,9 @@ def _plain_parts(*, spec, layout, parallel, hf_dir: Path, ds_config: dict, outpu
 
     model_type = json.loads((hf_dir / "config.json").read_text())["model_type"]
     plain.check_plain_layout(tp=layout.tp, pp=layout.pp, model_type=model_type)
-    if spec.data.path is not None:
-        raise DsmtError(f"data.path is set, but model_type {model_type} has no adapter and trains on synthetic inputs "
-                        "only; leave data.path unset")
+    if not spec.data.synthetic:
+        raise DsmtError(f"model_type {model_type} has no adapter and trains on synthetic inputs only, but "
+                        f"data.synthetic=false (data.path={spec.data.path!r}); set data.synthetic: true, no data.path")
     model = plain.load_plain_model(hf_dir, dtype=params_dtype(spec.training.precision))
     engine = plain.PlainEngine(model=model, ds_config=ds_config)
     batches = plain.PlainBatches(model_config=model.config, micro_batch_size=layout.micro_batch_size,
@@ -141,31 +157,27 @@ def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path) -> None:
             log.step(step=step + 1, stats=stats, engine=trainer.engine)
             bar.update(1)
             if (step + 1) % spec.training.checkpoint_interval == 0 or step + 1 == total:
-                checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1)
+                checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1,
+                                 keep_checkpoints=spec.training.keep_checkpoints)
 
 
 def _export(*, hybrid, info, spec, output_dir: Path) -> None:
-    """Trained weights -> dsmt megatron checkpoint (collective) -> HF directory (rank 0, one process)."""
-    import os
-    import subprocess
-    import sys
-
-    import torch.distributed as dist
-
+    """Trained weights -> dsmt megatron checkpoint, saved collectively (every rank writes its own shards; ZeRO-3
+    parameters are gathered one at a time into CPU copies) -> HF directory, streamed tensor by tensor from that
+    checkpoint by rank 0 while the other ranks wait on its status file: liveness-checked, no collective timeout a
+    long export could outlast, and a failure on rank 0 raises on every rank."""
+    from toolkit.convert.checkpoint import run_on_rank0
+    from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
     from toolkit.models import save_mcore_checkpoint
-    from toolkit.train.engine import zero3_gathered
+    from toolkit.train.zero3 import params_on_cpu
 
     mcore_dir, hf_dir = output_dir / "final-mcore", output_dir / "final-hf"
-    with zero3_gathered(hybrid.engine):
+    with params_on_cpu(hybrid.engine.module):
         save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
                               params_dtype=params_dtype(spec.training.precision), overwrite=True)
-    if dist.get_rank() == 0:
-        # A fresh one-process job: the launcher's RANK / WORLD_SIZE / MASTER_* must not leak into it.
-        launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-        env = {k: v for k, v in os.environ.items() if k not in launcher_vars and not k.startswith("TORCHELASTIC")}
-        subprocess.run([sys.executable, "-m", "toolkit.cli", "convert", "mcore-to-hf", str(mcore_dir), str(hf_dir),
-                        "--overwrite"], check=True, env=env)
-    dist.barrier()
+    run_on_rank0(lambda progress: convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True,
+                                                      progress=progress),
+                 status_file=output_dir / ".final-hf.status.json", what=f"export of {hf_dir}")
 
 
 def main(argv=None) -> int:

@@ -31,12 +31,13 @@ def fixed_tokens(*, batch_size: int, seq_len: int, vocab_size: int, seed: int) -
     return torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
 
 
-def megatron_logits(*, chunks: list, tokens: torch.Tensor, seq_len: int) -> torch.Tensor | None:
-    """Logits [batch, seq, padded_vocab] on the last pipeline stage (None elsewhere), one micro-batch per row."""
+def megatron_logits(*, chunks: list, tokens: torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """Logits [batch, seq, padded_vocab] on the last pipeline stage (None elsewhere), one micro-batch per row;
+    the model runs on `device` (the rank's own), the logits come back on the CPU for the comparison."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    position_ids = torch.arange(seq_len).unsqueeze(0)
-    micro_batches = [tokens[i : i + 1] for i in range(tokens.shape[0])]
+    position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
+    micro_batches = [tokens[i : i + 1].to(device) for i in range(tokens.shape[0])]
 
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
@@ -55,7 +56,7 @@ def megatron_logits(*, chunks: list, tokens: torch.Tensor, seq_len: int) -> torc
     )
     if not collected:
         return None
-    return torch.cat([item["logits"] for item in collected], dim=0)
+    return torch.cat([item["logits"] for item in collected], dim=0).cpu()
 
 
 def compare(*, reference: torch.Tensor, candidate: torch.Tensor) -> dict:
@@ -74,6 +75,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     backend = backends.current()
     layout = Layout(tp_size=args.tp, pp_size=args.pp, vpp_size=args.vpp)
+    backends.use_rank_device()  # cuda:<LOCAL_RANK> before the process group (init_process_groups checks it again)
     init_process_groups(layout=layout, dist_backend=backend.dist_backend)
     results = []
     for index, checkpoint in enumerate(args.checkpoint):
@@ -90,6 +92,7 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
     from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
+    from toolkit import backend as backends
     from toolkit.models import load_model_chunks, save_mcore_checkpoint
 
     chunks, info = load_model_chunks(checkpoint=checkpoint, layout=layout, params_dtype=torch.float32,
@@ -99,7 +102,8 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
     for chunk in chunks:
         chunk.eval()
     tokens = fixed_tokens(batch_size=args.batch_size, seq_len=args.seq_len, vocab_size=info.settings.vocab_size, seed=args.seed)
-    logits = megatron_logits(chunks=chunks, tokens=tokens, seq_len=args.seq_len)
+    logits = megatron_logits(chunks=chunks, tokens=tokens, seq_len=args.seq_len, device=backends.current().device)
+    param_devices = _param_devices_by_rank(chunks)  # collective: before the non-reporting ranks return
     if not (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0):
         return None
     hf_dir = args.reference or (info.hf_dir if info.kind == "hf" else None)
@@ -107,8 +111,18 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
     result = compare(reference=reference, candidate=logits[..., : info.settings.vocab_size].float())
     result.update(checkpoint=str(checkpoint), tp=layout.tp_size, pp=layout.pp_size, vpp=layout.vpp_size,
                   model_type=info.settings.family.model_type, checkpoint_kind=info.kind, tokens=int(tokens.numel()),
-                  tied_embeddings=info.settings.tied_embeddings)
+                  tied_embeddings=info.settings.tied_embeddings, param_devices=param_devices)
     return result
+
+
+def _param_devices_by_rank(chunks: list) -> list[str]:
+    """Where each rank's weights live, in rank order (["cuda:0", "cuda:1"] at TP2 on one node; "cpu" on the CPU)."""
+    import torch.distributed as dist
+
+    mine = sorted({str(p.device) for chunk in chunks for p in chunk.parameters()})
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ",".join(mine))
+    return gathered
 
 
 def _reference_model(info, hf_dir, auto_class):

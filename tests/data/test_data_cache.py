@@ -1,0 +1,191 @@
+"""The on-disk examples cache: tokenised once, reused, invalidated by a changed source, memory-mapped on every
+rank, and equal to the uncached examples bit for bit."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from data_helpers import EXAMPLES
+
+from toolkit.data import MicroBatches, build_examples, cache, examples as uncached, open_cache, prepare_cache
+from toolkit.errors import DsmtError
+from toolkit.launch import free_port
+from toolkit.spec.schema import DataSpec
+
+REPO = Path(__file__).parents[2]
+
+
+@pytest.fixture
+def tokenize_calls(monkeypatch):
+    """Counts every tokenisation of a data file (the step the cache must run once)."""
+    calls = []
+    real = uncached.tokenize_path
+
+    def counting(**kwargs):
+        calls.append(kwargs["data"].path)
+        return real(**kwargs)
+
+    monkeypatch.setattr(uncached, "tokenize_path", counting)
+    return calls
+
+
+def _prepare(data, tiny_checkpoint, root, cache_dir, vocab_size=250, seq_length=32):
+    return prepare_cache(data=data, model_path=str(tiny_checkpoint), seq_length=seq_length, vocab_size=vocab_size,
+                         cache_root=root, datasets_cache_dir=cache_dir)
+
+
+def _assert_same(cached, reference):
+    for name in ("token_ids", "loss_mask"):
+        a, b = getattr(cached, name), getattr(reference, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    assert (cached.kind, cached.used_chat_template, cached.num_dropped, cached.num_truncated) == (
+        reference.kind, reference.used_chat_template, reference.num_dropped, reference.num_truncated)
+
+
+@pytest.mark.parametrize("fields", [{"path": str(EXAMPLES / "tiny_stories.jsonl")},
+                                    {"path": str(EXAMPLES / "tiny_prompts.jsonl"), "prompt_field": "prompt",
+                                     "completion_field": "completion"},
+                                    {"path": str(EXAMPLES / "tiny_chat.jsonl"), "messages_field": "messages"}],
+                         ids=["text", "prompt_completion", "chat"])
+def test_written_once_reused_and_equal_to_uncached(fields, tiny_checkpoint, tmp_path, cache_dir, tokenize_calls):
+    data = DataSpec(**fields)
+    first = _prepare(data, tiny_checkpoint, tmp_path / "cache", cache_dir, seq_length=128)
+    again = _prepare(data, tiny_checkpoint, tmp_path / "cache", cache_dir, seq_length=128)
+    assert first == again and tokenize_calls == [data.path]  # the second call tokenised nothing
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.name]  # no temp dir left behind
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "non-writable NumPy array" warning
+        cached = open_cache(first)
+    reference = build_examples(data=data, model_path=str(tiny_checkpoint), seq_length=128, vocab_size=250, seed=0,
+                               cache_dir=cache_dir)
+    _assert_same(cached, reference)
+    # MicroBatches gathers rows from the memory map exactly as from in-memory tensors.
+    layout = dict(micro_batch_size=2, num_microbatches=2, dp_rank=1, dp_size=2, seed=3)
+    for step in (0, 7):
+        got = MicroBatches(examples=cached, **layout).batches_for_step(step)
+        want = MicroBatches(examples=reference, **layout).batches_for_step(step)
+        assert all(torch.equal(g[k], w[k]) and g[k].dtype == w[k].dtype for g, w in zip(got, want) for k in w)
+
+
+def test_changed_source_file_invalidates_the_cache(tiny_checkpoint, tmp_path, cache_dir, write_jsonl, tokenize_calls):
+    rows = [{"text": "the cat sat on the mat and then it ran away"}] * 20
+    data = DataSpec(path=write_jsonl(rows))
+    first = _prepare(data, tiny_checkpoint, tmp_path / "cache", cache_dir)
+    write_jsonl(rows + [{"text": "one more story about a dog"}] * 5)
+    second = _prepare(data, tiny_checkpoint, tmp_path / "cache", cache_dir)
+    assert first != second and len(tokenize_calls) == 2
+    assert len(open_cache(second)) > len(open_cache(first))
+    _assert_same(open_cache(second), build_examples(data=data, model_path=str(tiny_checkpoint), seq_length=32,
+                                                    vocab_size=250, seed=0, cache_dir=cache_dir))
+
+
+def test_key_follows_what_changes_the_tokens(tiny_checkpoint, tokenizer):
+    data = DataSpec(path=str(EXAMPLES / "tiny_stories.jsonl"))
+    key = cache.cache_key(data=data, tokenizer=tokenizer, seq_length=32)[0]
+    assert cache.cache_key(data=data.model_copy(update={"shuffle": False}), tokenizer=tokenizer, seq_length=32)[0] == key
+    assert cache.cache_key(data=data, tokenizer=tokenizer, seq_length=64)[0] != key
+    assert cache.cache_key(data=data.model_copy(update={"split": "train[:50%]"}), tokenizer=tokenizer,
+                           seq_length=32)[0] != key
+    tokenizer.chat_template = "{{ messages }}"
+    assert cache.cache_key(data=data, tokenizer=tokenizer, seq_length=32)[0] != key
+
+
+def test_vocab_check_also_runs_on_a_reused_cache(tiny_checkpoint, tmp_path, cache_dir):
+    data = DataSpec(path=str(EXAMPLES / "tiny_stories.jsonl"))
+    _prepare(data, tiny_checkpoint, tmp_path / "cache", cache_dir)
+    with pytest.raises(DsmtError, match=r"id \d+ but the model's vocab_size is 20"):
+        _prepare(data, tiny_checkpoint, tmp_path / "cache", cache_dir, vocab_size=20)
+
+
+def test_failed_write_leaves_no_entry(tiny_checkpoint, tmp_path, cache_dir, monkeypatch):
+    data = DataSpec(path=str(EXAMPLES / "tiny_stories.jsonl"))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cache.np, "save", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        _prepare(data, tiny_checkpoint, tmp_path / "cache", cache_dir)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_no_path_without_synthetic_is_refused_by_name(tiny_checkpoint):
+    with pytest.raises(DsmtError, match="data_source.*data.synthetic: true"):
+        build_examples(data=DataSpec(), model_path=str(tiny_checkpoint), seq_length=8, vocab_size=250, seed=0)
+    synthetic = build_examples(data=DataSpec(synthetic=True), model_path=None, seq_length=8, vocab_size=250, seed=0)
+    assert synthetic.kind == "synthetic"
+
+
+def test_simulated_nonzero_rank_only_opens_what_rank_zero_wrote(tiny_checkpoint, tmp_path, cache_dir, monkeypatch,
+                                                                 tokenize_calls):
+    import torch.distributed as dist
+
+    data = DataSpec(path=str(EXAMPLES / "tiny_stories.jsonl"))
+    written = _prepare(data, tiny_checkpoint, tmp_path / "cache", cache_dir)  # what rank 0 did
+    tokenize_calls.clear()
+    monkeypatch.setattr(cache, "load_tokenizer", lambda **kwargs: pytest.fail("rank 1 loaded a tokenizer"))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+
+    def rank_zero_says(objects, src=0, group=None, device=None):
+        assert objects == [None]  # this rank contributes nothing
+        objects[0] = ("ok", str(written))
+
+    monkeypatch.setattr(dist, "broadcast_object_list", rank_zero_says)
+    examples = cache.shared_examples(data=data, model_path=str(tiny_checkpoint), seq_length=32, vocab_size=250,
+                                     seed=0, cache_root=tmp_path / "cache")
+    assert tokenize_calls == [] and len(examples) > 0
+    _assert_same(examples, open_cache(written))
+
+    def rank_zero_failed(objects, src=0, group=None, device=None):
+        objects[0] = ("error", "data.path='x.jsonl' does not exist")
+
+    monkeypatch.setattr(dist, "broadcast_object_list", rank_zero_failed)
+    with pytest.raises(DsmtError, match="rank 0 could not prepare the training data: data.path='x.jsonl'"):
+        cache.shared_examples(data=data, model_path=str(tiny_checkpoint), seq_length=32, vocab_size=250, seed=0,
+                              cache_root=tmp_path / "cache")
+
+
+WORKER = textwrap.dedent('''
+    import json, sys
+    import torch.distributed as dist
+    from toolkit.data import cache, examples as uncached
+    from toolkit.spec.schema import DataSpec
+
+    dist.init_process_group("gloo")
+    calls = []
+    real = uncached.tokenize_path
+    uncached.tokenize_path = lambda **kw: calls.append(1) or real(**kw)
+    model_dir, root, out = sys.argv[1:4]
+    data = DataSpec(path=sys.argv[4])
+    examples = cache.shared_examples(data=data, model_path=model_dir, seq_length=32, vocab_size=250, seed=0,
+                                     cache_root=root)
+    rank = dist.get_rank()
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"tokenised": len(calls), "ids": examples.token_ids.tolist(), "mask": examples.loss_mask.tolist()}, f)
+    dist.destroy_process_group()
+''')
+
+
+@pytest.mark.multiproc
+def test_two_gloo_ranks_tokenise_once_on_rank_zero(tiny_checkpoint, tmp_path, cache_dir):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    path = str(EXAMPLES / "tiny_stories.jsonl")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+               f"--master_port={free_port()}", str(script), str(tiny_checkpoint), str(tmp_path / "cache"),
+               str(tmp_path), path]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_DATASETS_CACHE": cache_dir}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["tokenised"] for r in ranks] == [1, 0]
+    reference = build_examples(data=DataSpec(path=path), model_path=str(tiny_checkpoint), seq_length=32,
+                               vocab_size=250, seed=0, cache_dir=cache_dir)
+    for r in ranks:
+        assert r["ids"] == reference.token_ids.tolist() and r["mask"] == reference.loss_mask.tolist()

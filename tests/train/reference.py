@@ -1,0 +1,219 @@
+"""An independent one-process reference for `dsmt train`: plain HF transformers + torch, nothing from toolkit/.
+
+It reads the job spec YAML and the jsonl itself and re-implements, from their written rules, what a dsmt run
+should do, so a parity test against it can catch bugs in dsmt's data pipeline, loss, optimizer and schedule:
+
+  data       toolkit/data/tokenize.py docstring: text records (tokenizer defaults, EOS after each document unless
+             the tokenizer already ended it with EOS) concatenated and cut into `seq_length + 1` windows, the rest
+             dropped, every label counted; prompt/completion records one example each, `prompt (tokenizer's
+             specials) + completion + EOS`, cut at the right or padded with the pad token (EOS without one), loss on
+             the completion and its EOS only, records with no counted label dropped.
+  order      toolkit/data/batches.py docstring: global position `g = step*G + j` is example
+             `randperm(N, seed + g // N)[g % N]` (identity without shuffle); row `j` of the global batch is row `i`
+             of micro-batch `m` on data-parallel rank `r` with `j = (m*dp + r)*micro + i`.
+  loss       per token over the global batch: the sum of the masked token cross entropies of all `G` rows divided
+             by the number of counted tokens in them (HF's `num_items_in_batch`), whatever the micro-batch split.
+  optimizer  torch.optim.AdamW, weight decay on parameters with ndim >= 2 only (norms and biases get 0, megatron's
+             convention), gradients clipped to `grad_clip` by their global L2 norm (the pre-clip norm is returned).
+  schedule   DeepSpeed's WarmupCosineLR with the parameters dsmt writes (toolkit/generate/deepspeed_config.py), as
+             DeepSpeed implements it: see `deepspeed_warmup_cosine_lr`.
+fp32 throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The job-spec values the reference needs, read from the YAML as written (no dsmt spec classes)."""
+
+    model_dir: Path
+    data_path: Path
+    text_field: str
+    prompt_field: str | None
+    completion_field: str | None
+    shuffle: bool
+    seq_length: int
+    global_batch_size: int
+    micro_batch_size: int
+    lr: float
+    min_lr: float
+    lr_schedule: str
+    warmup_steps: int
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    grad_clip: float
+    train_steps: int
+    seed: int
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> "RunSettings":
+        spec = yaml.safe_load(Path(path).read_text())
+        t, d = spec["training"], spec["data"]
+        return cls(model_dir=Path(spec["model"]["path"]), data_path=Path(d["path"]),
+                   text_field=d.get("text_field", "text"), prompt_field=d.get("prompt_field"),
+                   completion_field=d.get("completion_field"), shuffle=d.get("shuffle", True),
+                   seq_length=t["seq_length"], global_batch_size=t["global_batch_size"],
+                   micro_batch_size=t["micro_batch_size"], lr=t["lr"], min_lr=t["min_lr"],
+                   lr_schedule=t["lr_schedule"], warmup_steps=t["warmup_steps"], weight_decay=t["weight_decay"],
+                   betas=(t.get("adam_beta1", 0.9), t.get("adam_beta2", 0.95)), eps=t.get("adam_eps", 1e-8),
+                   grad_clip=t["grad_clip"], train_steps=t["train_steps"], seed=t["seed"])
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    losses: list[float]
+    grad_norms: list[float]  # before clipping
+    lrs: list[float]
+    state_dict: dict[str, torch.Tensor]
+
+
+# --- data -------------------------------------------------------------------------------------------------------
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def tokenize_records(*, records: list[dict], tokenizer, settings: RunSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_ids [N, seq+1] int64, loss_mask [N, seq] float32) by the rules in the module docstring."""
+    window, eos = settings.seq_length + 1, tokenizer.eos_token_id
+    if settings.prompt_field is None:
+        stream = []
+        for record in records:
+            ids = tokenizer(record[settings.text_field])["input_ids"]
+            stream += ids if ids and ids[-1] == eos else ids + [eos]
+        count = len(stream) // window
+        token_ids = torch.tensor(stream[: count * window], dtype=torch.int64).view(count, window)
+        return token_ids, torch.ones(count, settings.seq_length)
+    pad = eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    rows, masks = [], []
+    for record in records:
+        prompt = tokenizer(record[settings.prompt_field])["input_ids"]
+        completion = tokenizer(record[settings.completion_field], add_special_tokens=False)["input_ids"]
+        ids = (prompt + completion + [eos])[:window]
+        counted = ([0] * len(prompt) + [1] * (len(completion) + 1))[:window]
+        if not any(counted[1:]):  # counted[t] belongs to label t-1; the first token is never a label
+            continue
+        fill = window - len(ids)
+        rows.append(ids + [pad] * fill)
+        masks.append(counted[1:] + [0] * fill)
+    return torch.tensor(rows, dtype=torch.int64), torch.tensor(masks, dtype=torch.float32)
+
+
+def load_examples(settings: RunSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
+    return tokenize_records(records=read_jsonl(settings.data_path), tokenizer=tokenizer, settings=settings)
+
+
+def global_sample_indices(*, step: int, global_batch_size: int, num_examples: int, seed: int,
+                          shuffle: bool) -> list[int]:
+    """Example index of each row `j` of the global batch of `step` (0-based)."""
+    indices, permutations = [], {}
+    for position in range(step * global_batch_size, (step + 1) * global_batch_size):
+        epoch = position // num_examples
+        if epoch not in permutations:
+            permutations[epoch] = (torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed + epoch))
+                                   if shuffle else torch.arange(num_examples))
+        indices.append(int(permutations[epoch][position % num_examples]))
+    return indices
+
+
+def rank_rows(*, micro_batch: int, dp_rank: int, micro_batch_size: int, dp_size: int) -> list[int]:
+    """Rows `j` of the global batch that form micro-batch `micro_batch` of data-parallel rank `dp_rank`."""
+    first = (micro_batch * dp_size + dp_rank) * micro_batch_size
+    return list(range(first, first + micro_batch_size))
+
+
+# --- schedule ---------------------------------------------------------------------------------------------------
+
+def deepspeed_warmup_cosine_lr(*, step: int, settings: RunSettings) -> float:
+    """The LR of optimizer step `step` (0-based) under the WarmupCosineLR that dsmt configures.
+
+    dsmt passes warmup_num_steps = max(warmup_steps, 1), warmup_min_ratio = 0 (1 without warmup), cos_min_ratio =
+    min_lr / lr, total_num_steps = train_steps, linear warmup. DeepSpeed then uses W = max(2, warmup_num_steps) and
+    ratio(i) = warmup_min_ratio + (1 - warmup_min_ratio) * i / W for i < W, else
+    cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * min(1, (i - W + 1) / max(1, T - W)))) / 2.
+    Its constructor sets the rate for iteration -1, which it defines as 0, and the engine steps the scheduler after
+    each optimizer step, so step k runs at lr * ratio(k - 1): the first step always has lr 0."""
+    if settings.lr_schedule != "cosine":
+        raise ValueError(f"the reference implements lr_schedule 'cosine' only, got {settings.lr_schedule!r}")
+    iteration = step - 1
+    if iteration < 0:
+        return 0.0
+    warmup = max(2, max(settings.warmup_steps, 1))
+    if iteration < warmup:
+        start = 1.0 if settings.warmup_steps == 0 else 0.0
+        return settings.lr * (start + (1.0 - start) * iteration / warmup)
+    floor = settings.min_lr / settings.lr
+    progress = min(1.0, (iteration - warmup + 1) / max(1, settings.train_steps - warmup))
+    return settings.lr * max(0.0, floor + (1.0 - floor) * (1 + math.cos(math.pi * progress)) / 2)
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+def adamw(model: torch.nn.Module, settings: RunSettings) -> torch.optim.AdamW:
+    decayed = [p for p in model.parameters() if p.ndim >= 2]
+    plain = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decayed, "weight_decay": settings.weight_decay},
+                              {"params": plain, "weight_decay": 0.0}],
+                             lr=settings.lr, betas=settings.betas, eps=settings.eps)
+
+
+def global_batch_loss_backward(model, *, token_ids: torch.Tensor, loss_mask: torch.Tensor, chunk_rows: int) -> float:
+    """Backward of the per-token loss of the whole global batch, `chunk_rows` rows per forward; returns the loss."""
+    num_tokens = loss_mask.sum()
+    total = 0.0
+    for start in range(0, len(token_ids), chunk_rows):
+        ids, mask = token_ids[start:start + chunk_rows], loss_mask[start:start + chunk_rows]
+        logits = model(input_ids=ids[:, :-1]).logits.float()
+        per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+        loss = (per_token * mask.flatten()).sum() / num_tokens
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def train_reference(spec_path: Path, *, chunk_rows: int | None = None,
+                    start_rounded_to: torch.dtype | None = None) -> ReferenceRun:
+    """Train the spec's model for its train_steps in this process; `chunk_rows` (default: the micro-batch size)
+    only changes how the global batch is split into forwards, not the result. `start_rounded_to=torch.bfloat16`
+    starts from the checkpoint rounded to bf16, as a bf16 run's fp32 master weights do (training stays fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    settings = RunSettings.from_yaml(spec_path)
+    token_ids, loss_mask = load_examples(settings)
+    model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
+    if int(token_ids.max()) >= model.config.vocab_size:
+        raise ValueError(f"token id {int(token_ids.max())} >= vocab_size {model.config.vocab_size}")
+    if start_rounded_to is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(start_rounded_to).float())
+    optimizer = adamw(model, settings)
+    params = list(model.parameters())
+    losses, norms, lrs = [], [], []
+    for step in range(settings.train_steps):
+        rows = global_sample_indices(step=step, global_batch_size=settings.global_batch_size,
+                                     num_examples=len(token_ids), seed=settings.seed, shuffle=settings.shuffle)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(global_batch_loss_backward(model, token_ids=token_ids[rows], loss_mask=loss_mask[rows],
+                                                 chunk_rows=chunk_rows or settings.micro_batch_size))
+        max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        lrs.append(deepspeed_warmup_cosine_lr(step=step, settings=settings))
+        for group in optimizer.param_groups:
+            group["lr"] = lrs[-1]
+        optimizer.step()
+    return ReferenceRun(losses=losses, grad_norms=norms, lrs=lrs,
+                        state_dict={k: v.detach().clone() for k, v in model.state_dict().items()})

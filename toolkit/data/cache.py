@@ -1,0 +1,175 @@
+"""Tokenised examples cached on disk and memory-mapped: a job tokenises its corpus once, on rank 0.
+
+    <cache_root>/<key>/token_ids.npy   int64   [N, seq_length + 1]
+    <cache_root>/<key>/loss_mask.npy   float32 [N, seq_length]
+    <cache_root>/<key>/meta.json       what the key was made of, the `Examples` counters, the largest token id
+
+`key` is a hash of everything the arrays depend on: `FORMAT_VERSION`, the `DataSpec` fields that shape
+tokenisation, the tokenizer itself (class, serialised pipeline or vocabulary, special ids, chat template),
+`seq_length`, and the source's identity (path, size and mtime of every file). Editing the data file gives another
+key, so a stale cache is never read; old entries stay until deleted. A hub dataset id is keyed by its name and
+split only: a new revision on the hub is not noticed.
+
+Rank 0 writes into a temporary directory and renames it into place, so a `<key>` directory that exists is whole
+(two jobs racing on one cache keep the first). The other ranks wait for rank 0's word (`shared_examples`), then
+memory-map the arrays copy-on-write: ranks on one machine share the page cache, and an in-place write to a tensor
+(nothing does one) would stay private instead of crashing on a read-only page or reaching the file. The cache root
+must be on a filesystem every node sees, as the checkpoints must.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from toolkit.data import examples as uncached
+from toolkit.data.tokenize import Examples, load_tokenizer
+from toolkit.errors import DsmtError
+from toolkit.spec.schema import DataSpec
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1  # bump when the arrays or the tokenisation rules change meaning
+META = "meta.json"
+# DataSpec fields that do not change the tokens: the order of use, where the cache lives, and `tokenizer`, whose
+# location matters less than its content (`tokenizer_identity`).
+KEY_EXCLUDED_FIELDS = {"shuffle", "cache_dir", "synthetic", "tokenizer"}
+
+
+def cache_root_for(*, data: DataSpec, output_dir: str | Path) -> Path:
+    return Path(data.cache_dir).expanduser() if data.cache_dir is not None else Path(output_dir) / "data-cache"
+
+
+def shared_examples(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, seed: int,
+                    cache_root: Path) -> Examples:
+    """Collective over the default process group: rank 0 tokenises (or reuses the cache), every rank memory-maps
+    the result. Synthetic examples are generated on each rank (cheap, and a pure function of the seed)."""
+    import torch.distributed as dist
+
+    if data.synthetic:
+        return uncached.build_examples(data=data, model_path=model_path, seq_length=seq_length,
+                                       vocab_size=vocab_size, seed=seed)
+    failure = None
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [("ok", str(prepare_cache(data=data, model_path=model_path, seq_length=seq_length,
+                                                vocab_size=vocab_size, cache_root=cache_root)))]
+        except Exception as err:  # the other ranks are waiting below: tell them before raising here
+            failure = err
+            outcome = [("error", str(err) if isinstance(err, DsmtError) else f"{type(err).__name__}: {err}")]
+    dist.broadcast_object_list(outcome, src=0)  # doubles as the barrier: nobody reads before rank 0 is done
+    status, value = outcome[0]
+    if failure is not None:
+        raise failure
+    if status == "error":
+        raise DsmtError(f"rank 0 could not prepare the training data: {value}")
+    return open_cache(Path(value))
+
+
+def prepare_cache(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, cache_root: Path,
+                  datasets_cache_dir: str | None = None) -> Path:
+    """The cache directory for these inputs, tokenising and writing it first when it does not exist yet.
+    `datasets_cache_dir` is where `datasets` keeps its own files (None: its default)."""
+    uncached.require_data_path(data)
+    tokenizer = load_tokenizer(data=data, model_path=model_path)
+    key, inputs = cache_key(data=data, tokenizer=tokenizer, seq_length=seq_length)
+    directory = Path(cache_root) / key
+    if (directory / META).is_file():
+        meta = json.loads((directory / META).read_text())
+        log.info("data cache: reusing %s (%d examples)", directory, meta["num_examples"])
+    else:
+        examples = uncached.tokenize_path(data=data, tokenizer=tokenizer, seq_length=seq_length,
+                                          cache_dir=datasets_cache_dir)
+        meta = write_cache(directory=directory, examples=examples, inputs=inputs)
+        log.info("data cache: tokenised %d examples into %s", meta["num_examples"], directory)
+    uncached.check_vocab(largest_id=meta["max_token_id"], vocab_size=vocab_size, data=data)
+    return directory
+
+
+def cache_key(*, data: DataSpec, tokenizer, seq_length: int) -> tuple[str, dict]:
+    """(hex key, the JSON-able inputs it hashes); see the module docstring."""
+    fields = data.model_dump(exclude=KEY_EXCLUDED_FIELDS)
+    inputs = {"format_version": FORMAT_VERSION, "data": fields, "seq_length": seq_length,
+              "tokenizer": tokenizer_identity(tokenizer), "source": source_identity(data.path)}
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+    return digest[:24], inputs
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """A hash of what decides the ids: a fast tokenizer's whole serialised pipeline (vocab, merges, normalizer,
+    BOS/EOS post-processing), else its vocabulary and init arguments; plus special ids and the chat template."""
+    if getattr(tokenizer, "is_fast", False):
+        pipeline = tokenizer.backend_tokenizer.to_str()
+    else:
+        settings = {k: v for k, v in tokenizer.init_kwargs.items() if k != "name_or_path"}
+        pipeline = json.dumps([sorted(tokenizer.get_vocab().items()), settings], sort_keys=True, default=str)
+    specials = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    described = json.dumps([type(tokenizer).__name__, pipeline, specials, getattr(tokenizer, "chat_template", None)],
+                           default=str)
+    return hashlib.sha256(described.encode()).hexdigest()
+
+
+def source_identity(path_text: str) -> list:
+    """[relative name, size, mtime_ns] of the file, or of every file under a save_to_disk directory."""
+    path = Path(path_text).expanduser()
+    if path.is_file():
+        stat = path.stat()
+        return [[str(path.resolve()), stat.st_size, stat.st_mtime_ns]]
+    if path.is_dir():
+        found = [[str(path.resolve())]]
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            stat = file.stat()
+            found.append([str(file.relative_to(path)), stat.st_size, stat.st_mtime_ns])
+        return found
+    return [["hub", path_text]]  # not local: load_records decides whether it is a hub id
+
+
+def write_cache(*, directory: Path, examples: Examples, inputs: dict) -> dict:
+    """Write `examples` to `directory` atomically (temp dir + rename); returns the metadata written."""
+    meta = {"inputs": inputs, "kind": examples.kind, "used_chat_template": examples.used_chat_template,
+            "num_dropped": examples.num_dropped, "num_truncated": examples.num_truncated,
+            "num_examples": len(examples), "seq_length": examples.seq_length,
+            "max_token_id": int(examples.token_ids.max())}
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        np.save(temp / "token_ids.npy", examples.token_ids.numpy())
+        np.save(temp / "loss_mask.npy", examples.loss_mask.numpy())
+        (temp / META).write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(temp, directory)
+        except OSError:
+            if not (directory / META).is_file():
+                raise
+            shutil.rmtree(temp)  # another job wrote the same key first; its arrays are the same
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return meta
+
+
+def open_cache(directory: Path) -> Examples:
+    """The cached examples as tensors over copy-on-write memory maps (no copy until rows are gathered)."""
+    directory = Path(directory)
+    if not (directory / META).is_file():
+        raise DsmtError(f"the data cache {directory} written by rank 0 is not visible here; put data.cache_dir "
+                        f"(default <training.output_dir>/data-cache) on a filesystem every node shares")
+    meta = json.loads((directory / META).read_text())
+    token_ids = torch.from_numpy(np.load(directory / "token_ids.npy", mmap_mode="c"))
+    loss_mask = torch.from_numpy(np.load(directory / "loss_mask.npy", mmap_mode="c"))
+    expected = (meta["num_examples"], meta["seq_length"])
+    if tuple(token_ids.shape) != (expected[0], expected[1] + 1) or tuple(loss_mask.shape) != expected:
+        raise DsmtError(f"the data cache {directory} is damaged (token_ids {tuple(token_ids.shape)}, loss_mask "
+                        f"{tuple(loss_mask.shape)}, meta says {expected[0]} examples of {expected[1]}); delete it")
+    return Examples(token_ids=token_ids, loss_mask=loss_mask, kind=meta["kind"],
+                    used_chat_template=meta["used_chat_template"], num_dropped=meta["num_dropped"],
+                    num_truncated=meta["num_truncated"])

@@ -1,0 +1,291 @@
+"""`dsmt train SPEC --dry-run`: everything `dsmt train` checks before it launches, done here, writing nothing.
+
+One report (exit 0, or 2 listing every problem found, not just the first):
+  * the spec: `dsmt check` (schema and cross-section rules) and what the trainer refuses beyond it;
+  * the model: its config translated by the adapters, the layout checked against it (`Layout.problems`), and the
+    first and last pipeline stage of this layout built as megatron-core GPTModel chunks on the meta device (no
+    memory, no initialisation), by a fake process group that puts this one process at that stage's rank;
+  * the DeepSpeed config, accepted by DeepSpeed's own parser at the layout's data-parallel size;
+  * the data readable (`load_records`), and the tokenizer present and no larger than the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import unittest.mock
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+from toolkit.spec.report import Problem, Report
+
+# `dsmt check` rules that already say the layout does not fit the model (the meta build is skipped after them).
+LAYOUT_RULES = frozenset({"world_size", "heads_vs_tp", "kv_heads_vs_tp", "ffn_vs_tp", "layers_vs_pp", "vocab_padding"})
+
+
+def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -> Report:
+    from toolkit.spec.checks import check_file
+
+    spec, report = check_file(path, overrides=overrides)
+    source = f"{path} (dsmt train --dry-run)"
+    if spec is None:  # the schema refused it: nothing further can be read from it
+        return Report(source=source, problems=report.problems)
+    problems = list(report.problems) + trainer_problems(spec=spec)
+    settings, model_found = model_settings_of(spec=spec)
+    problems += model_found
+    if settings is not None:
+        problems += layout_and_build_problems(spec=spec, settings=settings, spec_errors=report.rules("error"))
+    problems += deepspeed_problems(spec=spec)
+    problems += data_problems(spec=spec)
+    return Report(source=source, problems=tuple(problems))
+
+
+def trainer_problems(*, spec) -> list[Problem]:
+    """What `dsmt train` / `python -m toolkit.train` refuse or need beyond `dsmt check`."""
+    import torch
+
+    found = []
+    if spec.parallel.sequence_parallel:
+        found.append(Problem("error", "sequence_parallel_not_wired",
+                             f"parallel.sequence_parallel=true (tp={spec.parallel.tp}) is not wired into `dsmt train` "
+                             "yet", "set parallel.sequence_parallel: false; training.recompute saves activations"))
+    if spec.cluster.nodes > 1:
+        found.append(Problem("info", "launch", f"cluster.nodes={spec.cluster.nodes}: `dsmt train` starts ranks on this "
+                             "machine only; `dsmt generate SPEC --out run/` writes the launch scripts (launch_deepspeed.sh, "
+                             "job.sbatch) that start `python -m toolkit.train` on every rank"))
+    if (spec.cluster.device == "cuda") != torch.cuda.is_available():
+        found.append(Problem("warning", "device_here",
+                             f"cluster.device={spec.cluster.device} but this machine "
+                             f"{'has' if torch.cuda.is_available() else 'has no'} CUDA: `dsmt train` here would refuse",
+                             "run the training where the spec's device is; the dry run itself needs none"))
+    if Path(spec.training.output_dir).expanduser().exists():
+        found.append(Problem("info", "resume", f"training.output_dir={spec.training.output_dir} exists: a run there "
+                             "resumes from its latest complete checkpoint"))
+    return found
+
+
+def model_settings_of(*, spec):
+    """(ModelSettings or None, problems): the adapters' view of the spec's model, read without any weights."""
+    from toolkit.adapters.hf_config import model_settings
+    from toolkit.train import pretrain
+
+    multiple = spec.model.make_vocab_size_divisible_by
+    try:
+        if spec.model.builtin is not None:
+            hf_config = pretrain.hf_config(spec.model.builtin)
+            where = (f"model.builtin={spec.model.builtin}: megatron-core init, std "
+                     f"{hf_config.initializer_range}; rank 0 writes config.json and tokenizer files, no weights")
+        elif spec.model.config is not None:
+            from transformers import AutoConfig
+
+            fields = dict(spec.model.config)
+            if "model_type" not in fields:  # the random init (toolkit/tiny.py save_random_init) needs it
+                return None, [Problem("error", "model_config", "model.config has no model_type: `dsmt train` cannot "
+                                      "tell which HF model to initialise", "add model.config.model_type, e.g. llama")]
+            hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+            where = "model.config: a random HF init written by rank 0"
+        else:
+            from toolkit.models import inspect_checkpoint
+            from toolkit.train import plain
+
+            path = Path(spec.model.path)
+            if not path.exists():
+                return None, []  # dsmt check's model_shape says so
+            if (path / "config.json").is_file() and plain.is_plain_model(path):
+                return None, [Problem("info", "model", f"model.path={spec.model.path}: no megatron-core adapter; "
+                                      "DeepSpeed ZeRO data parallelism only")]
+            info = inspect_checkpoint(path)
+            hf_config, multiple = info.hf_config, info.vocab_pad_multiple
+            where = f"model.path={spec.model.path} ({info.kind} checkpoint, {info.params_dtype})"
+        settings = model_settings(hf_config, vocab_pad_multiple=multiple)
+    except DsmtError as err:
+        rule = "builtin_not_trainable" if spec.model.builtin is not None else "model_config"
+        return None, [Problem("error", rule, str(err), "use a Llama-like model (llama, mistral, qwen2)")]
+    except (ValueError, TypeError, KeyError) as err:  # transformers' own refusals of an inline config
+        return None, [Problem("error", "model_config", f"model.config is not a valid HF config: {err}", "")]
+    return settings, [Problem("info", "model", f"{where}; {settings.family.model_type}, vocab_size="
+                              f"{settings.vocab_size} (padded {settings.padded_vocab_size})")]
+
+
+def layout_and_build_problems(*, spec, settings, spec_errors: set[str]) -> list[Problem]:
+    from toolkit.parallel import Layout
+    from toolkit.train.run import params_dtype
+
+    if spec_errors & LAYOUT_RULES:
+        return [Problem("info", "model_build", "model build: skipped, the layout does not fit the model (above)")]
+    parallel = spec.parallel
+    world = spec.cluster.nodes * spec.cluster.gpus_per_node
+    if world % (parallel.tp * parallel.pp):
+        return []  # reported by dsmt check's world_size
+    layout = Layout(tp_size=parallel.tp, pp_size=parallel.pp, vpp_size=parallel.vpp or 1,
+                    dp_size=world // (parallel.tp * parallel.pp))
+    fields = settings.transformer_fields
+    layout_found = layout.problems(num_attention_heads=fields["num_attention_heads"],
+                                   num_query_groups=fields["num_query_groups"], num_layers=settings.num_layers,
+                                   padded_vocab_size=settings.padded_vocab_size)
+    if layout_found:
+        return [Problem("error", "model_layout", text, "change parallel.tp / pp / vpp") for text in layout_found]
+    try:
+        counts = stage_parameter_counts(settings=settings, layout=layout,
+                                        params_dtype=params_dtype(spec.training.precision),
+                                        recompute=spec.training.recompute)
+    except Exception as err:  # megatron-core's own refusals (asserts, ValueErrors) of this config at this layout
+        return [Problem("error", "model_build", f"megatron-core could not build the model at tp={layout.tp_size} "
+                        f"pp={layout.pp_size} vpp={layout.vpp_size}: {type(err).__name__}: {err}", "")]
+    if counts is None:
+        return [Problem("info", "model_build", "model build: skipped, a process group is already running here")]
+    stages = ", ".join(f"{name} stage {count / 1e6:,.1f}M" for name, count in counts.items())
+    return [Problem("info", "model_build", f"megatron-core GPTModel built on the meta device at tp={layout.tp_size} "
+                    f"pp={layout.pp_size} vpp={layout.vpp_size}: parameters per GPU: {stages}")]
+
+
+def stage_parameter_counts(*, settings, layout, params_dtype, recompute: str = "none") -> dict[str, int] | None:
+    """Parameters per GPU of the first and last pipeline stage (all their virtual chunks), counted on megatron
+    GPTModel chunks built on the meta device. torch's fake process-group backend (what torch's own tests use to
+    stand in for a large world in one process; collectives do nothing) puts this process at the stage's rank, so
+    megatron shards exactly as it will at that rank. None when a process group already exists here."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from toolkit import backend as backends
+    from toolkit.adapters.build import transformer_config
+
+    if dist.is_initialized():
+        return None
+    backends.current()  # on a CPU machine: megatron's CUDA calls redirected before any model code runs
+    # megatron's default rank order is tp-cp-ep-dp-pp: the pipeline rank is the outermost coordinate.
+    ranks = {"first": 0, "last": (layout.pp_size - 1) * layout.tp_size * layout.dp_size}
+    counts = {}
+    for name, rank in ranks.items():
+        if name == "last" and layout.pp_size == 1:
+            break
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+        try:
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=layout.tp_size, pipeline_model_parallel_size=layout.pp_size,
+                virtual_pipeline_model_parallel_size=layout.vpp_size if layout.vpp_size > 1 else None,
+                create_gloo_process_groups=False)
+            config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, recompute=recompute)
+            # CPU-style allocation honours the meta device context (the CUDA path names a device explicitly).
+            config = dataclasses.replace(config, use_cpu_initialization=True, perform_initialization=False)
+            # megatron's local layers: the same parameter shapes as the Transformer Engine ones, and they
+            # allocate nothing real on the meta device.
+            layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+            total = 0
+            with torch.device("meta"):
+                for vp_stage in range(layout.vpp_size):
+                    vp = vp_stage if layout.vpp_size > 1 else None
+                    chunk = GPTModel(
+                        config=config, transformer_layer_spec=layer_spec, vocab_size=settings.padded_vocab_size,
+                        max_sequence_length=settings.max_position_embeddings,
+                        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                        share_embeddings_and_output_weights=settings.tied_embeddings, position_embedding_type="rope",
+                        rotary_base=settings.rotary_base, vp_stage=vp, **(settings.rope_scaling or {}))
+                    total += sum(p.numel() for p in chunk.parameters())
+            counts[name] = total
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    return counts
+
+
+class LayoutMpu:
+    """The model-parallel unit DeepSpeed's config parser asks for the data-parallel size (no process group)."""
+
+    def __init__(self, layout):
+        self.layout = layout
+
+    def get_data_parallel_world_size(self): return self.layout.dp
+    def get_data_parallel_rank(self): return 0
+    def get_model_parallel_world_size(self): return self.layout.tp * self.layout.pp
+    def get_model_parallel_rank(self): return 0
+    def get_tensor_model_parallel_world_size(self): return self.layout.tp
+    def get_tensor_model_parallel_rank(self): return 0
+    def get_pipeline_model_parallel_world_size(self): return self.layout.pp
+    def get_pipeline_model_parallel_rank(self): return 0
+
+
+def deepspeed_problems(*, spec) -> list[Problem]:
+    import deepspeed
+    from deepspeed.runtime import config as ds_config_module
+
+    from toolkit.generate.deepspeed_config import build_deepspeed_config
+    from toolkit.spec.layout import derive_layout
+
+    try:
+        layout = derive_layout(spec)
+    except DsmtError:
+        return []  # the batch / world arithmetic is wrong; dsmt check's errors above say how
+    config = build_deepspeed_config(spec=spec, layout=layout)
+    # The parser reads the mpu only when deepspeed.comm answers get_rank(); without a process group it would
+    # silently assume one rank. Rank 0 of the layout's world is what it must see.
+    try:
+        with unittest.mock.patch.object(ds_config_module.dist, "get_rank", lambda *args, **kwargs: 0):
+            parsed = ds_config_module.DeepSpeedConfig(config, mpu=LayoutMpu(layout))
+    except Exception as err:  # DeepSpeed refuses with asserts, ValueErrors and pydantic errors alike
+        return [Problem("error", "deepspeed_config", f"DeepSpeed {deepspeed.__version__} refuses the generated "
+                        f"ds_config at dp={layout.dp}: {type(err).__name__}: {err}", "")]
+    seen = (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps)
+    wanted = (layout.global_batch_size, layout.micro_batch_size, layout.grad_accum_steps)
+    if seen != wanted:
+        return [Problem("error", "deepspeed_config", f"DeepSpeed reads (train_batch_size, micro, grad-accum) = {seen}, "
+                        f"the layout says {wanted}", "")]
+    return [Problem("info", "deepspeed_config", f"DeepSpeed {deepspeed.__version__} accepts ds_config: "
+                    f"train_batch_size={layout.global_batch_size} = micro {layout.micro_batch_size} × grad-accum "
+                    f"{layout.grad_accum_steps} × dp {layout.dp}, ZeRO-{parsed.zero_optimization_stage}")]
+
+
+def data_problems(*, spec) -> list[Problem]:
+    """The data readable and the tokenizer present (and no larger than the model's vocabulary)."""
+    from toolkit.data import load_records
+
+    data = spec.data
+    found = []
+    text_data = data.path is not None and not data.synthetic
+    if text_data:
+        try:
+            records = load_records(data=data)
+            found.append(Problem("info", "data", f"data.path={data.path}: {len(records)} records, fields "
+                                 f"{', '.join(records.column_names)}"))
+        except DsmtError as err:
+            found.append(Problem("error", "data_unreadable", str(err), "fix data.path, or data.synthetic: true"))
+    elif data.synthetic:
+        found.append(Problem("info", "data", "data.synthetic=true: synthetic tokens, no tokenizer needed"))
+    if text_data or data.tokenizer is not None:
+        found += tokenizer_problems(spec=spec)
+    return found
+
+
+def tokenizer_problems(*, spec) -> list[Problem]:
+    from toolkit.data import load_tokenizer
+    from toolkit.spec.load import model_shape
+    from toolkit.train.pretrain import tokenizer_fit_problems
+
+    data, model = spec.data, spec.model
+    if data.tokenizer is None and model.path is None:
+        if model.builtin is not None:
+            return []  # dsmt check's builtin_needs_tokenizer
+        vocab_size = model.config.get("vocab_size", 0)
+        if vocab_size >= 64:  # toolkit/tiny.py save_random_init writes its character tokenizer then
+            return [Problem("info", "tokenizer", "tokenizer: dsmt's tiny character tokenizer, written with the "
+                            "random init of model.config")]
+        return [Problem("error", "tokenizer", f"model.config has vocab_size={vocab_size}, too small for dsmt's tiny "
+                        "tokenizer, and data.tokenizer is unset", "set data.tokenizer")]
+    try:
+        tokenizer = load_tokenizer(data=data, model_path=model.path)
+    except DsmtError as err:
+        return [Problem("error", "tokenizer", str(err), "")]
+    try:
+        vocab_size = model_shape(model).vocab_size
+    except DsmtError:
+        return []  # no transformer shape (a plain model): nothing to compare with
+    where = f"model.builtin={model.builtin}" if model.builtin else "the model"
+    fit = tokenizer_fit_problems(tokenizer=tokenizer, vocab_size=vocab_size, where=where,
+                                 tokenizer_ref=data.tokenizer or model.path)
+    if model.builtin is None:  # a checkpoint's own tokenizer may list ids its data never produces; training checks ids
+        fit = [dataclasses.replace(p, severity="warning") for p in fit]
+    ref = data.tokenizer or model.path
+    return fit or [Problem("info", "tokenizer", f"tokenizer {ref}: {len(tokenizer)} tokens, fits vocab_size={vocab_size}")]
