@@ -22,6 +22,14 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    import os
+
+    # The demo is a CPU run (gloo, 4 ranks, tiny model). On a GPU machine its CPU spec would be refused
+    # (cluster.device=cpu with CUDA visible), so hide the GPUs from this process and its ranks; CUDA reads the
+    # variable when it is first used, which nothing has done yet.
+    if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+        print("dsmt demo runs on the CPU: CUDA_VISIBLE_DEVICES='' for this run", flush=True)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if args.workdir is None:
         with tempfile.TemporaryDirectory(prefix="dsmt-demo-") as scratch:
             return run_demo(workdir=Path(scratch), tp=args.tp, pp=args.pp, train_steps=args.train_steps)

@@ -164,25 +164,29 @@ def save_mcore_checkpoint(*, chunks: list, info: CheckpointInfo, out_dir: Path, 
 
 
 def init_model_chunks(*, hf_dir: Path, layout: Layout, params_dtype: torch.dtype, init_method_std: float, seed: int,
-                      vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE, recompute: str = "none"):
+                      vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE, recompute: str = "none",
+                      zero3_config: dict | None = None):
     """(chunks, info) for pretraining: this rank's chunks initialised by megatron-core itself (normal(0, std),
     output projections std / sqrt(2 * num_layers), norms 1), no weights read. `hf_dir` holds only config.json (and
     tokenizer files); `info` lets the export write final-mcore / final-hf as for a loaded checkpoint.
 
     Seeded with seed + 100 * pipeline rank, as Megatron-LM does, so the stages' layers differ (the same seed would
-    give layer i and layer i + num_layers / pp equal weights); the data-parallel replicas stay identical."""
+    give layer i and layer i + num_layers / pp equal weights); the data-parallel replicas stay identical.
+    With `zero3_config` each module is partitioned as soon as megatron has initialised it (`deepspeed.zero.Init`)."""
     from megatron.core import parallel_state
 
     from toolkit import backend as backends
     from toolkit.adapters.load import expand_table
+    from toolkit.train.zero3 import partitioned_build
 
     hf_config = load_hf_config(hf_dir)
     settings = model_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple)
     check_layout(settings, layout)
     backend = backends.current()
     backend.seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
-    chunks = build_model_chunks(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=True,
-                                init_method_std=init_method_std, recompute=recompute)
+    with partitioned_build(zero3_config):
+        chunks = build_model_chunks(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=True,
+                                    init_method_std=init_method_std, recompute=recompute)
     backend.seed(seed)  # back to the state every rank of the load path continues from
     table = settings.family.weight_table(tied_embeddings=settings.tied_embeddings)
     hf_names = [name for item in expand_table(table, num_layers=settings.num_layers).values() for name in item.hf]

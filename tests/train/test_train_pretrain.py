@@ -116,3 +116,47 @@ def test_gpt_shapes_are_refused_by_name(tmp_path, capsys):
     assert dsmt(["train", write(tmp_path / "job.yaml", raw)]) == 2
     err = capsys.readouterr().err
     assert "gpt3-175b" in err and "trainable shapes" in err and "llama3-8b" in err
+
+
+def test_zero3_pretraining_builds_partitioned_with_the_same_init(tiny_llama, tmp_path, monkeypatch):
+    """At ZeRO-3 megatron initialises each module and deepspeed.zero.Init partitions it at once: every parameter
+    is a partition (threshold 0), and gathered it equals the unpartitioned init of the same seed, bit for bit."""
+    import deepspeed
+    from megatron.core import parallel_state
+
+    from toolkit import backend as backends
+    from toolkit.adapters.load import canonical_parameters
+    from toolkit.launch import single_process_group
+    from toolkit.models import init_model_chunks
+    from toolkit.parallel import Layout
+    from toolkit.train.pretrain import write_init_dir
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    spec = validate_spec(builtin_spec(tokenizer=tiny_llama, output_dir=tmp_path / "out"), source="test")
+    init_dir = write_init_dir(tmp_path / "init-hf", spec=spec)
+    zero3 = {"train_batch_size": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    with single_process_group(dist_backend=backends.current().dist_backend):
+        parallel_state.initialize_model_parallel(1, 1)
+        built = {}
+        for name, config in (("whole", None), ("zero3", zero3)):
+            chunks, _ = init_model_chunks(hf_dir=init_dir, layout=Layout(), params_dtype=torch.float32,
+                                          init_method_std=0.02, seed=5, zero3_config=config)
+            built[name] = canonical_parameters(chunks)
+        partitioned = built["zero3"]
+        assert all(p.numel() == 0 and p.ds_numel > 0 for p in partitioned.values())
+        for name, param in partitioned.items():
+            with deepspeed.zero.GatheredParameters([param]):
+                assert torch.equal(param.data, built["whole"][name].data), name
+
+
+@pytest.mark.multiproc
+def test_builtin_shape_at_zero3_dp2_trains_like_zero1(tiny_llama, tmp_path):
+    losses = {}
+    for zero in (1, 3):
+        raw = builtin_spec(tokenizer=tiny_llama, output_dir=tmp_path / f"zero{zero}", steps=4)
+        raw["parallel"]["zero_stage"] = zero
+        raw["communication"] = {"param_persistence_threshold_elements": 0}
+        assert dsmt(["train", write(tmp_path / f"zero{zero}.yaml", raw)]) == 0
+        losses[zero] = [m["loss"] for m in read_metrics(tmp_path / f"zero{zero}")]
+    print("zero1", losses[1], "zero3", losses[3])
+    assert len(losses[3]) == 4 and losses[3] == pytest.approx(losses[1], abs=1e-5)

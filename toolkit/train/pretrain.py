@@ -112,11 +112,12 @@ def write_init_dir(init_dir: Path, *, spec) -> Path:
     return init_dir
 
 
-def init_chunks(*, spec, hf_dir: Path, layout, params_dtype):
-    """This rank's chunks from megatron-core's initialisation, std = the config's initializer_range."""
+def init_chunks(*, spec, hf_dir: Path, layout, params_dtype, zero3_config: dict | None = None):
+    """This rank's chunks from megatron-core's initialisation, std = the config's initializer_range (built
+    partitioned with a ZeRO-3 `zero3_config`)."""
     from toolkit.models import init_model_chunks
 
     std = hf_config(spec.model.builtin).initializer_range
     return init_model_chunks(hf_dir=hf_dir, layout=layout, params_dtype=params_dtype, init_method_std=std,
                              seed=spec.training.seed, vocab_pad_multiple=spec.model.make_vocab_size_divisible_by,
-                             recompute=spec.training.recompute)
+                             recompute=spec.training.recompute, zero3_config=zero3_config)

@@ -96,13 +96,14 @@ def _hybrid_parts(*, spec, layout, parallel, hf_dir: Path, ds_config: dict, outp
     from toolkit.models import load_model_chunks
     from toolkit.train.engine import HybridEngine
 
+    # At ZeRO-3 the chunks are built partitioned (and loaded one parameter at a time): toolkit/train/zero3.py.
+    zero3_config = ds_config if spec.parallel.zero_stage == 3 else None
     if spec.model.builtin is not None:  # megatron-core's own initialisation, no weights read
         from toolkit.train.pretrain import init_chunks
 
-        chunks, info = init_chunks(spec=spec, hf_dir=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision))
+        chunks, info = init_chunks(spec=spec, hf_dir=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
+                                   zero3_config=zero3_config)
     else:
-        # At ZeRO-3 the chunks are built partitioned and loaded one parameter at a time (toolkit/train/zero3.py).
-        zero3_config = ds_config if spec.parallel.zero_stage == 3 else None
         chunks, info = load_model_chunks(checkpoint=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
                                          show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
                                          zero3_config=zero3_config)
