@@ -162,7 +162,6 @@ def save_mcore_checkpoint(*, chunks: list, info: CheckpointInfo, out_dir: Path, 
     dist.barrier()
 
 
-
 def init_model_chunks(*, hf_dir: Path, layout: Layout, params_dtype: torch.dtype, init_method_std: float, seed: int,
                       vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE, recompute: str = "none",
                       zero3_config: dict | None = None):

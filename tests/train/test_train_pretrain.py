@@ -88,33 +88,33 @@ def test_megatron_init_has_the_configured_std_and_exports_every_hf_tensor(tiny_l
     assert set(info.hf_tensor_dtypes()) == hf_names  # the export writes every HF tensor
 
 
+def refused_before_launch(raw: dict, *, tmp_path, capsys) -> str:
+    """`dsmt train` of `raw` exits 2 and writes nothing; returns what it printed on stderr."""
+    assert dsmt(["train", write(tmp_path / "job.yaml", raw)]) == 2
+    assert not (tmp_path / "out").exists()
+    return capsys.readouterr().err
+
+
 def test_builtin_text_data_without_tokenizer_is_refused_before_launch(tmp_path, capsys):
-    out = tmp_path / "out"
-    spec = write(tmp_path / "job.yaml", builtin_spec(tokenizer=None, output_dir=out))
-    assert dsmt(["train", spec]) == 2
-    err = capsys.readouterr().err
+    err = refused_before_launch(builtin_spec(tokenizer=None, output_dir=tmp_path / "out"), tmp_path=tmp_path,
+                                capsys=capsys)
     assert "builtin_needs_tokenizer" in err and "data.tokenizer" in err and "vocab_size=250" in err
-    assert not out.exists()
 
 
 def test_tokenizer_larger_than_the_shape_is_refused_by_name(tmp_path, capsys):
     from toolkit.tiny import make_tiny_checkpoint
 
     big = make_tiny_checkpoint(tmp_path / "big", vocab_size=300)  # its tokenizer has 300 tokens, the shape 250
-    out = tmp_path / "out"
-    spec = write(tmp_path / "job.yaml", builtin_spec(tokenizer=big, output_dir=out))
-    assert dsmt(["train", spec]) == 2
-    err = capsys.readouterr().err
+    err = refused_before_launch(builtin_spec(tokenizer=big, output_dir=tmp_path / "out"), tmp_path=tmp_path,
+                                capsys=capsys)
     assert "tokenizer_vocab" in err and "300 tokens" in err and "vocab_size=250" in err
-    assert not out.exists()
 
 
 def test_gpt_shapes_are_refused_by_name(tmp_path, capsys):
     raw = builtin_spec(tokenizer=None, output_dir=tmp_path / "out", builtin="gpt3-175b", path=None, synthetic=True)
     raw["cluster"]["gpus_per_node"] = 1
     raw["training"].update(global_batch_size=2)
-    assert dsmt(["train", write(tmp_path / "job.yaml", raw)]) == 2
-    err = capsys.readouterr().err
+    err = refused_before_launch(raw, tmp_path=tmp_path, capsys=capsys)
     assert "gpt3-175b" in err and "trainable shapes" in err and "llama3-8b" in err
 
 

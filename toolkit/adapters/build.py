@@ -58,17 +58,26 @@ def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype:
 
     `parallel_output=False` gathers the vocab-parallel logits on every TP rank (verification); training keeps
     them split for megatron's vocab-parallel cross entropy."""
+    config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=init_weights,
+                                init_method_std=init_method_std, recompute=recompute)
+    device = backends.current().device
+    chunks = []
+    for model in gpt_chunks(config=config, spec=layer_spec(), settings=settings, vpp_size=layout.vpp_size,
+                            parallel_output=parallel_output):
+        mark_tensor_parallel_weights(model)
+        chunks.append(model.to(device))
+    return chunks
+
+
+def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel_output: bool = True):
+    """Yield this rank's `GPTModel` per virtual stage, constructed where the caller says (device context,
+    zero.Init); megatron's parallel state decides which stages hold the embedding and the output layer."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=init_weights,
-                                init_method_std=init_method_std, recompute=recompute)
-    spec = layer_spec()
-    device = backends.current().device
-    chunks = []
-    for vp_stage in range(layout.vpp_size):
-        vp = vp_stage if layout.vpp_size > 1 else None
-        model = GPTModel(
+    for vp_stage in range(vpp_size):
+        vp = vp_stage if vpp_size > 1 else None
+        yield GPTModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=settings.padded_vocab_size,
@@ -82,9 +91,6 @@ def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype:
             vp_stage=vp,
             **(settings.rope_scaling or {}),
         )
-        mark_tensor_parallel_weights(model)
-        chunks.append(model.to(device))
-    return chunks
 
 
 def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:

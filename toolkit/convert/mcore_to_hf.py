@@ -10,6 +10,7 @@ memory is a few copies of the largest single tensor, whatever the model size and
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Callable, Iterator
@@ -164,10 +165,7 @@ def plan_shards(entries: list[HfEntry], *, max_shard_bytes: int) -> list[list[in
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def safetensors_header(entries: list[HfEntry]) -> bytes:

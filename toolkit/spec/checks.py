@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from toolkit.errors import DsmtError
+from toolkit.generate.deepspeed_config import grad_accum_dtype
 from toolkit.shapes import ModelShape, ModelShapeError
 from toolkit.spec.layout import derive_layout, divisors, padded_vocab_size, requested_global_batch, world_size_of
 from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
@@ -167,7 +168,7 @@ def check_precision_on_device(*, spec: JobSpec, shape: ModelShape) -> list[Probl
 def check_mixed_precision(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     """What DeepSpeed and megatron can do with 16-bit training at this layout (see deepspeed_config.py)."""
     precision, zero, pp = spec.training.precision, spec.parallel.zero_stage, spec.parallel.pp
-    accum = spec.communication.grad_accum_dtype or "fp32"
+    accum = grad_accum_dtype(spec=spec)  # what the generated DeepSpeed config will say
     problems = []
     if precision == "fp16" and pp > 1:
         # megatron's schedule scales the loss only through config.grad_scale_func, DeepSpeed's fp16 optimizer

@@ -146,11 +146,11 @@ def stage_parameter_counts(*, settings, layout, params_dtype, recompute: str = "
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+    from megatron.core.models.gpt import gpt_layer_specs
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from toolkit import backend as backends
-    from toolkit.adapters.build import transformer_config
+    from toolkit.adapters.build import gpt_chunks, transformer_config
 
     if dist.is_initialized():
         return None
@@ -173,19 +173,9 @@ def stage_parameter_counts(*, settings, layout, params_dtype, recompute: str = "
             # megatron's local layers: the same parameter shapes as the Transformer Engine ones, and they
             # allocate nothing real on the meta device.
             layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-            total = 0
             with torch.device("meta"):
-                for vp_stage in range(layout.vpp_size):
-                    vp = vp_stage if layout.vpp_size > 1 else None
-                    chunk = GPTModel(
-                        config=config, transformer_layer_spec=layer_spec, vocab_size=settings.padded_vocab_size,
-                        max_sequence_length=settings.max_position_embeddings,
-                        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                        share_embeddings_and_output_weights=settings.tied_embeddings, position_embedding_type="rope",
-                        rotary_base=settings.rotary_base, vp_stage=vp, **(settings.rope_scaling or {}))
-                    total += sum(p.numel() for p in chunk.parameters())
-            counts[name] = total
+                chunks = gpt_chunks(config=config, spec=layer_spec, settings=settings, vpp_size=layout.vpp_size)
+                counts[name] = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()

@@ -27,6 +27,7 @@ import time
 import torch
 
 from toolkit import backend as backends
+from toolkit.adapters.load import full_shape
 from toolkit.errors import DsmtError
 from toolkit.train.loss import masked_token_loss_sum
 from toolkit.train.mpu import MegatronMpu
@@ -40,10 +41,6 @@ class StepStats:
     grad_norm: float | None
     lr: float
     step_time_s: float
-
-
-# ZeRO-3 build / load / export helpers live in toolkit/train/zero3.py; re-exported for existing importers.
-from toolkit.train.zero3 import zero3_gathered  # noqa: E402,F401
 
 
 def engine_config(ds_config: dict, *, pp_size: int) -> dict:
@@ -85,13 +82,15 @@ class HybridEngine:
         return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
 
     def train_step(self, micro_batches: list[dict]) -> StepStats:
+        from megatron.core import parallel_state
+
         start = time.perf_counter()
         lr = self.engine.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler steps after the update)
         device = backends.current().device
         micro_batches = [{key: value.to(device) for key, value in batch.items()} for batch in micro_batches]
         global_tokens = global_loss_tokens(micro_batches, device=device)
         # dp / global_tokens: see the class docstring (clamped: a step whose tokens are all masked learns nothing)
-        scale = parallel_state_dp_size() / max(global_tokens, 1)
+        scale = parallel_state.get_data_parallel_world_size() / max(global_tokens, 1)
         step = self._pipeline_step if self.pp_size > 1 else self._deepspeed_step
         local_sum = step(micro_batches, scale=scale)
         norm = self.engine.get_global_grad_norm()
@@ -175,12 +174,6 @@ class HybridEngine:
         return value.item() / max(global_tokens, 1)
 
 
-def parallel_state_dp_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_world_size()
-
-
 def global_loss_tokens(micro_batches: list[dict], *, device: torch.device) -> int:
     """Loss tokens of this step summed over this rank's micro-batches and every data-parallel rank."""
     import torch.distributed as dist
@@ -219,8 +212,7 @@ def weight_decay_groups(module: torch.nn.Module, *, weight_decay: float) -> list
     decay, no_decay = [], []
     for param in module.parameters():
         if param.requires_grad:
-            full_shape = getattr(param, "ds_shape", param.shape)
-            (no_decay if len(full_shape) == 1 else decay).append(param)
+            (no_decay if len(full_shape(param)) == 1 else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
 

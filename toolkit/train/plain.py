@@ -240,7 +240,7 @@ def export_plain(*, engine, out_dir: Path) -> None:
     import torch.distributed as dist
 
     from toolkit.convert.checkpoint import atomic_output_dir
-    from toolkit.train.engine import zero3_gathered
+    from toolkit.train.zero3 import zero3_gathered
 
     with zero3_gathered(engine):
         if dist.get_rank() == 0:

@@ -8,7 +8,6 @@ random init is not saved to disk first); every rank then builds its chunks with 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from toolkit.errors import DsmtError
@@ -97,19 +96,15 @@ def require_trainable(spec) -> None:
 def write_init_dir(init_dir: Path, *, spec) -> Path:
     """config.json for the shape plus the data.tokenizer files, no weights; written aside, then renamed into place,
     so a crash never leaves a config without its tokenizer (rank 0 only)."""
-    init_dir = Path(init_dir)
-    temp_dir = init_dir.with_name(f".{init_dir.name}.partial")
-    shutil.rmtree(temp_dir, ignore_errors=True)
-    temp_dir.mkdir(parents=True)
-    if spec.data.tokenizer is not None:
-        from toolkit.data import load_tokenizer
+    from toolkit.convert.checkpoint import atomic_output_dir
 
-        load_tokenizer(data=spec.data, model_path=None).save_pretrained(temp_dir)
-    hf_config(spec.model.builtin).save_pretrained(temp_dir)
-    if init_dir.exists():
-        shutil.rmtree(init_dir)
-    temp_dir.rename(init_dir)
-    return init_dir
+    with atomic_output_dir(Path(init_dir), overwrite=True) as temp_dir:
+        if spec.data.tokenizer is not None:
+            from toolkit.data import load_tokenizer
+
+            load_tokenizer(data=spec.data, model_path=None).save_pretrained(temp_dir)
+        hf_config(spec.model.builtin).save_pretrained(temp_dir)
+    return Path(init_dir)
 
 
 def init_chunks(*, spec, hf_dir: Path, layout, params_dtype, zero3_config: dict | None = None):
