@@ -168,7 +168,7 @@ def test_checkpoint_tensors_missing_from_the_table_are_named(tiny_checkpoints, t
 
 
 def test_rank0_task_status_done_failed_and_dead(tmp_path):
-    """The ranks that wait for rank 0's export: done returns, a failure on rank 0 raises on the waiter with rank
+    """The ranks that wait for rank 0's export: done returns rank 0's result, a failure on rank 0 raises on the waiter with rank
     0's error, a rank 0 that stops beating is reported after the stale time, another run's file is ignored."""
     import threading
 
@@ -190,10 +190,12 @@ def test_rank0_task_status_done_failed_and_dead(tmp_path):
         for i in range(5):
             progress(f"tensor {i}")
             __import__("time").sleep(0.1)
+        return {"shards": 2}
 
     thread = lead_in_thread(slow_ok, "run-1")
-    wait_for_task(status_file=status, token="run-1", what="export", stale_after_s=2, poll_s=0.01)
+    result = wait_for_task(status_file=status, token="run-1", what="export", stale_after_s=2, poll_s=0.01)
     thread.join()
+    assert result == {"shards": 2}  # what rank 0's task returned reaches the waiting ranks
     assert json.loads(status.read_text())["state"] == "done"
 
     def fails(progress):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from data_helpers import EXAMPLES
 
+from toolkit.convert.checkpoint import lead_task
 from toolkit.data import MicroBatches, build_examples, cache, examples as uncached, open_cache, prepare_cache
 from toolkit.errors import DsmtError
 from toolkit.launch import free_port
@@ -131,24 +132,27 @@ def test_simulated_nonzero_rank_only_opens_what_rank_zero_wrote(tiny_checkpoint,
     tokenize_calls.clear()
     monkeypatch.setattr(cache, "load_tokenizer", lambda **kwargs: pytest.fail("rank 1 loaded a tokenizer"))
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    status_file = tmp_path / "status.json"
 
-    def rank_zero_says(objects, src=0, group=None, device=None):
+    def rank_zero_token(objects, src=0, group=None, device=None):
         assert objects == [None]  # this rank contributes nothing
-        objects[0] = ("ok", str(written))
+        objects[0] = "job-1"
 
-    monkeypatch.setattr(dist, "broadcast_object_list", rank_zero_says)
+    monkeypatch.setattr(dist, "broadcast_object_list", rank_zero_token)
+    lead_task(lambda progress: str(written), status_file=status_file, token="job-1")  # what rank 0 published
     examples = cache.shared_examples(data=data, model_path=str(tiny_checkpoint), seq_length=32, vocab_size=250,
-                                     seed=0, cache_root=tmp_path / "cache")
+                                     seed=0, cache_root=tmp_path / "cache", status_file=status_file)
     assert tokenize_calls == [] and len(examples) > 0
     _assert_same(examples, open_cache(written))
 
-    def rank_zero_failed(objects, src=0, group=None, device=None):
-        objects[0] = ("error", "data.path='x.jsonl' does not exist")
+    def rank_zero_fails(progress):
+        raise DsmtError("data.path='x.jsonl' does not exist")
 
-    monkeypatch.setattr(dist, "broadcast_object_list", rank_zero_failed)
-    with pytest.raises(DsmtError, match="rank 0 could not prepare the training data: data.path='x.jsonl'"):
+    with pytest.raises(DsmtError):
+        lead_task(rank_zero_fails, status_file=status_file, token="job-1")
+    with pytest.raises(DsmtError, match="preparing the training data failed on rank 0: DsmtError: data.path='x.jsonl'"):
         cache.shared_examples(data=data, model_path=str(tiny_checkpoint), seq_length=32, vocab_size=250, seed=0,
-                              cache_root=tmp_path / "cache")
+                              cache_root=tmp_path / "cache", status_file=status_file)
 
 
 WORKER = textwrap.dedent('''
@@ -164,7 +168,7 @@ WORKER = textwrap.dedent('''
     model_dir, root, out = sys.argv[1:4]
     data = DataSpec(path=sys.argv[4])
     examples = cache.shared_examples(data=data, model_path=model_dir, seq_length=32, vocab_size=250, seed=0,
-                                     cache_root=root)
+                                     cache_root=root, status_file=f"{out}/data.status.json")
     rank = dist.get_rank()
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"tokenised": len(calls), "ids": examples.token_ids.tolist(), "mask": examples.loss_mask.tolist()}, f)

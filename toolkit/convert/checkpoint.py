@@ -144,13 +144,14 @@ def _read_status(path: Path) -> dict | None:
 
 def lead_task(task, *, status_file: Path, token: str, heartbeat_s: float = HEARTBEAT_S):
     """Run `task(progress)` and publish its state in `status_file`: "running" with a heartbeat counter every
-    `heartbeat_s` (and the last `progress(message)`), then "done", or "failed" with the error (re-raised here)."""
+    `heartbeat_s` (and the last `progress(message)`), then "done" with the task's (JSON-able) result, or "failed"
+    with the error (re-raised here)."""
     import threading
 
     status_file = Path(status_file)
     status_file.parent.mkdir(parents=True, exist_ok=True)
     lock, stop = threading.Lock(), threading.Event()
-    state = {"token": token, "state": "running", "beat": 0, "progress": "started", "error": None}
+    state = {"token": token, "state": "running", "beat": 0, "progress": "started", "error": None, "result": None}
 
     def publish(**changes):
         with lock:
@@ -174,13 +175,13 @@ def lead_task(task, *, status_file: Path, token: str, heartbeat_s: float = HEART
         raise
     stop.set()
     thread.join()
-    publish(state="done")
+    publish(state="done", result=result)
     return result
 
 
 def wait_for_task(*, status_file: Path, token: str, what: str, stale_after_s: float = STALE_AFTER_S,
-                  poll_s: float = 0.5) -> None:
-    """Return when the task with `token` is done; raise RankTaskError when it failed or its heartbeat stopped for
+                  poll_s: float = 0.5):
+    """The task's result once the task with `token` is done; RankTaskError when it failed or its heartbeat stopped for
     `stale_after_s` (measured on this rank's clock from the last change seen, so clocks need not agree)."""
     import time
 
@@ -189,7 +190,7 @@ def wait_for_task(*, status_file: Path, token: str, what: str, stale_after_s: fl
         status = _read_status(Path(status_file))
         if status is not None and status.get("token") == token:  # another run's leftover file is not ours
             if status["state"] == "done":
-                return
+                return status.get("result")
             if status["state"] == "failed":
                 raise RankTaskError(f"{what} failed on rank 0: {status['error']}")
             if status["beat"] != last_beat:
@@ -204,7 +205,8 @@ def wait_for_task(*, status_file: Path, token: str, what: str, stale_after_s: fl
 
 def run_on_rank0(task, *, status_file: Path, what: str, stale_after_s: float = STALE_AFTER_S):
     """Collective entry: rank 0 runs `task(progress)`, every other rank waits for it through `status_file`
-    (no collective while it works). A failure raises on every rank."""
+    (no collective while it works); every rank returns the task's result (JSON-able). A failure raises on every
+    rank."""
     import uuid
 
     import torch.distributed as dist
@@ -213,5 +215,4 @@ def run_on_rank0(task, *, status_file: Path, what: str, stale_after_s: float = S
     dist.broadcast_object_list(token, src=0)  # names this run's status, so a stale file is never taken as done
     if dist.get_rank() == 0:
         return lead_task(task, status_file=status_file, token=token[0])
-    wait_for_task(status_file=status_file, token=token[0], what=what, stale_after_s=stale_after_s)
-    return None
+    return wait_for_task(status_file=status_file, token=token[0], what=what, stale_after_s=stale_after_s)

@@ -11,7 +11,9 @@ key, so a stale cache is never read; old entries stay until deleted. A hub datas
 split only: a new revision on the hub is not noticed.
 
 Rank 0 writes into a temporary directory and renames it into place, so a `<key>` directory that exists is whole
-(two jobs racing on one cache keep the first). The other ranks wait for rank 0's word (`shared_examples`), then
+(two jobs racing on one cache keep the first). The other ranks wait for rank 0's word through a status file with a
+heartbeat, not a collective, so tokenising a large corpus cannot outlast the process group's timeout
+(`toolkit.convert.checkpoint.run_on_rank0`, as the export does); then they
 memory-map the arrays copy-on-write: ranks on one machine share the page cache, and an in-place write to a tensor
 (nothing does one) would stay private instead of crashing on a read-only page or reaching the file. The cache root
 must be on a filesystem every node sees, as the checkpoints must.
@@ -49,30 +51,22 @@ def cache_root_for(*, data: DataSpec, output_dir: str | Path) -> Path:
 
 
 def shared_examples(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, seed: int,
-                    cache_root: Path) -> Examples:
+                    cache_root: Path, status_file: Path) -> Examples:
     """Collective over the default process group: rank 0 tokenises (or reuses the cache), every rank memory-maps
-    the result. Synthetic examples are generated on each rank (cheap, and a pure function of the seed)."""
-    import torch.distributed as dist
+    the result; the others wait on `status_file` (this job's own, on a shared filesystem), and a failure on rank 0
+    raises on every rank. Synthetic examples are generated on each rank (cheap, a pure function of the seed)."""
+    from toolkit.convert.checkpoint import run_on_rank0
 
     if data.synthetic:
         return uncached.build_examples(data=data, model_path=model_path, seq_length=seq_length,
                                        vocab_size=vocab_size, seed=seed)
-    failure = None
-    outcome = [None]
-    if dist.get_rank() == 0:
-        try:
-            outcome = [("ok", str(prepare_cache(data=data, model_path=model_path, seq_length=seq_length,
-                                                vocab_size=vocab_size, cache_root=cache_root)))]
-        except Exception as err:  # the other ranks are waiting below: tell them before raising here
-            failure = err
-            outcome = [("error", str(err) if isinstance(err, DsmtError) else f"{type(err).__name__}: {err}")]
-    dist.broadcast_object_list(outcome, src=0)  # doubles as the barrier: nobody reads before rank 0 is done
-    status, value = outcome[0]
-    if failure is not None:
-        raise failure
-    if status == "error":
-        raise DsmtError(f"rank 0 could not prepare the training data: {value}")
-    return open_cache(Path(value))
+
+    def prepare(progress) -> str:
+        return str(prepare_cache(data=data, model_path=model_path, seq_length=seq_length, vocab_size=vocab_size,
+                                 cache_root=cache_root))
+
+    directory = run_on_rank0(prepare, status_file=status_file, what="preparing the training data")
+    return open_cache(Path(directory))
 
 
 def prepare_cache(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, cache_root: Path,

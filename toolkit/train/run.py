@@ -60,7 +60,8 @@ def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
     # Collective: rank 0 tokenises once into the on-disk cache, every rank memory-maps it (toolkit/data/cache.py).
     examples = shared_examples(data=spec.data, model_path=str(hf_dir), seq_length=layout.seq_length,
                                vocab_size=vocab_size, seed=spec.training.seed,
-                               cache_root=cache_root_for(data=spec.data, output_dir=spec.training.output_dir))
+                               cache_root=cache_root_for(data=spec.data, output_dir=spec.training.output_dir),
+                               status_file=Path(spec.training.output_dir) / ".data-cache.status.json")
     return MicroBatches(examples=examples, micro_batch_size=layout.micro_batch_size,
                         num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
                         dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle)
