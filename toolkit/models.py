@@ -72,14 +72,15 @@ def stored_dtype(source: SafetensorsSource) -> torch.dtype:
 
 
 def check_layout(settings: ModelSettings, layout: Layout) -> None:
-    fields = settings.transformer_fields
-    layout.check(num_attention_heads=fields["num_attention_heads"], num_query_groups=fields["num_query_groups"],
-                 num_layers=settings.num_layers, padded_vocab_size=settings.padded_vocab_size)
+    """The model-side layout rules (toolkit/layout_rules.py); raises LayoutError listing every one broken."""
+    from toolkit.layout_rules import ModelFacts, require_valid_layout
+
+    require_valid_layout(layout=layout, model=ModelFacts.from_settings(settings))
 
 
 def load_model_chunks(*, checkpoint: Path, layout: Layout, params_dtype: torch.dtype | None = None,
                       parallel_output: bool = True, show_progress: bool = False, recompute: str = "none",
-                      zero3_config: dict | None = None):
+                      attention: str | None = None, zero3_config: dict | None = None):
     """(chunks, info): this rank's model chunks with the checkpoint's weights, and what the checkpoint is.
 
     With `zero3_config` (the run's ZeRO-3 DeepSpeed config) the chunks are built partitioned over megatron's
@@ -97,10 +98,10 @@ def load_model_chunks(*, checkpoint: Path, layout: Layout, params_dtype: torch.d
                                    "checkpoints only; export it first (`dsmt convert mcore-to-hf`) or train at ZeRO <= 2")
     with partitioned_build(zero3_config):
         chunks = build_model_chunks(settings=info.settings, layout=layout, params_dtype=params_dtype or info.params_dtype,
-                                    parallel_output=parallel_output, recompute=recompute)
+                                    parallel_output=parallel_output, recompute=recompute, attention=attention)
     if info.kind == "hf":
         load_hf_weights(chunks=chunks, settings=info.settings, source=SafetensorsSource(info.hf_dir),
-                        tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=layout.tp_size,
+                        tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=layout.tp,
                         show_progress=show_progress, write=load_partitioned if zero3_config is not None else None)
     else:
         load_dist_checkpoint(chunks=chunks, model_dir=Path(checkpoint) / "model")
@@ -164,7 +165,7 @@ def save_mcore_checkpoint(*, chunks: list, info: CheckpointInfo, out_dir: Path, 
 
 def init_model_chunks(*, hf_dir: Path, layout: Layout, params_dtype: torch.dtype, init_method_std: float, seed: int,
                       vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE, recompute: str = "none",
-                      zero3_config: dict | None = None):
+                      attention: str | None = None, zero3_config: dict | None = None):
     """(chunks, info) for pretraining: this rank's chunks initialised by megatron-core itself (normal(0, std),
     output projections std / sqrt(2 * num_layers), norms 1), no weights read. `hf_dir` holds only config.json (and
     tokenizer files); `info` lets the export write final-mcore / final-hf as for a loaded checkpoint.
@@ -185,7 +186,7 @@ def init_model_chunks(*, hf_dir: Path, layout: Layout, params_dtype: torch.dtype
     backend.seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     with partitioned_build(zero3_config):
         chunks = build_model_chunks(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=True,
-                                    init_method_std=init_method_std, recompute=recompute)
+                                    init_method_std=init_method_std, recompute=recompute, attention=attention)
     backend.seed(seed)  # back to the state every rank of the load path continues from
     table = settings.family.weight_table(tied_embeddings=settings.tied_embeddings)
     hf_names = [name for item in expand_table(table, num_layers=settings.num_layers).values() for name in item.hf]

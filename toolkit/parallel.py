@@ -1,71 +1,15 @@
-"""The parallel topology as one explicit value, checked once against the model, and the process-group set-up."""
+"""Process-group set-up for a layout (the layout itself: toolkit/layout.py; its rules: toolkit/layout_rules.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 
 from toolkit.errors import DsmtError
+from toolkit.layout import Layout, divisors  # noqa: F401  (callers import them from here)
 
 
 class LayoutError(DsmtError):
-    """A TP / PP / VPP / DP layout that does not fit the model or the world."""
-
-
-def divisors(n: int) -> list[int]:
-    """1..n values dividing n: the candidates every layout rule lists as valid choices."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    tp_size: int = 1
-    pp_size: int = 1
-    vpp_size: int = 1  # model chunks per pipeline stage (interleaved 1F1B when > 1)
-    dp_size: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.dp_size
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tp_size * self.pp_size
-
-    def problems(self, *, num_attention_heads: int, num_query_groups: int, num_layers: int, padded_vocab_size: int) -> list[str]:
-        """Every way this layout fails the model, each naming the values and the valid choices."""
-        tp, found = self.tp_size, []
-        for name, value in (("tp_size", tp), ("pp_size", self.pp_size), ("vpp_size", self.vpp_size), ("dp_size", self.dp_size)):
-            if value < 1:
-                found.append(f"{name}={value} must be >= 1")
-        if found:
-            return found
-        valid_tp = [t for t in divisors(num_attention_heads)
-                    if (num_query_groups % t == 0 or t % num_query_groups == 0) and padded_vocab_size % t == 0]
-        if num_attention_heads % tp:
-            found.append(f"tp_size={tp} does not divide num_attention_heads={num_attention_heads}; valid tp_size: {_fmt(valid_tp)}")
-        elif num_query_groups % tp and tp % num_query_groups:
-            found.append(f"tp_size={tp} and num_key_value_heads={num_query_groups}: one must divide the other "
-                         f"(KV heads are split, or each replicated tp/kv times); valid tp_size: {_fmt(valid_tp)}")
-        elif padded_vocab_size % tp:
-            found.append(f"tp_size={tp} does not divide the padded vocabulary {padded_vocab_size}; valid tp_size: {_fmt(valid_tp)}")
-        if self.vpp_size > 1 and self.pp_size == 1:
-            found.append(f"vpp_size={self.vpp_size} needs pp_size > 1 (virtual stages interleave a pipeline)")
-        chunks = self.pp_size * self.vpp_size
-        if num_layers % chunks:
-            valid_pp = [p for p in divisors(num_layers) if num_layers % (p * self.vpp_size) == 0]
-            found.append(f"num_layers={num_layers} is not divisible by pp_size x vpp_size = {self.pp_size} x {self.vpp_size} "
-                         f"= {chunks}; valid pp_size for vpp_size={self.vpp_size}: {_fmt(valid_pp)}")
-        return found
-
-    def check(self, **model_facts) -> None:
-        problems = self.problems(**model_facts)
-        if problems:
-            raise LayoutError(f"layout {self} does not fit the model:\n  - " + "\n  - ".join(problems))
-
-
-def _fmt(values: list[int]) -> str:
-    return ", ".join(map(str, values)) or "none"
+    """A layout that does not fit the model or the world (the rules: toolkit/layout_rules.py)."""
 
 
 def init_process_groups(*, layout: Layout, dist_backend: str, timeout_s: float = 600.0) -> None:
@@ -84,13 +28,14 @@ def init_process_groups(*, layout: Layout, dist_backend: str, timeout_s: float =
     world = dist.get_world_size()
     if world != layout.world_size:
         raise LayoutError(
-            f"world size {world} != tp_size x pp_size x dp_size = {layout.tp_size} x {layout.pp_size} x "
-            f"{layout.dp_size} = {layout.world_size}; launch {layout.world_size} processes or change the layout"
+            f"world size {world} != tp x cp x dp x pp = {layout.tp} x {layout.cp} x {layout.dp} x {layout.pp} = "
+            f"{layout.world_size}; launch {layout.world_size} processes or change the layout"
         )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp_size,
-        pipeline_model_parallel_size=layout.pp_size,
-        virtual_pipeline_model_parallel_size=layout.vpp_size if layout.vpp_size > 1 else None,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
     )
 
 

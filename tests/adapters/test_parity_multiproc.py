@@ -66,6 +66,6 @@ def test_verify_refuses_bad_layout_before_starting_processes(tiny_checkpoints, c
     from toolkit.cli import main as dsmt
 
     assert dsmt(["verify", str(tiny_checkpoints["llama"]), "--tp", "3"]) == 2
-    assert "tp_size=3 does not divide num_attention_heads=8; valid tp_size: 1, 2, 4, 8" in capsys.readouterr().err
+    assert "[heads_vs_tp] tp=3 does not divide num_attention_heads=8; fix: valid tp: 1, 2, 4, 8" in capsys.readouterr().err
     assert dsmt(["verify", str(tiny_checkpoints["llama"]), "--pp", "3"]) == 2
-    assert "num_layers=4 is not divisible by pp_size x vpp_size" in capsys.readouterr().err
+    assert "[layers_vs_pp] num_layers=4 is not divisible by pp×vpp=3×1=3" in capsys.readouterr().err

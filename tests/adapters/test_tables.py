@@ -5,7 +5,6 @@ import pytest
 from toolkit.adapters.family import AdapterError, get_family, supported_model_types
 from toolkit.adapters.hf_config import model_settings, rope_settings
 from toolkit.adapters.load import check_hf_coverage, expand_table
-from toolkit.parallel import Layout, LayoutError
 from toolkit.tiny import tiny_config
 
 
@@ -68,29 +67,3 @@ def test_unreproducible_features_are_refused_by_name():
         model_settings(tiny_config("llama", attention_bias=True))
     with pytest.raises(AdapterError, match="use_sliding_window=True"):
         model_settings(tiny_config("qwen2", use_sliding_window=True, sliding_window=16))
-
-
-FACTS = dict(num_attention_heads=8, num_query_groups=2, num_layers=4, padded_vocab_size=256)
-
-
-@pytest.mark.parametrize("layout,message", [
-    (Layout(tp_size=3), "tp_size=3 does not divide num_attention_heads=8; valid tp_size: 1, 2, 4, 8"),
-    (Layout(pp_size=3), "num_layers=4 is not divisible by pp_size x vpp_size = 3 x 1 = 3; valid pp_size for vpp_size=1: 1, 2, 4"),
-    (Layout(pp_size=2, vpp_size=4), "not divisible by pp_size x vpp_size = 2 x 4 = 8"),
-    (Layout(vpp_size=2), "vpp_size=2 needs pp_size > 1"),
-    (Layout(tp_size=0), "tp_size=0 must be >= 1"),
-])
-def test_layout_errors_name_values_and_valid_choices(layout, message):
-    with pytest.raises(LayoutError) as err:
-        layout.check(**FACTS)
-    assert message in str(err.value)
-
-
-def test_kv_heads_must_divide_or_be_divided_by_tp():
-    facts = dict(FACTS, num_attention_heads=12, num_query_groups=3, padded_vocab_size=384)
-    assert Layout(tp_size=6).problems(**facts) == []  # 6 % 3 == 0: each KV head on two ranks
-    (problem,) = Layout(tp_size=5).problems(**facts)
-    assert "tp_size=5 does not divide num_attention_heads=12" in problem
-    (problem,) = Layout(tp_size=4).problems(**facts)
-    assert "num_key_value_heads=3: one must divide the other" in problem and "valid tp_size: 1, 3, 6, 12" in problem
-    assert Layout(tp_size=4, pp_size=2, vpp_size=2).problems(**FACTS) == []

@@ -71,7 +71,7 @@ def fake_cuda(calls, clean_env):
 def test_each_rank_selects_its_gpu_before_the_process_group_and_binds_it(fake_cuda, clean_env, local_rank):
     clean_env.setenv("LOCAL_RANK", str(local_rank))
     clean_env.setenv("WORLD_SIZE", "4")
-    init_process_groups(layout=Layout(tp_size=4), dist_backend="nccl")
+    init_process_groups(layout=Layout(tp=4), dist_backend="nccl")
     names = [name for name, _ in fake_cuda]
     assert names == ["set_device", "init_process_group", "megatron_groups"], fake_cuda
     assert fake_cuda[0][1] == local_rank
@@ -93,7 +93,7 @@ def test_slurm_localid_is_the_fallback_and_lone_processes_use_gpu_0(fake_cuda, c
 def test_local_rank_beyond_the_node_gpus_is_a_named_error(fake_cuda, clean_env):
     clean_env.setenv("LOCAL_RANK", "4")
     with pytest.raises(backends.DeviceError) as err:
-        init_process_groups(layout=Layout(tp_size=4), dist_backend="nccl")
+        init_process_groups(layout=Layout(tp=4), dist_backend="nccl")
     message = str(err.value)
     assert "local rank 4" in message and "4 visible GPU(s)" in message and "at most 4 processes per node" in message
     assert fake_cuda == []  # neither a device nor a process group
@@ -127,12 +127,13 @@ def test_model_build_puts_the_chunks_on_the_ranks_own_gpu(fake_cuda, clean_env):
 
     clean_env.setattr(gpt, "GPTModel", FakeGPTModel)
     clean_env.setattr(build, "transformer_config", lambda **kw: None)
-    clean_env.setattr(build, "layer_spec", lambda: None)
+    clean_env.setattr(build, "layer_spec", lambda **kw: None)
+    clean_env.setattr(build, "decoder_spec", lambda **kw: None)
     clean_env.setattr(parallel_state, "is_pipeline_first_stage", lambda **kw: True)
     clean_env.setattr(parallel_state, "is_pipeline_last_stage", lambda **kw: True)
     clean_env.setenv("LOCAL_RANK", "2")
-    init_process_groups(layout=Layout(tp_size=4), dist_backend="nccl")
-    build.build_model_chunks(settings=model_settings(tiny_config("llama")), layout=Layout(tp_size=4))
+    init_process_groups(layout=Layout(tp=4), dist_backend="nccl")
+    build.build_model_chunks(settings=model_settings(tiny_config("llama")), layout=Layout(tp=4))
     assert moved_to == [torch.device("cuda", 2)]
 
 
@@ -212,7 +213,7 @@ def test_on_the_cpu_nothing_cuda_is_called(calls, clean_env):
     clean_env.setattr(torch.cuda, "device_count", no_cuda)
     clean_env.setenv("LOCAL_RANK", "3")
     assert backends.select(device="cpu").name == "cpu"
-    init_process_groups(layout=Layout(tp_size=4), dist_backend="gloo")
+    init_process_groups(layout=Layout(tp=4), dist_backend="gloo")
     assert [name for name, _ in calls] == ["init_process_group", "megatron_groups"]
     assert "device_id" not in calls[0][1] and calls[0][1]["backend"] == "gloo"
     assert backends.current().device == torch.device("cpu")

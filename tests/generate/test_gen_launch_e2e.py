@@ -58,6 +58,7 @@ def test_generated_script_starts_every_rank(script, tmp_path):
     assert all(r["world_size"] == 2 == r["spec_ranks"] and r["all_reduce_sum"] == 3.0 for r in reports)
     assert [r["local_rank"] for r in reports] == [0, 1]
     assert all(r["env"] == {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"} for r in reports)
+    assert all(r["run_dir_files"] == ["ds_config.json", "megatron.json"] for r in reports)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("toolkit.train") is None,

@@ -93,14 +93,22 @@ def test_per_node_script_demands_a_node_rank(tmp_path):
     assert out.returncode != 0 and "NODE_RANK" in out.stderr
 
 
-def test_missing_launcher_is_named(tmp_path):
-    write_run_dir(spec=spec_of("llama3-70b-8x8-h100"), out_dir=tmp_path / "run")
+@pytest.mark.parametrize("name,missing", [("llama3-70b-8x8-h100", "pdsh"), ("openmpi-zero3-offload-fp16", "mpirun")])
+def test_missing_launcher_is_named(name, missing, tmp_path):
+    """PATH is a bin dir holding only what the script runs before that check (the fake deepspeed and coreutils'
+    dirname), so the launcher is missing whatever this machine has installed."""
+    write_run_dir(spec=spec_of(name), out_dir=tmp_path / "run")
     bin_dir = tmp_path / "bin"
     _fake_launchers(bin_dir)
-    (bin_dir / "pdsh").unlink()
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
-    out = subprocess.run(["bash", str(tmp_path / "run" / "launch_deepspeed.sh")], capture_output=True, text=True, env=env)
-    assert out.returncode == 127 and "pdsh not found" in out.stderr and "cluster.launcher=no_ssh" in out.stderr
+    for name_in_bin in ("torchrun", "pdsh", "mpirun"):
+        (bin_dir / name_in_bin).unlink()
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
+    bash = shutil.which("bash")
+    out = subprocess.run([bash, str(tmp_path / "run" / "launch_deepspeed.sh")], capture_output=True, text=True,
+                         env={"PATH": str(bin_dir)})
+    assert out.returncode == 127, out.stdout + out.stderr
+    assert f"{missing} not found" in out.stderr and "cluster.launcher=no_ssh" in out.stderr
+    assert sorted(p.name for p in bin_dir.iterdir()) == ["deepspeed", "dirname"]
 
 
 def test_slurm_scripts_refuse_to_run_outside_an_allocation(tmp_path):

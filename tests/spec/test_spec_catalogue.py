@@ -32,7 +32,7 @@ CATALOGUE = {
     "missing_model_path": (tiny_spec(model={"config": None, "path": "/nonexistent/ckpt"}), "model_shape", "/nonexistent"),
     "bad_type": (tiny_spec(parallel={"tp": "two"}), "bad_value", "parallel.tp"),
     "bad_choice": (tiny_spec(training={"precision": "fp8"}), "bad_value", "bf16"),
-    "world_size": (_llama8b(parallel={"tp": 3}), "world_size", "valid tp with pp=1: 1, 2, 4, 8"),
+    "world_size": (_llama8b(parallel={"tp": 3}), "world_size", "valid tp with pp=1, cp=1: 1, 2, 4, 8"),
     "heads_vs_tp": ({"model": {"builtin": "qwen2-7b"}, "parallel": {"tp": 8}}, "heads_vs_tp", "num_attention_heads=28"),
     "kv_heads_vs_tp": (tiny_spec(model=_model(num_attention_heads=12, num_key_value_heads=6, hidden_size=96),
                                  cluster={"gpus_per_node": 4}, parallel={"tp": 4}), "kv_heads_vs_tp", "num_kv_heads=6"),
@@ -48,9 +48,14 @@ CATALOGUE = {
     "batch_tokens_vs_seq": (tiny_spec(training={"global_batch_size": None, "global_batch_tokens": 1000}),
                             "batch_tokens_vs_seq", "seq_length=64"),
     "batch_both": (tiny_spec(training={"global_batch_tokens": 512}), "batch_both", "not both"),
-    "zero_with_pp": (tiny_spec(parallel={"pp": 2, "zero_stage": 2}), "zero_with_pp", "zero_stage=1"),
+    "zero_with_pp": (tiny_spec(parallel={"pp": 2, "zero_stage": 2}), "zero_with_pp", "use zero_stage 1"),
     "sequence_parallel_needs_tp": (tiny_spec(parallel={"sequence_parallel": True}), "sequence_parallel_needs_tp", "tp=1"),
-    "sequence_parallel_on_cpu": (tiny_spec(parallel={"tp": 2, "sequence_parallel": True}), "sequence_parallel_on_cpu", "cpu"),
+    "cp_on_cpu": (tiny_spec(parallel={"cp": 2}, cluster={"gpus_per_node": 4}), "cp_on_cpu", "Transformer Engine"),
+    "cp_needs_fused_attention": (_llama8b(parallel={"cp": 2}, training={"attention": "local"}), "cp_needs_fused_attention",
+                                 "training.attention=local"),
+    "cp_vs_seq_length": (_llama8b(parallel={"cp": 4}, training={"seq_length": 2044}), "cp_vs_seq_length", "2×cp=8"),
+    "tp_across_nodes_is_a_warning_not_an_error": (
+        _llama8b(cluster=TWO_NODES | {"gpus_per_node": 4}, parallel={"tp": 8, "zero_stage": 4}), "bad_value", "zero_stage"),
     "offload_params_needs_zero3": (tiny_spec(parallel={"offload_params": True}), "offload_params_needs_zero3", "zero_stage=1"),
     "offload_optimizer_needs_zero": (tiny_spec(parallel={"zero_stage": 0, "offload_optimizer": True}),
                                      "offload_optimizer_needs_zero", "zero_stage=0"),
@@ -117,9 +122,9 @@ def test_memory_hook_reports_an_info_line(write_spec):
 def test_check_cli_exit_codes_and_json(write_spec, capsys):
     good, bad = write_spec(tiny_spec(), name="good.yaml"), write_spec(tiny_spec(parallel={"pp": 3}), name="bad.yaml")
     assert main(["check", good]) == 0
-    assert main(["check", good, "--set", "parallel.pp=3"]) == 1
+    assert main(["check", good, "--set", "parallel.pp=3"]) == 2
     capsys.readouterr()
-    assert main(["check", "--json", good, bad]) == 1
+    assert main(["check", "--json", good, bad]) == 2
     reports = json.loads(capsys.readouterr().out)
     assert [r["ok"] for r in reports] == [True, False]
     assert "layers_vs_pp" in {p["rule"] for p in reports[1]["problems"]}

@@ -111,8 +111,10 @@ def test_builtin_with_a_tokenizer_too_large_for_the_shape(tmp_path):
 
 
 def test_trainer_refusals_and_deepspeed_parser_are_consulted(monkeypatch, tmp_path):
-    report = dry_run(CONFIGS[0], overrides=["parallel.sequence_parallel=true"])
-    assert "sequence_parallel_not_wired" in report.rules("error")
+    # sequence parallelism is trained now (tests/train/test_train_sp.py): no trainer refusal, the model builds
+    sp_spec = cpu_spec(output_dir=tmp_path / "sp-out", parallel={"tp": 2, "sequence_parallel": True})
+    report = dry_run(write(tmp_path / "sp.yaml", sp_spec))
+    assert "sequence_parallel_not_wired" not in report.rules("error") and "model_build" in report.rules("info")
     from toolkit.generate import deepspeed_config
 
     real = deepspeed_config.build_deepspeed_config

@@ -74,7 +74,7 @@ def probe(spec_path: str, out_dir: str) -> None:
 
     spec = load_spec(spec_path)
     layout = derive_layout(spec)
-    parallel = Layout(tp_size=layout.tp, pp_size=layout.pp, dp_size=layout.dp)
+    parallel = Layout(**layout.parallel_fields())
     init_process_groups(layout=parallel, dist_backend="gloo")
     backends.current().seed(spec.training.seed)
     ds_config = build_deepspeed_config(spec=spec, layout=layout)

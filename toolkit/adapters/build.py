@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from toolkit import backend as backends
+from toolkit.adapters.family import AdapterError
 from toolkit.adapters.hf_config import ModelSettings
 from toolkit.parallel import Layout
 
@@ -25,9 +26,14 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
     return TransformerConfig(
         **settings.transformer_fields,
         activation_func=torch.nn.functional.silu,
-        tensor_model_parallel_size=layout.tp_size,
-        pipeline_model_parallel_size=layout.pp_size,
-        virtual_pipeline_model_parallel_size=layout.vpp_size if layout.vpp_size > 1 else None,
+        tensor_model_parallel_size=layout.tp,
+        # Norm and residual activations split along the sequence over the TP ranks; the norms' gradients are then
+        # partial per rank and the engine sums them over TP (`toolkit.train.engine.sum_sequence_parallel_grads`).
+        sequence_parallel=layout.sp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        # Ring attention over cp ranks: Transformer Engine's attention only (layer_spec refuses cp with local layers).
+        context_parallel_size=layout.cp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -42,18 +48,79 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
     )
 
 
-def layer_spec():
-    """Transformer Engine layers where TE is installed (GPU), megatron's local torch layers otherwise."""
+def layer_spec(*, attention: str | None = None, cp_size: int = 1):
+    """The layers for the run's attention kind (the spec's resolved `training.attention`): "fused" is Transformer
+    Engine's layers (fused / flash attention; context parallelism needs them), "local" megatron's torch layers
+    (unfused attention, the s x s scores stored); None (verify, convert): TE where installed, local otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if backends.current().use_transformer_engine:
+    use_te = backends.current().use_transformer_engine
+    if attention == "fused" and not use_te:
+        raise AdapterError("training.attention=fused needs Transformer Engine, which is not importable on this "
+                           f"{backends.current().name} machine; install transformer-engine where the run trains (GPU "
+                           "nodes), or set training.attention: local" + (" and parallel.cp: 1" if cp_size > 1 else ""))
+    if cp_size > 1 and not (use_te and attention != "local"):
+        raise AdapterError(f"parallel.cp={cp_size} needs Transformer Engine's attention (ring attention over the CP "
+                           "ranks); megatron's local attention has none: set parallel.cp: 1, or train with "
+                           "training.attention: fused on GPUs with transformer-engine installed")
+    if attention == "fused" or (attention is None and use_te):
+        # TE fuses the layer norms into its linear layers and marks their weights `sequence_parallel` itself.
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return local_layer_spec()
+
+
+def local_layer_spec():
+    """megatron's local (torch) layer spec with `TorchNorm` for its norms, which, unlike megatron's
+    `WrappedTorchNorm`, works with sequence parallelism."""
+    import dataclasses
+
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    norms = {name: TorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+             if getattr(spec.submodules, name) is WrappedTorchNorm}
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **norms))
+
+
+class TorchNorm:
+    """The local layers' norm: torch RMSNorm / LayerNorm, parameters marked `sequence_parallel` as Transformer
+    Engine's and apex's norms mark theirs.
+
+    Under sequence parallelism each TP rank normalises its own slice of the sequence, so a norm weight's gradient
+    is partial on each rank and must be summed over the TP group; the mark is how megatron and dsmt's engine find
+    those parameters. megatron's `WrappedTorchNorm` builds the same torch modules but refuses sequence parallelism.
+    A class, not a function: megatron's `build_module` returns functions uncalled."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norms = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        if config.normalization not in norms or config.layernorm_zero_centered_gamma:
+            raise AdapterError(f"normalization={config.normalization} (zero-centred gamma: "
+                               f"{config.layernorm_zero_centered_gamma}) has no torch norm in megatron's local "
+                               "layers; supported: RMSNorm, LayerNorm without zero-centred gamma")
+        norm = norms[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def decoder_spec(*, config, layer_spec, vp_stage: int | None):
+    """What `GPTModel` builds its decoder from: the layers, and a final norm of the layers' kind.
+
+    Given a layer spec, megatron picks the final norm by what is installed (TENorm, else apex's FusedLayerNorm,
+    else WrappedTorchNorm, which refuses sequence parallelism); local layers with `TorchNorm` get it as the final
+    norm as well. Transformer Engine layers keep megatron's choice, TENorm, which handles sequence parallelism."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if layer_spec.submodules.input_layernorm is not TorchNorm:
+        return layer_spec
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=TorchNorm)
 
 
 def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype = torch.float32,
                        parallel_output: bool = True, init_weights: bool = False, init_method_std: float = 0.02,
-                       recompute: str = "none") -> list:
+                       recompute: str = "none", attention: str | None = None) -> list:
     """This rank's model chunks (one per virtual stage), on the backend's device.
 
     `parallel_output=False` gathers the vocab-parallel logits on every TP rank (verification); training keeps
@@ -62,7 +129,8 @@ def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype:
                                 init_method_std=init_method_std, recompute=recompute)
     device = backends.current().device
     chunks = []
-    for model in gpt_chunks(config=config, spec=layer_spec(), settings=settings, vpp_size=layout.vpp_size,
+    spec = layer_spec(attention=attention, cp_size=layout.cp)
+    for model in gpt_chunks(config=config, spec=spec, settings=settings, vpp_size=layout.vpp,
                             parallel_output=parallel_output):
         mark_tensor_parallel_weights(model)
         chunks.append(model.to(device))
@@ -79,7 +147,7 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
         vp = vp_stage if vpp_size > 1 else None
         yield GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=decoder_spec(config=config, layer_spec=spec, vp_stage=vp),
             vocab_size=settings.padded_vocab_size,
             max_sequence_length=settings.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

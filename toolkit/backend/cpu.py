@@ -9,6 +9,12 @@ neater but is switched off inside `torch.autograd.backward`, where megatron's `m
 
 It is installed only when CUDA is absent (`install()` is a no-op otherwise) and records every call site it
 redirected, so a test can list exactly what it touched. Nothing else in dsmt knows about CPU.
+
+Collectives need nothing here. Sequence parallelism calls `reduce_scatter_tensor` and `all_gather_into_tensor`
+(megatron binds them at import as `dist_reduce_scatter_func` / `dist_all_gather_func`), with and without
+`async_op`; gloo implements both since torch 2.3 (reduce-scatter as all-reduce then slice) and dsmt needs torch
+>= 2.4. Only their `torch.cuda.current_device()` buffers are redirected, as everywhere else
+(tests/backend/test_cpu_sp_collectives.py checks them against all-reduce-then-slice on 2 ranks).
 """
 
 from __future__ import annotations

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from toolkit.spec.layout import Layout
+from toolkit.spec.layout import RunLayout
 from toolkit.spec.schema import JobSpec
 
 # DeepSpeed scheduler for each spec lr_schedule (all warm up linearly from 0 to lr).
 _SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
 
 
-def build_deepspeed_config(*, spec: JobSpec, layout: Layout) -> dict:
+def build_deepspeed_config(*, spec: JobSpec, layout: RunLayout) -> dict:
     training = spec.training
     config = {
-        "train_batch_size": layout.global_batch_size,
+        # DeepSpeed's data-parallel group is dp × cp (toolkit/train/mpu.py: the CP ranks of a replica reduce their
+        # gradients together) and it asserts train_batch_size = micro × accumulation × its group size, so each CP
+        # rank counts the replica's micro-batches once: global_batch_size × cp (= the global batch when cp = 1).
+        "train_batch_size": layout.global_batch_size * layout.cp,
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,
         "gradient_accumulation_steps": layout.grad_accum_steps,
         "steps_per_print": training.log_interval,
@@ -42,7 +45,8 @@ def _zero_section(*, spec: JobSpec) -> dict:
     if stage == 0:
         return section
     section.update({
-        "overlap_comm": comm.overlap_comm,
+        # what runs: at pp > 1 the engine reduces after megatron's schedule, and DeepSpeed allows no overlap there
+        "overlap_comm": comm.overlap_comm and spec.parallel.pp == 1,
         "contiguous_gradients": comm.contiguous_gradients,
         "reduce_scatter": comm.reduce_scatter,
         "reduce_bucket_size": comm.reduce_bucket_elements,

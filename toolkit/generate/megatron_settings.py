@@ -9,14 +9,15 @@ Model-family details (normalization, activation, RoPE) are the adapters' busines
 
 from __future__ import annotations
 
+from toolkit.layout_rules import resolve_attention
 from toolkit.shapes import ModelShape
-from toolkit.spec.layout import Layout, padded_vocab_size
+from toolkit.spec.layout import RunLayout, padded_vocab_size
 from toolkit.spec.schema import JobSpec
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # torch.<name>
 
 
-def build_megatron_settings(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> dict:
+def build_megatron_settings(*, spec: JobSpec, layout: RunLayout, shape: ModelShape) -> dict:
     return {
         "transformer_config": _transformer_config(spec=spec, layout=layout, shape=shape),
         "schedule": {
@@ -27,6 +28,8 @@ def build_megatron_settings(*, spec: JobSpec, layout: Layout, shape: ModelShape)
         "layout": {
             "world_size": layout.world_size,
             "data_parallel_size": layout.dp,
+            # fused: Transformer Engine's attention (flash / cuDNN, needed by cp > 1); local: megatron's unfused one
+            "attention": resolve_attention(attention=spec.training.attention, device=spec.cluster.device),
             "global_batch_size": layout.global_batch_size,
             "tokens_per_step": layout.tokens_per_step,
             "vocab_size": shape.vocab_size,
@@ -37,15 +40,15 @@ def build_megatron_settings(*, spec: JobSpec, layout: Layout, shape: ModelShape)
     }
 
 
-def _transformer_config(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> dict:
+def _transformer_config(*, spec: JobSpec, layout: RunLayout, shape: ModelShape) -> dict:
     precision = spec.training.precision
     interleaved = layout.vpp > 1
     return {
         "tensor_model_parallel_size": layout.tp,
         "pipeline_model_parallel_size": layout.pp,
         "virtual_pipeline_model_parallel_size": layout.vpp if interleaved else None,
-        "sequence_parallel": spec.parallel.sequence_parallel,
-        "context_parallel_size": 1,
+        "sequence_parallel": layout.sp,
+        "context_parallel_size": layout.cp,
         "bf16": precision == "bf16",
         "fp16": precision == "fp16",
         "params_dtype": _DTYPES[precision],
@@ -66,7 +69,7 @@ def _transformer_config(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> 
     }
 
 
-def _recompute(*, spec: JobSpec, layout: Layout) -> dict:
+def _recompute(*, spec: JobSpec, layout: RunLayout) -> dict:
     mode = spec.training.recompute
     if mode == "none":
         return {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from toolkit.shapes import ModelShape
-from toolkit.spec.layout import Layout, padded_vocab_size
+from toolkit.spec.layout import RunLayout, padded_vocab_size
 from toolkit.spec.schema import JobSpec
 
 
-def render_summary(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> str:
+# What the trainer does with edits to this directory's files (toolkit/train/run_files.py has the key tables).
+EDIT_POLICY = (
+    "edits      ds_config.json: tuning keys (bucket sizes, overlap_comm, optimizer, scheduler, monitors) may be edited",
+    "           here; they win over the spec and are listed at start. Its batch, precision, ZeRO stage and offload",
+    "           keys, and all of megatron.json, must agree with the spec: change the spec and regenerate instead.",
+)
+
+
+def render_summary(*, spec: JobSpec, layout: RunLayout, shape: ModelShape) -> str:
     """Layout only (no check notes: those depend on this machine's files; `dsmt check` prints them)."""
     cluster, parallel, training = spec.cluster, spec.parallel, spec.training
     lines = [
@@ -16,7 +24,8 @@ def render_summary(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> str:
         f"(padded {padded_vocab_size(vocab_size=shape.vocab_size, divisible_by=spec.model.make_vocab_size_divisible_by)})",
         f"cluster    {layout.nodes} node(s) x {layout.gpus_per_node} {cluster.gpu} = {layout.world_size} ranks; "
         f"device {cluster.device}, interconnect {cluster.interconnect}, launcher {cluster.launcher}",
-        f"layout     tp={layout.tp} x pp={layout.pp} x dp={layout.dp} = {layout.world_size}"
+        f"layout     tp={layout.tp}" + (f" x cp={layout.cp}" if layout.cp > 1 else "")
+        + f" x pp={layout.pp} x dp={layout.dp} = {layout.world_size}"
         + (f", vpp={layout.vpp}" if layout.vpp > 1 else "")
         + (", sequence parallel" if parallel.sequence_parallel else ""),
         f"zero       stage {parallel.zero_stage}"
@@ -26,6 +35,7 @@ def render_summary(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> str:
         f"{layout.grad_accum_steps} x dp {layout.dp}; {layout.tokens_per_step} tokens/step at seq {layout.seq_length}",
         f"training   {training.train_steps} steps, {training.precision}, recompute {training.recompute}, lr {training.lr} "
         f"({training.lr_schedule}, warmup {training.warmup_steps}), checkpoint every {training.checkpoint_interval} steps",
+        *EDIT_POLICY,
         "",
         "ranks (megatron order: tp fastest, then dp, then pp)",
         *_stage_lines(layout=layout),
@@ -34,13 +44,13 @@ def render_summary(*, spec: JobSpec, layout: Layout, shape: ModelShape) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _stage_lines(*, layout: Layout) -> list[str]:
+def _stage_lines(*, layout: RunLayout) -> list[str]:
     per_stage = layout.tp * layout.dp
     return [f"  pipeline stage {stage}: ranks {stage * per_stage}-{(stage + 1) * per_stage - 1}"
             for stage in range(min(layout.pp, 16))] + (["  ..."] if layout.pp > 16 else [])
 
 
-def _node_lines(*, layout: Layout) -> list[str]:
+def _node_lines(*, layout: RunLayout) -> list[str]:
     g = layout.gpus_per_node
     return [f"  node {node}: ranks {node * g}-{(node + 1) * g - 1}" for node in range(min(layout.nodes, 16))] + (
         ["  ..."] if layout.nodes > 16 else [])

@@ -1,46 +1,111 @@
 """Every assumption of the planner, named, with its source; the CLI can override each one.
 
-Defaults describe a bf16 megatron-core model trained with DeepSpeed ZeRO data parallelism on NVIDIA GPUs.
+Defaults describe a bf16 megatron-core model trained with DeepSpeed ZeRO data parallelism on NVIDIA GPUs with
+Transformer Engine layers. `Assumptions.for_precision("fp32")` gives the byte widths of an fp32 run; `dsmt check`
+builds its assumptions the same way from the job spec (`toolkit/spec/checks.py: _planner_inputs`), so check and
+plan agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from toolkit.errors import DsmtError
+
+# Bytes of one element of the working weights, 16-bit gradients and activations, per training precision.
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+ATTENTION_KINDS = ("fused", "local")
+LAYER_SPECS = ("te", "local")
+
 
 @dataclasses.dataclass(frozen=True)
 class Assumptions:
-    # --- model states (ZeRO paper, Rajbhandari et al. 2020, section 3.1) -----------------------------------
-    param_bytes: int = 2            # bf16 working copy
-    grad_bytes: int = 2             # bf16 gradients
-    # Adam: fp32 master weights + momentum + variance, the paper's K = 12.
+    # --- model states: which DeepSpeed 0.19 buffers exist (toolkit/plan/model_states.py) -------------------
+    # The training precision decides the optimizer DeepSpeed builds around dsmt's config: fp32 runs keep no
+    # 16-bit copies; bf16/fp16 runs keep fp32 master weights and accumulate gradients in fp32 at ZeRO >= 1.
+    precision: str = "bf16"
+    param_bytes: int = 2            # working weights (the model's parameters)
+    grad_bytes: int = 2             # gradients in the working precision (param.grad)
+    # fp32 master weights + Adam's two moments: the ZeRO paper's K = 12 (Rajbhandari et al. 2020, section 3.1).
     optimizer_bytes_per_param: int = 12
-    # DeepSpeed's bf16/ZeRO optimizers also keep an fp32 copy of the (partitioned) gradient; its estimators count
-    # it (2_grads_16bit + 4_grads_32bit + ... = 18). Set 0 to get the ZeRO paper's 16 bytes per parameter.
+    master_weight_bytes: int = 4    # the part of K that is the fp32 master copy (an fp32 run at ZeRO-0 has none)
+    # fp32 gradients: DeepSpeed's bf16 optimizers accumulate into fp32 buffers (data_types.grad_accum_dtype fp32)
+    # and hand the optimizer an fp32 gradient partition (its estimators count it: 2 + 4 + 12 = 18 per param).
     master_grad_bytes: int = 4
-    # --- communication buffers (DeepSpeed defaults, docs "ZeRO optimizations") -----------------------------
+    # --- communication buffers (DeepSpeed defaults, docs "ZeRO optimizations"; the spec's communication) ------
     reduce_bucket_elements: int = 500_000_000      # zero_optimization.reduce_bucket_size
+    overlap_comm: bool = True                      # zero_optimization.overlap_comm: two reduce buckets, not one
     zero3_prefetch_elements: int = 50_000_000      # zero_optimization.stage3_prefetch_bucket_size
-    # --- activations (Korthikanti et al. 2022, section 4) --------------------------------------------------
-    # Flash / fused attention stores no s x s score matrix (megatron-core default with Transformer Engine);
-    # False gives Korthikanti's table, whose 5as/h term is the stored softmax, its dropout mask and output.
-    flash_attention: bool = True
+    # zero_optimization.stage3_param_persistence_threshold: smaller parameters stay whole on every rank
+    zero3_persistence_threshold: int = 100_000
+    # --- activations (Korthikanti et al. 2022, section 4; megatron-core's local layers as measured) ---------
+    # Core attention: "fused" (Transformer Engine / flash: no s x s scores stored) or "local" (megatron-core's
+    # DotProductAttention: keeps the softmax output and the probabilities, s x s per head; toolkit/plan/activations.py).
+    attention: str = "fused"
+    # The layers around it: "te" (Transformer Engine: norms fused into the next linear, fused SwiGLU; Korthikanti's
+    # counting) or "local" (megatron-core's local spec as dsmt builds it without TE: torch RMSNorm keeping fp32
+    # copies, megatron's unfused SwiGLU).
+    layer_spec: str = "te"
+    # megatron's masked_softmax_fusion: its CUDA kernel stores only the 16-bit softmax output (Korthikanti's 2as);
+    # dsmt sets it off (toolkit/adapters/hf_config.py), so the unfused softmax keeps an fp32 output too.
+    softmax_fusion: bool = False
     # Llama-family models train without dropout; Korthikanti's 34 counts two 1-byte dropout masks per layer.
     dropout: bool = False
     activation_bytes: int = 2       # bf16 activations
-    logits_fp32: bool = True        # vocab-parallel cross entropy upcasts the logits to fp32
+
+    def __post_init__(self):
+        checks = (("precision", self.precision, tuple(PRECISION_BYTES)), ("attention", self.attention, ATTENTION_KINDS),
+                  ("layer_spec", self.layer_spec, LAYER_SPECS))
+        for name, value, valid in checks:
+            if value not in valid:
+                raise DsmtError(f"assumption {name}={value!r} is not one of {', '.join(valid)}")
+
+    @classmethod
+    def for_precision(cls, precision: str, **changes) -> "Assumptions":
+        """The assumptions of a `precision` run: its weight, gradient and activation widths, plus `changes`."""
+        if precision not in PRECISION_BYTES:
+            raise DsmtError(f"precision={precision!r} is not one of {', '.join(PRECISION_BYTES)}")
+        width = PRECISION_BYTES[precision]
+        return cls(**{"precision": precision, "param_bytes": width, "grad_bytes": width, "activation_bytes": width,
+                      **changes})
+
+    @property
+    def adam_moment_bytes(self) -> int:
+        """Adam's exp_avg + exp_avg_sq per parameter: K without the master copy."""
+        return self.optimizer_bytes_per_param - self.master_weight_bytes
+
     # --- allowance for what no formula covers ---------------------------------------------------------------
     # CUDA context (~0.5 GB), NCCL communicator buffers and workspace (cuBLAS, TE): measured 1.5-3 GB on H100.
     framework_overhead_gb: float = 2.5
     fragmentation_fraction: float = 0.05   # caching allocator slack over states + activations
-    # --- time model (Narayanan et al. 2021, section 5) -----------------------------------------------------
-    efficiency: float = 0.55        # achieved / peak matmul throughput; Megatron reports 44-52 % MFU at scale
-    link_efficiency: float = 0.8    # nccl-tests bus bandwidth / nominal link bandwidth
-    dp_overlap: float = 0.5         # share of data-parallel communication hidden behind backward compute
-    tp_overlap: float = 0.0         # share of tensor-parallel communication hidden (0: no TP comm overlap)
+    # --- time model (toolkit/plan/timing.py; calibrated in tests/plan/test_published.py) ---------------------
+    # Achieved / peak throughput of the layers' matmuls: the one fitted constant, the least-squares fit (in log
+    # space) to the utilisation measured in the published runs of toolkit/plan/published.py: Narayanan et al.
+    # 2021 Table 1 (1.7B-1T, A100) and MegaScale's Megatron-LM baseline (175B, 12,288 A100s); Llama 3's 405B
+    # H100 runs fall inside the bounds their unpublished interleaving allows (tests/plan/test_published.py).
+    efficiency: float = 0.71
+    link_efficiency: float = 0.8    # nccl-tests bus bandwidth / nominal link bandwidth (PERFORMANCE.md)
+    # Memory-bound kernels between the matmuls (norms, residual adds, activation function, dropout, softmax) run
+    # at HBM bandwidth. timing.py counts the bf16 tensors each reads and writes in the forward (Korthikanti et al.
+    # 2022 list the same tensors); backward kernels read input and gradient and write a gradient: ~2x forward.
+    elementwise_backward_factor: float = 2.0
+    # Share of the data-parallel traffic DeepSpeed issues from backward hooks (ZeRO-2/3 at pp = 1 with
+    # communication.overlap_comm) that hides behind compute; layouts without such hooks hide none (timing.py).
+    dp_overlap: float = 0.5
+    dp_grad_comm_bytes: int = 4     # dsmt's ds_config communication_data_type "fp32" (megatron's default)
+    tp_overlap: float = 0.0         # dsmt runs megatron-core's TP collectives without userbuffer overlap
+    # Share of context parallelism's ring K/V exchange hidden behind the attention it feeds: Transformer Engine
+    # posts step i+1's send/recv before step i's attention kernel (megatron-core CP, TE AttnFuncWithCPAndKVP2P);
+    # the first step's exchange and the load imbalance of the causal chunks stay exposed.
+    cp_overlap: float = 0.9
     collective_latency_s: float = 20e-6   # per collective call, ring startup
     optimizer_passes: int = 3       # Adam reads/writes each state byte ~3 times per step (memory bound)
     # ZeRO-Offload (Ren et al. 2021): DeepSpeed's CPUAdam updates ~1e9 params/s per process; gradients go down
     # and bf16 parameters come back over PCIe Gen4/5 x16 (~25 GB/s achieved).
     cpu_adam_params_per_s: float = 1.0e9
     pcie_gbps: float = 25.0
+    # Relative uncertainty of a predicted step time: layouts predicted within it of the fastest count as ties and
+    # the simplest of them is chosen (search.py: SIMPLICITY_ORDER). Its value is the RMS of log(predicted /
+    # published utilisation) over the calibration runs, 5.3%, rounded up (the largest residual is 12%, the 1.7B
+    # model, where memory-bound kernels weigh most).
+    time_uncertainty: float = 0.06

@@ -10,16 +10,29 @@ from pathlib import Path
 
 from toolkit.errors import DsmtError
 
-OVERRIDES = {  # flag -> (Assumptions field, help)
-    "--efficiency": ("efficiency", "achieved / peak matmul throughput (default 0.55)"),
+OVERRIDES = {  # flag -> (Assumptions field, help); defaults and sources: toolkit/plan/assumptions.py
+    "--efficiency": ("efficiency", "achieved / peak matmul throughput (default 0.71, fitted to published runs)"),
     "--link-efficiency": ("link_efficiency", "achieved / nominal link bandwidth (default 0.8)"),
-    "--dp-overlap": ("dp_overlap", "share of data-parallel communication hidden by compute (default 0.5)"),
+    "--dp-overlap": ("dp_overlap", "share of ZeRO-2/3 hook traffic hidden at pp = 1 (default 0.5; other layouts "
+                                   "hide none, as dsmt's engine runs DeepSpeed)"),
     "--tp-overlap": ("tp_overlap", "share of tensor-parallel communication hidden (default 0)"),
+    "--cp-overlap": ("cp_overlap", "share of the context-parallel ring exchange hidden behind attention (default 0.9)"),
+    "--time-uncertainty": ("time_uncertainty", "relative uncertainty of a predicted step: within it of the fastest, "
+                                               "the simplest layout is chosen (default 0.06; 0 = fastest only)"),
+    "--dp-grad-comm-bytes": ("dp_grad_comm_bytes", "bytes per gradient element reduced over data parallelism "
+                                                   "(default 4: communication_data_type fp32)"),
+    "--elementwise-backward-factor": ("elementwise_backward_factor", "memory-bound bytes of backward / forward "
+                                                                     "(default 2)"),
+    "--collective-latency-s": ("collective_latency_s", "fixed cost of one collective call (default 2e-5)"),
+    "--optimizer-passes": ("optimizer_passes", "HBM passes over the optimizer state per step (default 3)"),
+    "--cpu-adam-params-per-s": ("cpu_adam_params_per_s", "CPU Adam update rate with offload (default 1e9)"),
+    "--pcie-gbps": ("pcie_gbps", "host <-> GPU bandwidth with offload, GB/s (default 25)"),
     "--overhead-gb": ("framework_overhead_gb", "per-GPU allowance for CUDA context, NCCL, workspaces (default 2.5)"),
     "--fragmentation": ("fragmentation_fraction", "allocator slack as a share of the rest (default 0.05)"),
     "--adam-bytes": ("optimizer_bytes_per_param", "optimizer bytes per parameter, the ZeRO paper's K (default 12)"),
     "--master-grad-bytes": ("master_grad_bytes", "fp32 gradient copy bytes per parameter (default 4; 0 = paper)"),
 }
+SHARES = ("efficiency", "link_efficiency", "dp_overlap", "tp_overlap", "cp_overlap", "time_uncertainty")
 GPU_FLAGS = ("gpu_mem_gb", "peak_tflops", "nvlink_gbps", "ib_gbps", "hbm_gbps")
 
 
@@ -40,7 +53,9 @@ def register(subparsers) -> None:
     p.add_argument("--charts", type=Path, metavar="DIR", help="draw memory.{png,svg} and pipeline.{png,svg}")
     p.add_argument("--allow-offload", action="store_true", help="also consider ZeRO-Offload of the optimizer")
     p.add_argument("--max-mbs", type=int, default=16, help="largest micro-batch size searched")
-    p.add_argument("--no-flash-attention", action="store_true", help="count the s x s attention scores (eager)")
+    p.add_argument("--attention", choices=("fused", "local"), default="fused",
+                   help="fused: Transformer Engine / flash (no s x s scores stored, needed for cp > 1); local: "
+                        "megatron's unfused attention (stores the s x s scores; what runs without TE)")
     p.add_argument("--dropout", action="store_true", help="count dropout masks (GPT-style models)")
     for flag in ("--gpu-mem-gb", "--peak-tflops", "--nvlink-gbps", "--ib-gbps", "--hbm-gbps"):
         p.add_argument(flag, type=float, help="override the GPU preset's figure (GB, TFLOPS, GB/s per direction)")
@@ -56,12 +71,14 @@ def _assumptions(args):
     for flag, (field, _) in OVERRIDES.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
-            if value < 0 or (field in ("efficiency", "link_efficiency") and not 0 < value <= 1):
-                raise DsmtError(f"{flag}={value} is out of range; efficiencies are in (0, 1], the rest >= 0")
+            if value < 0 or (field in SHARES and value > 1) or (field in ("efficiency", "link_efficiency")
+                                                                and value == 0):
+                raise DsmtError(f"{flag}={value} is out of range; efficiencies are in (0, 1], overlaps and the "
+                                "time uncertainty in [0, 1], the rest >= 0")
             kind = type(getattr(Assumptions, field))
             values[field] = kind(value)
-    if args.no_flash_attention:
-        values["flash_attention"] = False
+    values["attention"] = args.attention  # the layers follow it (adapters/build.py layer_spec)
+    values["layer_spec"] = "te" if args.attention == "fused" else "local"
     if args.dropout:
         values["dropout"] = True
     return dataclasses.replace(Assumptions(), **values)
@@ -117,28 +134,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _emit_spec(*, args, result, shape, cluster, training) -> bool:
-    """Write the fastest layout `dsmt train` can run as a job spec; False when none fits. Sequence parallelism is
-    not wired into the trainer yet, so every fitting layout is re-evaluated with it off."""
+    """Write the fastest fitting layout as a job spec `dsmt train` runs as is; False when none fits."""
+    from toolkit.errors import DsmtError
     from toolkit.plan import report
-    from toolkit.plan.search import evaluate
+    from toolkit.plan.hardware import GPU_PRESETS
 
-    assumptions = _assumptions(args)
-    trainable = [evaluate(shape=shape, layout=dataclasses.replace(c.layout, sequence_parallel=False),
-                          training=training, cluster=cluster, assumptions=assumptions) for c in result.fitting]
-    trainable = [c for c in trainable if c.fits]
-    if not trainable:
-        print("dsmt plan: no layout fits without sequence parallelism (not wired into `dsmt train` yet), so no "
-              "spec was written", file=sys.stderr)
+    if cluster.gpu.name not in GPU_PRESETS:  # "<preset>*" or "custom": a spec names a preset, which check fits to
+        raise DsmtError(f"--emit-spec needs a GPU preset, but the plan used {cluster.gpu.name!r} (figures given on the "
+                        "command line); a job spec names one of the presets "
+                        f"({', '.join(GPU_PRESETS)}) and `dsmt check` fits the memory to it: drop the GPU figure "
+                        "flags to emit a spec, or plan without --emit-spec")
+    best = result.best
+    if best is None:
+        print("dsmt plan: no layout fits, so no spec was written", file=sys.stderr)
         return False
-    best = min(trainable, key=lambda c: c.time.step_time_s)
-    spec = report.spec_dict(model_ref=args.model, candidate=best, cluster=cluster, training=training)
+    spec = report.spec_dict(model_ref=args.model, candidate=best, cluster=cluster, training=training,
+                            attention=result.assumptions.attention)
     if cluster.nodes > 1:  # a spec needs its hosts; under SLURM they come from the allocation (edit otherwise)
         spec["cluster"]["hosts"] = "slurm"
     # synthetic tokens until data.path (and, for a built-in shape, data.tokenizer) are set: a spec that runs as is
     spec["data"] = {"synthetic": True}
     report.write_spec_atomic(path=args.emit_spec, spec=spec)
-    note = "" if not result.best.layout.sp else (
-        f"; sequence parallelism off, `dsmt train` does not wire it yet: predicted {best.time.step_time_s:.2f} s/step, "
-        f"{result.best.time.step_time_s:.2f} with it ({result.best.layout.label()})")
-    print(f"wrote {args.emit_spec} ({best.layout.label()}{note})", file=sys.stderr)
+    print(f"wrote {args.emit_spec} ({best.layout.label()})", file=sys.stderr)
     return True

@@ -4,22 +4,30 @@ This is the one memory model of dsmt: `dsmt plan` ranks layouts with it and `dsm
 `estimate_memory` for their fit check. Pure arithmetic on a ModelShape; nothing is imported from torch.
 
 Sources
-  * Model states: ZeRO (Rajbhandari et al. 2020) 2Ψ + 2Ψ + KΨ, with stage 1 partitioning the optimizer, stage 2
-    also the gradients, stage 3 also the parameters, each over the data-parallel degree.
-  * Activations: Korthikanti et al. 2022 ("Reducing activation recomputation"), section 4, Table 2, generalised
-    to grouped-query attention and SwiGLU by counting the same stored tensors with the real widths.
+  * Model states: the buffers DeepSpeed 0.19 really allocates for dsmt's config, per precision and ZeRO stage
+    (toolkit/plan/model_states.py, checked against live engines: tests/plan/test_live_engine.py); the ZeRO paper
+    (Rajbhandari et al. 2020) is the baseline they are compared with (tests/plan/test_published.py).
+  * Activations: Korthikanti et al. 2022, Table 2, generalised to grouped-query attention, SwiGLU and megatron-core's
+    local layers (toolkit/plan/activations.py, checked against megatron-core's forward: tests/plan/test_measured.py).
   * In-flight micro-batches: megatron-core's 1F1B warm-up counts (schedules.py), which give Korthikanti's
     "first stage holds L layers" and the interleaved factor 1 + (p-1)/(p·v).
+  * ZeRO-3 build: zero.Init partitions each module as it is built and the checkpoint loads one parameter at a time
+    (toolkit/train/zero3.py): a rank holds its partition plus one module before any optimizer state exists.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 
 from toolkit.errors import DsmtError
+from toolkit.plan.activations import (ROPE_FREQ_BYTES, activation_bytes_per_layer, heads_per_rank,  # noqa: F401
+                                      output_layer_activation_bytes as _output_layer_bytes)
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.hardware import GpuSpec
-from toolkit.plan.layout import RECOMPUTE_CHOICES, Layout, TrainingShape, num_micro_batches
+from toolkit.plan.layout import RECOMPUTE_CHOICES, PlanLayout, TrainingShape, num_micro_batches
+from toolkit.plan.model_states import model_state_bytes  # noqa: F401  (re-exported for callers of this module)
 from toolkit import shapes
 from toolkit.shapes import ModelShape
 
@@ -30,7 +38,7 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", 
 
 @dataclasses.dataclass(frozen=True)
 class StageMemory:
-    """Bytes per GPU on one pipeline stage, by category."""
+    """Bytes per GPU on one pipeline stage, by category, and the build-time peak before training starts."""
 
     stage: int
     parameters: int
@@ -41,6 +49,7 @@ class StageMemory:
     overhead: int
     params_per_gpu: int
     micro_batches_in_flight: float
+    build_peak: int = 0  # building and loading the model, before any gradient or optimizer state exists
 
     @property
     def total_bytes(self) -> int:
@@ -68,8 +77,17 @@ class MemoryBreakdown:
         return self.worst.total_bytes
 
     @property
+    def build_peak_bytes(self) -> int:
+        """The largest stage's build-time peak (ZeRO-3: partition + one module; otherwise the whole weights)."""
+        return max(stage.build_peak for stage in self.stages)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.total_bytes, self.build_peak_bytes)
+
+    @property
     def fits(self) -> bool:
-        return self.total_bytes <= self.capacity_bytes
+        return self.peak_bytes <= self.capacity_bytes
 
     def by_category(self) -> dict[str, int]:
         return self.worst.by_category()
@@ -82,87 +100,96 @@ def padded_vocab_size(*, shape: ModelShape, tp: int) -> int:
     return -(-padded // tp) * tp
 
 
-def layer_params_per_gpu(*, shape: ModelShape, tp: int) -> int:
-    """One transformer layer's parameters on one TP rank: matmuls split by tp, the two norms replicated."""
-    norms = 2 * shape.hidden_size
-    return (shape.params_per_layer() - norms) // tp + norms
+def layer_tensors(*, shape: ModelShape, tp: int) -> dict[str, int]:
+    """One transformer layer's parameter tensors on one TP rank, elements each (megatron-core's sharding: QKV and
+    FC1 split by output rows, the projections by input columns, norms replicated; with tp > num_kv_heads each rank
+    holds one whole KV head)."""
+    h, d, f = shape.hidden_size, shape.kv_channels, shape.ffn_hidden_size // tp
+    heads, groups = heads_per_rank(shape=shape, tp=tp)
+    return {"linear_qkv": h * (heads + 2 * groups) * d, "linear_proj": heads * d * h,
+            "linear_fc1": h * f * (2 if shape.gated_mlp else 1), "linear_fc2": f * h,
+            "input_layernorm": h, "pre_mlp_layernorm": h}
 
 
-def stage_params_per_gpu(*, shape: ModelShape, layout: Layout, stage: int) -> int:
-    """Parameters held by one GPU of pipeline stage `stage` (0-based).
+def stage_tensors(*, shape: ModelShape, layout: PlanLayout, stage: int) -> list[tuple[str, int, int]]:
+    """(name, elements on one GPU, how many) of every parameter tensor of pipeline stage `stage` (0-based).
 
     Embedding on the first stage, final norm and output layer on the last. A tied output layer is the embedding
-    itself at pp=1; at pp>1 the last stage keeps its own copy, kept equal by an all-reduce (megatron).
-    """
+    itself at pp=1; at pp>1 the last stage keeps its own copy, kept equal by an all-reduce (megatron)."""
+    layers = shape.num_layers // layout.pp
+    found = [(name, numel, layers) for name, numel in layer_tensors(shape=shape, tp=layout.tp).items()]
     vocab_rows = padded_vocab_size(shape=shape, tp=layout.tp) // layout.tp
-    count = layer_params_per_gpu(shape=shape, tp=layout.tp) * (shape.num_layers // layout.pp)
     if stage == 0:
-        count += vocab_rows * shape.hidden_size
+        found.append(("embedding", vocab_rows * shape.hidden_size, 1))
     if stage == layout.pp - 1:
-        count += shape.hidden_size  # final norm
+        found.append(("final_layernorm", shape.hidden_size, 1))
         if not shape.tied_embeddings or layout.pp > 1:
-            count += vocab_rows * shape.hidden_size
-    return count
+            found.append(("output_layer", vocab_rows * shape.hidden_size, 1))
+    return found
 
 
-def model_state_bytes(*, num_params: int, dp: int, zero_stage: int, offload_optimizer: bool = False,
-                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, int]:
-    """Parameters, gradients and optimizer bytes per GPU for `num_params` held by each of `dp` replicas.
-
-    ZeRO paper: 16Ψ baseline; stage 1: 4Ψ + KΨ/Nd; stage 2: 2Ψ + (2+K)Ψ/Nd; stage 3: (2+2+K)Ψ/Nd.
-    The fp32 gradient copy (`master_grad_bytes`) is partitioned like the optimizer state it feeds.
-    """
-    a = assumptions
-
-    def part(bytes_per_param: int, partitioned: bool) -> int:
-        return bytes_per_param * num_params // (dp if partitioned else 1)
-
-    optimizer = part(a.optimizer_bytes_per_param, zero_stage >= 1)
-    master_grads = part(a.master_grad_bytes, zero_stage >= 1)
-    if offload_optimizer:  # ZeRO-Offload keeps optimizer states and fp32 gradients in host memory
-        optimizer = master_grads = 0
-    return {
-        "parameters": part(a.param_bytes, zero_stage >= 3),
-        "gradients": part(a.grad_bytes, zero_stage >= 2) + master_grads,
-        "optimizer": optimizer,
-    }
+def layer_params_per_gpu(*, shape: ModelShape, tp: int) -> int:
+    """One transformer layer's parameters on one TP rank."""
+    return sum(layer_tensors(shape=shape, tp=tp).values())
 
 
-def activation_bytes_per_layer(*, shape: ModelShape, seq_length: int, micro_batch_size: int, tp: int,
-                               sequence_parallel: bool, recompute: str,
-                               assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> int:
-    """Stored activations of one transformer layer for one micro-batch on one TP rank (Korthikanti Table 2).
-
-    Per token, with h hidden, a heads, g KV heads, d head dim, f FFN width, bf16 (2 bytes) and 1-byte masks:
-      replicated across TP unless SP splits them: the inputs of both norms, of QKV and of FC1 (4 x 2h bytes),
-        plus two dropout masks (2 x h bytes) when the model uses dropout          -> Korthikanti's "10"
-      split by TP: Q (2ad), K and V (2gd each), the output-projection input (2ad), the MLP's stored
-        activations (2 x 2f for GeLU, 3 x 2f for fused SwiGLU)                    -> Korthikanti's "24"
-      attention core, split by TP: softmax output (2as), with dropout also its mask and output (3as)
-                                                                                  -> Korthikanti's "5as/h"
-    Selective recompute drops the attention core; flash attention never stores it (only an fp32 log-sum-exp
-    per head); full recompute keeps only the layer input (2h, split by SP).
-    """
-    a, h, s, b = assumptions, shape.hidden_size, seq_length, micro_batch_size
-    tokens = s * b
-    ab = a.activation_bytes
-    sp_div = tp if sequence_parallel else 1
-    if recompute == "full":
-        return tokens * h * ab // sp_div
-    heads, kv_heads, d = shape.num_attention_heads, shape.num_kv_heads, shape.kv_channels
-    replicated = 4 * h * ab + (2 * h if a.dropout else 0)
-    mlp_tensors = 3 if shape.gated_mlp else 2
-    split = (2 * heads * d + 2 * kv_heads * d) * ab + mlp_tensors * shape.ffn_hidden_size * ab
-    if a.flash_attention:
-        core = 4 * heads  # fp32 log-sum-exp per head
-    elif recompute == "selective":
-        core = 0
-    else:
-        core = heads * s * (5 if a.dropout else ab)
-    return tokens * replicated // sp_div + tokens * (split + core) // tp
+def stage_params_per_gpu(*, shape: ModelShape, layout: PlanLayout, stage: int) -> int:
+    """Parameters held by one GPU of pipeline stage `stage` (0-based)."""
+    return sum(numel * count for _, numel, count in stage_tensors(shape=shape, layout=layout, stage=stage))
 
 
-def micro_batches_in_flight(*, layout: Layout, num_micro: int, stage: int) -> float:
+def persistent_params(*, shape: ModelShape, layout: PlanLayout, stage: int, threshold: int) -> int:
+    """ZeRO-3 keeps parameters with fewer than `threshold` elements whole on every rank (DeepSpeed's
+    stage3_param_persistence_threshold: `ds_persist`, partition_parameters.py); at scale only the norms."""
+    if layout.zero_stage < 3:
+        return 0
+    return sum(numel * count for _, numel, count in stage_tensors(shape=shape, layout=layout, stage=stage)
+               if numel < threshold)
+
+
+def _optimizer_groups(*, shape: ModelShape, layout: PlanLayout, stage: int) -> tuple[list[int], list[int]]:
+    """The stage's parameter sizes as DeepSpeed's two parameter groups hold them, in megatron-core's module order:
+    the matrices (weight decay) and the norms (none; toolkit/train/engine.py `weight_decay_groups`)."""
+    t = layer_tensors(shape=shape, tp=layout.tp)
+    layers = shape.num_layers // layout.pp
+    vocab = padded_vocab_size(shape=shape, tp=layout.tp) // layout.tp * shape.hidden_size
+    matrices = ([vocab] if stage == 0 else []) + [t["linear_proj"], t["linear_qkv"], t["linear_fc1"],
+                                                  t["linear_fc2"]] * layers
+    norms = [shape.hidden_size] * (2 * layers)
+    if stage == layout.pp - 1:
+        norms.append(shape.hidden_size)
+        if not shape.tied_embeddings or layout.pp > 1:
+            matrices.append(vocab)
+    return matrices, norms
+
+
+def partition_overlap_params(*, shape: ModelShape, layout: PlanLayout, stage: int, dp_rank: int | None = None) -> int:
+    """Elements of the whole parameters overlapping a rank's 1/dp slice of each flat parameter group (the worst
+    rank's when `dp_rank` is None). DeepSpeed flattens each group (aligned to 2·dp elements) and cuts it into dp
+    equal slices; its fp32 ZeRO-1/2 gradient lists hold the whole gradient of every parameter a slice touches."""
+    dp = layout.zero_size
+    ranks = range(dp) if dp_rank is None else [dp_rank]
+    per_rank = dict.fromkeys(ranks, 0)
+    for sizes in _optimizer_groups(shape=shape, layout=layout, stage=stage):
+        ends = list(itertools.accumulate(sizes))
+        starts = [0] + ends[:-1]
+        size = -(-ends[-1] // (2 * dp)) * 2
+        for rank in ranks:  # the tensors ending after the slice starts and starting before it ends
+            first, last = bisect.bisect_right(ends, rank * size), bisect.bisect_left(starts, (rank + 1) * size)
+            per_rank[rank] += ends[last - 1] - starts[first] if last > first else 0
+    return max(per_rank.values())
+
+
+def output_layer_activation_bytes(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape,
+                                  assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> int:
+    """The last stage's final norm, output layer and loss for one micro-batch (toolkit/plan/activations.py)."""
+    return _output_layer_bytes(shape=shape, tp=layout.tp, sequence_parallel=layout.sp,
+                               seq_length=training.seq_length, micro_batch_size=layout.micro_batch_size,
+                               padded_vocab=padded_vocab_size(shape=shape, tp=layout.tp), assumptions=assumptions,
+                               cp=layout.cp)
+
+
+def micro_batches_in_flight(*, layout: PlanLayout, num_micro: int, stage: int) -> float:
     """Micro-batches (in units of a whole stage's layers) whose activations stage `stage` holds at peak.
 
     megatron-core 1F1B: stage s runs p-s-1 warm-up forwards then holds one more -> min(p-s, m). Interleaved:
@@ -175,36 +202,66 @@ def micro_batches_in_flight(*, layout: Layout, num_micro: int, stage: int) -> fl
     return chunks / v
 
 
-def stage_memory(*, shape: ModelShape, layout: Layout, training: TrainingShape, stage: int,
-                 assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> StageMemory:
-    """Memory per GPU of pipeline stage `stage`."""
+def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, stage: int,
+                 assumptions: Assumptions = DEFAULT_ASSUMPTIONS, dp_rank: int | None = None) -> StageMemory:
+    """Memory per GPU of pipeline stage `stage` (its worst data-parallel rank, or `dp_rank`'s)."""
     a = assumptions
     params = stage_params_per_gpu(shape=shape, layout=layout, stage=stage)
-    states = model_state_bytes(num_params=params, dp=layout.dp, zero_stage=layout.zero_stage,
-                               offload_optimizer=layout.offload_optimizer, assumptions=a)
+    persistent = persistent_params(shape=shape, layout=layout, stage=stage, threshold=a.zero3_persistence_threshold)
+    overlap = (partition_overlap_params(shape=shape, layout=layout, stage=stage, dp_rank=dp_rank)
+               if a.precision == "fp32" and layout.zero_stage in (1, 2) else None)  # only these lists hold it
+    states = model_state_bytes(num_params=params, dp=layout.zero_size, zero_stage=layout.zero_stage,
+                               offload_optimizer=layout.offload_optimizer, persistent_params=persistent,
+                               overlap_params=overlap, assumptions=a)
     in_flight = micro_batches_in_flight(layout=layout, num_micro=num_micro_batches(layout=layout, training=training),
                                         stage=stage)
-    per_layer = activation_bytes_per_layer(
-        shape=shape, seq_length=training.seq_length, micro_batch_size=layout.micro_batch_size, tp=layout.tp,
-        sequence_parallel=layout.sp, recompute=layout.recompute, assumptions=a)
-    activations = int(per_layer * (shape.num_layers // layout.pp) * in_flight)
+    activations = int(stage_activation_bytes(shape=shape, layout=layout, training=training, assumptions=a) * in_flight)
+    if layout.recompute != "none":  # backward re-runs one layer (its attention core) and holds what it keeps again
+        kept = _layer_bytes(shape=shape, layout=layout, training=training, recompute=layout.recompute, assumptions=a)
+        activations += max(0, _layer_bytes(shape=shape, layout=layout, training=training, recompute="none",
+                                           assumptions=a) - kept)
     if stage == layout.pp - 1:
         activations += output_layer_activation_bytes(shape=shape, layout=layout, training=training, assumptions=a)
+    if stage == 0:
+        activations += int(embedding_activation_bytes(layout=layout, training=training) * in_flight)
+    activations += score_buffer_bytes(shape=shape, layout=layout, training=training, assumptions=a)
     buffers = _buffer_bytes(shape=shape, layout=layout, params=params, assumptions=a)
     subtotal = sum(states.values()) + activations + buffers
     overhead = int(a.framework_overhead_gb * 1e9 + a.fragmentation_fraction * subtotal)
     return StageMemory(stage=stage, activations=activations, buffers=buffers, overhead=overhead,
-                       params_per_gpu=params, micro_batches_in_flight=in_flight, **states)
+                       params_per_gpu=params, micro_batches_in_flight=in_flight,
+                       build_peak=build_peak_bytes(shape=shape, layout=layout, stage=stage, assumptions=a), **states)
 
 
-def output_layer_activation_bytes(*, shape, layout, training, assumptions) -> int:
-    """Last stage, one micro-batch (its backward follows its forward at once): final-norm and output-layer
-    inputs (2h each, split by SP) and the vocab-parallel logits, bf16 plus an fp32 copy for the loss."""
-    tokens = training.seq_length * layout.micro_batch_size
-    ab = assumptions.activation_bytes
-    inputs = 2 * tokens * shape.hidden_size * ab // (layout.tp if layout.sp else 1)
-    vocab_slice = padded_vocab_size(shape=shape, tp=layout.tp) // layout.tp
-    return inputs + tokens * vocab_slice * (ab + (4 if assumptions.logits_fp32 else 0))
+def _layer_bytes(*, shape, layout, training, recompute, assumptions) -> int:
+    return activation_bytes_per_layer(
+        shape=shape, seq_length=training.seq_length, micro_batch_size=layout.micro_batch_size, tp=layout.tp,
+        sequence_parallel=layout.sp, recompute=recompute, assumptions=assumptions, cp=layout.cp)
+
+
+def stage_activation_bytes(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape,
+                           assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> int:
+    """One micro-batch's stored activations of a whole stage's layers (the unit micro_batches_in_flight counts)."""
+    per_layer = _layer_bytes(shape=shape, layout=layout, training=training, recompute=layout.recompute,
+                             assumptions=assumptions)
+    rope = ROPE_FREQ_BYTES * training.seq_length // layout.cp * shape.kv_channels if layout.recompute == "full" else 0
+    return per_layer * (shape.num_layers // layout.pp) + rope
+
+
+def embedding_activation_bytes(*, layout: PlanLayout, training: TrainingShape) -> int:
+    """The vocab-parallel embedding (tp > 1) keeps its shifted token ids (int64) and their out-of-range mask."""
+    return 9 * training.seq_length // layout.cp * layout.micro_batch_size if layout.tp > 1 else 0
+
+
+def score_buffer_bytes(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape,
+                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> int:
+    """Local attention computes its scores into megatron's GlobalMemoryBuffer (`get_tensor(..., "mpu")` in
+    dot_product_attention.py): one [b·a, s, s] tensor per rank, allocated once and reused by every layer."""
+    if assumptions.attention != "local":
+        return 0
+    heads, _ = heads_per_rank(shape=shape, tp=layout.tp)
+    s = training.seq_length
+    return assumptions.activation_bytes * heads * (s // layout.cp) * s * layout.micro_batch_size
 
 
 def largest_gathered_params(*, shape: ModelShape, tp: int) -> int:
@@ -214,19 +271,41 @@ def largest_gathered_params(*, shape: ModelShape, tp: int) -> int:
     return max(layer_params_per_gpu(shape=shape, tp=tp), embedding)
 
 
-def _buffer_bytes(*, shape, layout, params, assumptions) -> int:
-    """Gradient reduce bucket; ZeRO-3 adds the prefetch bucket and the gathered largest unit with its
-    gradient (DeepSpeed's 4 x largest_layer_params)."""
+def build_peak_bytes(*, shape: ModelShape, layout: PlanLayout, stage: int,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> int:
+    """Device bytes while the chunks are built and loaded, before training allocates anything else.
+
+    ZeRO-3 (toolkit/train/zero3.py): zero.Init partitions each module's parameters as soon as that module (a
+    linear, a norm, the embedding) is built, and the checkpoint is written one gathered parameter at a time, so a
+    rank holds its partition and at most its largest parameter tensor whole (persistent parameters are gathered
+    for good only once training fetches them). Other stages build the whole weights."""
     a = assumptions
-    buffers = min(a.reduce_bucket_elements, params) * a.grad_bytes
-    if layout.zero_stage >= 3:
+    tensors = stage_tensors(shape=shape, layout=layout, stage=stage)
+    params = sum(numel * count for _, numel, count in tensors)
+    held = params if layout.zero_stage < 3 else -(-params // layout.zero_size) + max(numel for _, numel, _ in tensors)
+    return held * a.param_bytes + int(a.framework_overhead_gb * 1e9)
+
+
+def _buffer_bytes(*, shape, layout, params, assumptions) -> int:
+    """Communication buffers of the step (reported apart from the model states; not in the 5 % live check).
+
+    DeepSpeedZeroOptimizer (fp32 ZeRO-1/2, 16-bit ZeRO-2) allocates whole reduce buckets of reduce_bucket_size
+    elements in the weights' dtype, two with overlap_comm (`setup_buckets`, stage_1_and_2.py). ZeRO-3 keeps one fp32
+    bucket, the gathered largest unit with its gradient and the prefetch bucket (DeepSpeed's 4 x largest_layer).
+    ZeRO-0 and BF16_Optimizer all-reduce through a flat fp32 copy of up to 5e8 elements (the engine's
+    MEMORY_OPT_ALLREDUCE_SIZE, `buffered_allreduce_fallback`)."""
+    a, stage = assumptions, layout.zero_stage
+    if stage == 3:
         largest = largest_gathered_params(shape=shape, tp=layout.tp)
-        buffers += largest * (a.param_bytes + a.grad_bytes)
-        buffers += min(a.zero3_prefetch_elements, params) * a.param_bytes
-    return buffers
+        return (a.reduce_bucket_elements * 4 + largest * (a.param_bytes + a.grad_bytes)
+                + min(a.zero3_prefetch_elements, params) * a.param_bytes)
+    if stage == 2 or (stage == 1 and a.precision == "fp32"):
+        overlap = a.overlap_comm and layout.pp == 1  # the engine turns overlap_comm off at pp > 1 (engine_config)
+        return (2 if overlap else 1) * a.reduce_bucket_elements * a.param_bytes
+    return min(500_000_000, params) * 4
 
 
-def _require_computable(*, shape: ModelShape, layout: Layout) -> None:
+def _require_computable(*, shape: ModelShape, layout: PlanLayout) -> None:
     """The few rules without which the arithmetic is meaningless; `layout_violations` checks the rest."""
     if min(layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch_size) < 1:
         raise DsmtError(f"tp, pp, dp, vpp and micro_batch_size must be >= 1, got {layout.label()}")
@@ -243,13 +322,15 @@ def require_fit(memory: MemoryBreakdown) -> None:
     if memory.fits:
         return
     parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in memory.by_category().items())
+    build = (f"; building the model needs {memory.build_peak_bytes / 1e9:.1f} GB"
+             if memory.build_peak_bytes > memory.total_bytes else "")
     raise DsmtError(
         f"the layout needs {memory.total_bytes / 1e9:.1f} GB per GPU on pipeline stage {memory.worst.stage} "
-        f"({parts} GB) but the GPU has {memory.capacity_bytes / 1e9:.1f} GB; raise tp or pp, use ZeRO-1 or "
+        f"({parts} GB){build} but the GPU has {memory.capacity_bytes / 1e9:.1f} GB; raise tp or pp, use ZeRO-1 or "
         "higher, recompute activations, lower micro_batch_size, or run `dsmt plan` for layouts that fit")
 
 
-def estimate_memory(*, shape: ModelShape, layout: Layout, training: TrainingShape, gpu: GpuSpec,
+def estimate_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, gpu: GpuSpec,
                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS, all_stages: bool = False) -> MemoryBreakdown:
     """Memory per GPU for `layout`; the worst pipeline stage decides.
 

@@ -7,9 +7,9 @@ import tempfile
 from pathlib import Path
 
 from toolkit.errors import DsmtError
-from toolkit.plan.layout import Cluster, Layout, TrainingShape
+from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import CATEGORIES
-from toolkit.plan.search import Candidate, Plan, evaluate, layout_violations
+from toolkit.plan.search import Candidate, Plan, evaluate, layout_violations, simplicity_reason
 from toolkit.shapes import BUILTIN_SHAPES, ModelShape
 
 GB = 1e9
@@ -25,14 +25,36 @@ def candidate_dict(candidate: Candidate) -> dict:
     lay, mem, t = candidate.layout, candidate.memory, candidate.time
     return {
         "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "zero_stage": lay.zero_stage,
-        "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute, "sequence_parallel": lay.sp,
+        "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute, "cp": lay.cp, "sequence_parallel": lay.sp,
         "offload_optimizer": lay.offload_optimizer,
         "memory_gb": round(mem.total_bytes / GB, 3),
         "memory_breakdown_gb": {k: round(v / GB, 3) for k, v in mem.by_category().items()},
         "worst_stage": mem.worst.stage, "fits": mem.fits,
         "step_time_s": round(t.step_time_s, 4), "tokens_per_s": round(t.tokens_per_s, 1), "mfu": round(t.mfu, 4),
         "bubble_fraction": round(t.bubble_fraction, 4),
+        "step_breakdown_s": {k: round(getattr(t, f), 4) for k, f in STEP_PARTS.items()},
+        "dp_hidden_s": round(t.dp_hidden_s, 4),
     }
+
+
+# The terms that add up to a step (timing.StepTime), in the order --explain prints them.
+STEP_PARTS = {"compute": "compute_s", "memory_bound": "elementwise_s", "tp_comm": "tp_comm_s", "cp_ring": "cp_comm_s",
+              "pp_p2p": "pp_comm_s", "bubble": "bubble_s", "dp_comm_exposed": "dp_comm_s", "optimizer": "optimizer_s"}
+
+
+def choice_note(result: Plan) -> str:
+    """How the top choice was made: the fastest prediction, or a simpler layout predicted within the time model's
+    uncertainty of a faster one (both named, with the margin)."""
+    best, fastest, u = result.best, result.fastest, result.assumptions.time_uncertainty
+    if best is None:
+        return ""
+    if not result.preferred_for_simplicity:
+        return f"choice: #1 is the fastest prediction and the simplest layout within its {u:.0%} uncertainty"
+    margin = best.time.step_time_s / fastest.time.step_time_s - 1
+    reason = simplicity_reason(simpler=best.layout, other=fastest.layout, cluster=result.cluster)
+    return (f"choice: {best.layout.label()} is preferred for simplicity ({reason}) over the fastest prediction, "
+            f"{fastest.layout.label()}: that one is predicted {margin:.1%} faster, within the time model's {u:.0%} "
+            "uncertainty (--time-uncertainty 0 ranks by predicted time alone)")
 
 
 def plan_dict(result: Plan, *, top: int) -> dict:
@@ -44,15 +66,19 @@ def plan_dict(result: Plan, *, top: int) -> dict:
         "training": {"seq_length": result.training.seq_length,
                      "global_batch_size": result.training.global_batch_size},
         "evaluated": result.evaluated,
+        "choice": {"preferred_for_simplicity": result.preferred_for_simplicity,
+                   "time_uncertainty": result.assumptions.time_uncertainty,
+                   "fastest": result.fastest.layout.label() if result.fastest else None, "note": choice_note(result)},
         "layouts": [candidate_dict(x) for x in result.fitting[:top]],
         "rejected": [dict(candidate_dict(x), reason=rejection_reason(x)) for x in result.rejected],
     }
 
 
-def _layout_cells(lay: Layout) -> str:
+def _layout_cells(lay: PlanLayout) -> str:
     rec = {"none": "-", "selective": "sel", "full": "full"}[lay.recompute]
     off = "+off" if lay.offload_optimizer else ""
-    return f"{lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>5} {lay.zero_stage:>3}{off:<4} {lay.micro_batch_size:>3} {rec:>5}"
+    return (f"{lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>5} {lay.zero_stage:>3}{off:<4} "
+            f"{lay.micro_batch_size:>3} {rec:>5}")
 
 
 def format_table(result: Plan, *, top: int) -> str:
@@ -64,7 +90,7 @@ def format_table(result: Plan, *, top: int) -> str:
         f"{c.gpu.peak_bf16_tflops:.0f} TF bf16); seq {tr.seq_length}, global batch {tr.global_batch_size}; "
         f"{result.evaluated} layouts evaluated, {len(result.fitting)} fit",
         "",
-        f"{'#':>3}  {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'zero':<7} {'mbs':>3} {'recmp':>5} | "
+        f"{'#':>3}  {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'zero':<7} {'mbs':>3} {'recmp':>5} | "
         f"{'mem GB':>6} = {' + '.join(SHORT[k] for k in CATEGORIES)} | {'step s':>7} {'tok/s':>9} {'MFU':>5} "
         f"{'bubble':>6}",
     ]
@@ -75,6 +101,8 @@ def format_table(result: Plan, *, top: int) -> str:
                      f"{t.step_time_s:7.2f} {t.tokens_per_s:9.0f} {t.mfu:5.1%} {t.bubble_fraction:6.1%}")
     if not result.fitting:
         lines.append("    no layout fits; see the rejected ones below")
+    else:
+        lines += ["", choice_note(result)]
     if result.rejected:
         header = ("best rejected (faster than the winner, but do not fit):" if result.fitting else
                   "closest to fitting (none fits: add GPUs, shorten the sequence, or try --allow-offload):")
@@ -91,11 +119,11 @@ def rejection_reason(candidate: Candidate) -> str:
             f"(over by {_gb(over)} GB; largest: {worst[0]} {_gb(worst[1])} GB)")
 
 
-def parse_layout(text: str, *, cluster: Cluster) -> Layout:
+def parse_layout(text: str, *, cluster: Cluster) -> PlanLayout:
     """`"tp=8 pp=4 zero=1 mbs=1"` (also vpp, dp, recompute, sp=on|off, offload=on|off); dp defaults to the rest."""
     aliases = {"zero": "zero_stage", "zero_stage": "zero_stage", "mbs": "micro_batch_size",
                "micro_batch_size": "micro_batch_size", "tp": "tp", "pp": "pp", "vpp": "vpp", "dp": "dp",
-               "recompute": "recompute", "sp": "sequence_parallel", "offload": "offload_optimizer"}
+               "recompute": "recompute", "sp": "sp", "cp": "cp", "offload": "offload_optimizer"}
     values: dict = {}
     for item in text.replace(",", " ").split():
         key, sep, raw = item.partition("=")
@@ -105,18 +133,19 @@ def parse_layout(text: str, *, cluster: Cluster) -> Layout:
         field = aliases[key]
         if field == "recompute":
             values[field] = raw
-        elif field in ("sequence_parallel", "offload_optimizer"):
+        elif field in ("sp", "offload_optimizer"):
             values[field] = raw.lower() in ("1", "on", "true", "yes")
         elif not raw.isdigit() or int(raw) < 1 and field != "zero_stage":
             raise DsmtError(f"{key}={raw!r} in --explain must be a positive integer")
         else:
             values[field] = int(raw)
-    tp, pp = values.setdefault("tp", 1), values.setdefault("pp", 1)
-    values.setdefault("dp", max(1, cluster.world_size // (tp * pp)))
-    return Layout(**values)
+    tp, pp, cp = values.setdefault("tp", 1), values.setdefault("pp", 1), values.setdefault("cp", 1)
+    values.setdefault("dp", max(1, cluster.world_size // (tp * pp * cp)))
+    values.setdefault("sp", tp > 1)  # the planner proposes sequence parallelism whenever tp > 1
+    return PlanLayout(**values)
 
 
-def explain(*, shape: ModelShape, layout: Layout, training: TrainingShape, cluster: Cluster, result: Plan) -> str:
+def explain(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, cluster: Cluster, result: Plan) -> str:
     lines = [f"layout {layout.label()} for {shape.name} on {cluster.nodes} x {cluster.gpus_per_node} "
              f"{cluster.gpu.name}:"]
     problems = layout_violations(shape=shape, layout=layout, training=training, cluster=cluster)
@@ -131,34 +160,52 @@ def explain(*, shape: ModelShape, layout: Layout, training: TrainingShape, clust
         lines.append(f"    stage {stage.stage}: {_gb(stage.total_bytes)} GB = {cats}  "
                      f"[{stage.params_per_gpu / 1e9:.2f} B params/GPU, {stage.micro_batches_in_flight:g} "
                      f"micro-batches in flight]")
-    t = x.time
-    lines += [
-        f"  step time {t.step_time_s:.3f} s = compute {t.compute_s:.3f} + TP comm {t.tp_comm_s:.3f} + PP p2p "
-        f"{t.pp_comm_s:.3f} + bubble {t.bubble_s:.3f} + exposed DP comm {t.dp_comm_s:.3f} + optimizer "
-        f"{t.optimizer_s:.3f}",
-        f"  {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, bubble (p-1)/(v*m) = {t.bubble_fraction:.1%}, "
-        f"{t.flops_per_step / 1e15:.1f} PFLOP per step",
-    ]
-    if result.best is not None:
-        faster = sum(1 for c in result.fitting if c.time.step_time_s < t.step_time_s)
-        rel = t.step_time_s / result.best.time.step_time_s - 1
-        lines.append(f"  rank {faster + 1} of {len(result.fitting)} fitting layouts; the best "
-                     f"({result.best.layout.label()}) is {rel:.1%} faster" if rel > 0 else
-                     "  this is the fastest fitting layout")
+    lines += _time_lines(x.time) + _rank_lines(x, result)
     return "\n".join(lines)
 
 
-def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, training: TrainingShape) -> dict:
-    """The job spec `dsmt generate` reads, with exactly the agreed keys."""
+def _time_lines(t) -> list[str]:
+    parts = " + ".join(f"{name.replace('_', ' ')} {getattr(t, field):.3f}" for name, field in STEP_PARTS.items())
+    return [
+        f"  step time {t.step_time_s:.3f} s = {parts}",
+        f"  data-parallel traffic hidden behind backward: {t.dp_hidden_s:.3f} s (only ZeRO-2/3 at pp = 1 hide any)",
+        f"  {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, bubble (p-1)/(v*m) = {t.bubble_fraction:.1%}, "
+        f"{t.flops_per_step / 1e15:.1f} PFLOP per step",
+    ]
+
+
+def _rank_lines(x: Candidate, result: Plan) -> list[str]:
+    """Where the explained layout stands in the planner's order, and how the top choice was made."""
+    best = result.best
+    if best is None:
+        return ["  no layout fits, so there is no choice to compare with"]
+    if x.layout == best.layout:
+        lines = ["  this is the planner's choice (#1)"]
+    else:
+        rank = next((i for i, c in enumerate(result.fitting, 1) if c.layout == x.layout), None)
+        where = f"rank {rank} of {len(result.fitting)} fitting layouts" if rank else "not among the fitting layouts"
+        mine, chosen = x.time.step_time_s, best.time.step_time_s
+        compared = (f"predicted {mine / chosen - 1:.1%} slower than the choice" if mine >= chosen else
+                    f"the choice is predicted {chosen / mine - 1:.1%} slower than this")
+        lines = [f"  {where}; {compared} ({best.layout.label()})"]
+    if result.preferred_for_simplicity:
+        lines.append("  " + choice_note(result))
+    return lines
+
+
+def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, training: TrainingShape,
+              attention: str = "fused") -> dict:
+    """The job spec `dsmt generate` reads, with exactly the agreed keys (the attention kind the plan assumed)."""
     lay = candidate.layout
     model = {"builtin": model_ref} if model_ref in BUILTIN_SHAPES else {"path": model_ref}
     return {
         "model": model,
         "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name},
-        "parallel": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "sequence_parallel": lay.sp,
+        "parallel": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "sequence_parallel": lay.sp,
                      "zero_stage": lay.zero_stage, "offload_optimizer": lay.offload_optimizer},
         "training": {"global_batch_size": training.global_batch_size, "micro_batch_size": lay.micro_batch_size,
-                     "seq_length": training.seq_length, "precision": "bf16", "recompute": lay.recompute},
+                     "seq_length": training.seq_length, "precision": "bf16", "recompute": lay.recompute,
+                     "attention": attention},
     }
 
 

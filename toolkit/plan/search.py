@@ -7,22 +7,28 @@ batch identity DeepSpeed asserts, and dsmt's refusal of ZeRO-2/3 under pipeline 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from toolkit.errors import DsmtError
-from toolkit.parallel import divisors
+from toolkit.layout import divisors
+from toolkit.layout_rules import ModelFacts, RunFacts, layout_errors, tp_spans_nodes, valid_tp_sizes
 from toolkit.plan.assumptions import Assumptions
-from toolkit.plan.layout import RECOMPUTE_CHOICES, Cluster, Layout, TrainingShape
-from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, MemoryBreakdown, estimate_memory
+from toolkit.plan.layout import RECOMPUTE_CHOICES, Cluster, PlanLayout, TrainingShape
+from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, VOCAB_DIVISIBLE_BY, MemoryBreakdown, estimate_memory
 from toolkit.plan.timing import StepTime, estimate_step_time
 from toolkit.shapes import ModelShape
 
 MAX_MICRO_BATCH_SIZE = 16
 MAX_VPP = 8
+# Context parallelism splits a sequence over cp ranks; with fewer tokens per rank its ring exchange is no longer
+# hidden behind the attention compute. megatron-core recommends CP for sequences of 8k and more, and NVIDIA's
+# published recipes use cp = 2 at 8k (Llama 3 8B / 70B) and none at 4k (Llama 2 70B): at least 4k tokens per rank.
+MIN_TOKENS_PER_CP_RANK = 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    layout: Layout
+    layout: PlanLayout
     memory: MemoryBreakdown
     time: StepTime
 
@@ -37,53 +43,81 @@ class Plan:
     cluster: Cluster
     training: TrainingShape
     assumptions: Assumptions
-    fitting: list[Candidate]       # fastest first
-    rejected: list[Candidate]      # faster than the best but too big; if none fits, the smallest ones
+    fitting: list[Candidate]       # the recommendation order: ties with the fastest simplest first, then by time
+    rejected: list[Candidate]      # faster than the fastest fitting but too big; if none fits, the smallest ones
     evaluated: int
+    fastest: Candidate | None = None   # the fitting layout with the shortest predicted step
 
     @property
     def best(self) -> Candidate | None:
         return self.fitting[0] if self.fitting else None
 
+    @property
+    def preferred_for_simplicity(self) -> bool:
+        """True when the choice is not the fastest prediction but a simpler layout within the uncertainty."""
+        return self.best is not None and self.fastest is not None and self.best is not self.fastest
 
-def _valid_values(values, pred) -> str:
-    return ", ".join(str(v) for v in values if pred(v)) or "none"
+
+# The order of simplicity, most important first: a layout within the time model's uncertainty of the fastest is
+# preferred when it is simpler by the first of these that differs (fewer moving parts, less to go wrong).
+SIMPLICITY_ORDER = (
+    "TP group inside one node",                 # TP across nodes runs its per-layer collectives over InfiniBand
+    "fewer pipeline stages",                    # bubble, p2p, stage balance, PP-only failure modes
+    "fewer virtual pipeline stages",            # interleaving multiplies p2p traffic and needs m % pp == 0
+    "lower ZeRO stage",                         # ZeRO-2/3 add per-micro-batch traffic and partitioned state
+    "less recompute (none, selective, full)",   # recompute spends compute to save memory
+    "no optimizer offload",                     # CPU Adam and PCIe transfers
+)
 
 
-def layout_violations(*, shape: ModelShape, layout: Layout, training: TrainingShape, cluster: Cluster) -> list[str]:
-    """Every rule `layout` breaks, each with the values and a fix; empty when valid."""
-    problems = []
-    world = cluster.world_size
-    if layout.world_size != world:
-        problems.append(f"tp({layout.tp}) * pp({layout.pp}) * dp({layout.dp}) = {layout.world_size} != "
-                        f"world size {world} (nodes x gpus_per_node); set dp = {world // (layout.tp * layout.pp) or 1}")
-    for what, count in (("num_attention_heads", shape.num_attention_heads), ("num_kv_heads", shape.num_kv_heads),
-                        ("ffn_hidden_size", shape.ffn_hidden_size)):
-        if count % layout.tp:
-            valid = _valid_values(divisors(min(count, world)), lambda t: count % t == 0 and world % t == 0)
-            problems.append(f"tp={layout.tp} does not divide {what}={count}; valid tp: {valid}")
-    chunks = layout.pp * layout.vpp
-    if shape.num_layers % chunks:
-        problems.append(f"pp({layout.pp}) * vpp({layout.vpp}) = {chunks} does not divide num_layers="
-                        f"{shape.num_layers}; valid pp*vpp: {_valid_values(divisors(shape.num_layers), bool)}")
-    if layout.vpp > 1 and layout.pp < 2:
-        problems.append(f"vpp={layout.vpp} needs pp >= 2 (interleaving splits a pipeline stage); set vpp=1")
-    per_step = layout.micro_batch_size * layout.dp
-    if training.global_batch_size % per_step:
-        valid = _valid_values(range(1, MAX_MICRO_BATCH_SIZE + 1),
-                              lambda b: training.global_batch_size % (b * layout.dp) == 0)
-        problems.append(f"global_batch_size={training.global_batch_size} is not divisible by micro_batch_size("
-                        f"{layout.micro_batch_size}) * dp({layout.dp}); valid micro_batch_size: {valid}")
-    elif layout.vpp > 1 and (training.global_batch_size // per_step) % layout.pp:
-        problems.append(f"the interleaved schedule needs the micro-batch count "
-                        f"({training.global_batch_size // per_step}) divisible by pp={layout.pp}; change "
-                        "global_batch_size or micro_batch_size, or set vpp=1")
+def simplicity_key(*, layout: PlanLayout, cluster: Cluster) -> tuple:
+    """Sort key following SIMPLICITY_ORDER (smaller is simpler)."""
+    return (tp_spans_nodes(tp=layout.tp, gpus_per_node=cluster.gpus_per_node), layout.pp, layout.vpp,
+            layout.zero_stage,
+            RECOMPUTE_CHOICES.index(layout.recompute), layout.offload_optimizer)
+
+
+def simplicity_reason(*, simpler: PlanLayout, other: PlanLayout, cluster: Cluster) -> str:
+    """The first entry of SIMPLICITY_ORDER in which `simpler` beats `other`."""
+    ours, theirs = simplicity_key(layout=simpler, cluster=cluster), simplicity_key(layout=other, cluster=cluster)
+    for reason, mine, its in zip(SIMPLICITY_ORDER, ours, theirs):
+        if mine != its:
+            return reason
+    return "equally simple"
+
+
+def rank_candidates(*, fitting: list[Candidate], cluster: Cluster, uncertainty: float) -> list[Candidate]:
+    """Candidates predicted within `uncertainty` of the fastest are ties the model cannot separate: they come
+    first, simplest first (SIMPLICITY_ORDER, then time); the rest follow by predicted time."""
+    if not fitting:
+        return []
+    by_time = sorted(fitting, key=lambda c: c.time.step_time_s)
+    limit = by_time[0].time.step_time_s * (1.0 + uncertainty)
+    ties = [c for c in by_time if c.time.step_time_s <= limit]
+    ties.sort(key=lambda c: (simplicity_key(layout=c.layout, cluster=cluster), c.time.step_time_s))
+    return ties + [c for c in by_time if c.time.step_time_s > limit]
+
+
+def plan_run_facts(*, layout: PlanLayout, training: TrainingShape, cluster: Cluster,
+                   assumptions: Assumptions) -> RunFacts:
+    return RunFacts(world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
+                    global_batch_size=training.global_batch_size, micro_batch_size=layout.micro_batch_size,
+                    seq_length=training.seq_length, zero_stage=layout.zero_stage, device="cuda",
+                    attention=attention_kind(assumptions))
+
+
+def attention_kind(assumptions: Assumptions) -> str:
+    return assumptions.attention
+
+
+def layout_violations(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, cluster: Cluster,
+                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> list[str]:
+    """Every rule `layout` breaks (the one rule set, toolkit/layout_rules.py), each with the values and a fix."""
+    model = ModelFacts.from_shape(shape, vocab_multiple=VOCAB_DIVISIBLE_BY)
+    run = plan_run_facts(layout=layout, training=training, cluster=cluster, assumptions=assumptions)
+    problems = [f"[{p.rule}] {p.message}; fix: {p.fix}" for p in layout_errors(layout=layout, model=model, run=run)]
     if layout.zero_stage not in (0, 1, 2, 3):
         problems.append(f"zero_stage={layout.zero_stage} is not one of 0, 1, 2, 3")
-    elif layout.zero_stage >= 2 and layout.pp > 1:
-        problems.append(f"ZeRO-{layout.zero_stage} with pp={layout.pp} is refused: pipeline parallelism runs many "
-                        "micro-batches and ZeRO-2/3 adds data-parallel communication on each one (DeepSpeed "
-                        "#1629); use zero_stage=1")
     if layout.offload_optimizer and layout.zero_stage < 1:
         problems.append("offload_optimizer needs zero_stage >= 1 (ZeRO-Offload partitions the optimizer)")
     if layout.recompute not in RECOMPUTE_CHOICES:
@@ -91,50 +125,59 @@ def layout_violations(*, shape: ModelShape, layout: Layout, training: TrainingSh
     return problems
 
 
-def evaluate(*, shape: ModelShape, layout: Layout, training: TrainingShape, cluster: Cluster,
+def evaluate(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, cluster: Cluster,
              assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> Candidate:
     memory = estimate_memory(shape=shape, layout=layout, training=training, gpu=cluster.gpu, assumptions=assumptions)
     time = estimate_step_time(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=assumptions)
     return Candidate(layout=layout, memory=memory, time=time)
 
 
+def _topologies(*, model: ModelFacts, training: TrainingShape, cluster: Cluster, attention: str, max_vpp: int):
+    """(tp, cp, pp, vpp) to search: TP inside a node only (the planner never proposes a TP group across nodes),
+    CP only with fused attention and at least MIN_TOKENS_PER_CP_RANK tokens per rank."""
+    world, per_node = cluster.world_size, cluster.gpus_per_node
+    for tp in valid_tp_sizes(model=model, limit=per_node):
+        if tp_spans_nodes(tp=tp, gpus_per_node=per_node):
+            continue
+        for cp in divisors(world // tp):
+            if cp > 1 and (attention != "fused" or training.seq_length // cp < MIN_TOKENS_PER_CP_RANK):
+                continue
+            for pp in divisors(world // (tp * cp)):
+                vpps = [v for v in range(1, max_vpp + 1) if v == 1 or (pp > 1 and model.num_layers % (pp * v) == 0)]
+                for vpp in vpps:
+                    yield tp, cp, pp, vpp
+
+
 def enumerate_layouts(*, shape: ModelShape, training: TrainingShape, cluster: Cluster,
                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS, allow_offload: bool = False,
                       max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE, max_vpp: int = MAX_VPP):
-    """Yield every valid layout; invalid combinations are pruned by the same rules as layout_violations."""
-    world = cluster.world_size
-    recomputes = [r for r in RECOMPUTE_CHOICES if not (r == "selective" and assumptions.flash_attention)]
-    for tp in divisors(world):
-        if shape.num_attention_heads % tp or shape.num_kv_heads % tp or shape.ffn_hidden_size % tp:
-            continue
-        for pp in divisors(world // tp):
-            if shape.num_layers % pp:
+    """Yield every layout the rules accept (toolkit/layout_rules.py: the same as `dsmt check` and `dsmt train`),
+    without TP groups across nodes. Sequence parallelism is on whenever tp > 1 (megatron-core's recommendation:
+    the same communication volume as TP alone, less activation memory)."""
+    model = ModelFacts.from_shape(shape, vocab_multiple=VOCAB_DIVISIBLE_BY)
+    attention = attention_kind(assumptions)
+    # Selective recompute drops only the attention core, which fused attention does not store.
+    recomputes = [r for r in RECOMPUTE_CHOICES if not (r == "selective" and attention == "fused")]
+    for tp, cp, pp, vpp in _topologies(model=model, training=training, cluster=cluster, attention=attention,
+                                       max_vpp=max_vpp):
+        dp = cluster.world_size // (tp * cp * pp)
+        # Plans are bf16: DeepSpeed keeps fp32 master weights and accumulates gradients in fp32 only under ZeRO
+        # (stage 1 is the BF16 optimizer; with nothing to partition it costs what ZeRO-0 would).
+        zeros = [1] if dp * cp == 1 else [1, 2, 3]
+        for mbs, zero in itertools.product(range(1, max_micro_batch_size + 1), zeros):
+            layout = PlanLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, sp=tp > 1, zero_stage=zero, micro_batch_size=mbs)
+            run = plan_run_facts(layout=layout, training=training, cluster=cluster, assumptions=assumptions)
+            if layout_errors(layout=layout, model=model, run=run):
                 continue
-            dp = world // (tp * pp)
-            if training.global_batch_size % dp:
-                continue
-            vpps = [1] + [v for v in range(2, max_vpp + 1) if pp > 1 and shape.num_layers % (pp * v) == 0]
-            # Plans are bf16: DeepSpeed keeps fp32 master weights and accumulates gradients in fp32 only under ZeRO
-            # (stage 1 is the BF16 optimizer; at dp = 1 it partitions nothing and costs what ZeRO-0 would).
-            zeros = [1] if dp == 1 or pp > 1 else [1, 2, 3]
-            for mbs in range(1, max_micro_batch_size + 1):
-                if training.global_batch_size % (mbs * dp):
-                    continue
-                num_micro = training.global_batch_size // (mbs * dp)
-                for vpp in vpps:
-                    if vpp > 1 and num_micro % pp:
-                        continue
-                    for zero in zeros:
-                        for offload in ([False, True] if allow_offload and zero >= 1 else [False]):
-                            for recompute in recomputes:
-                                yield Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, zero_stage=zero, micro_batch_size=mbs,
-                                             recompute=recompute, offload_optimizer=offload)
+            for offload, recompute in itertools.product([False, True] if allow_offload else [False], recomputes):
+                yield dataclasses.replace(layout, recompute=recompute, offload_optimizer=offload)
 
 
 def plan(*, shape: ModelShape, training: TrainingShape, cluster: Cluster,
          assumptions: Assumptions = DEFAULT_ASSUMPTIONS, allow_offload: bool = False, keep_rejected: int = 5,
          max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE) -> Plan:
-    """Evaluate every valid layout; ranked by predicted step time among those that fit."""
+    """Evaluate every valid layout; among those that fit, the simplest within the time model's uncertainty of the
+    fastest comes first (rank_candidates), the rest by predicted step time."""
     if training.global_batch_size < 1 or training.seq_length < 1:
         raise DsmtError(f"global batch ({training.global_batch_size}) and sequence length "
                         f"({training.seq_length}) must be positive")
@@ -152,11 +195,12 @@ def plan(*, shape: ModelShape, training: TrainingShape, cluster: Cluster,
             f"({shape.num_kv_heads}) and pp dividing num_layers ({shape.num_layers}); data-parallel sizes this "
             f"batch allows: {', '.join(map(str, dps)) or 'none'}. Choose a global batch that is a multiple of "
             f"{cluster.world_size}, or change the cluster size")
-    fitting.sort(key=lambda c: c.time.step_time_s)
+    fastest = min(fitting, key=lambda c: c.time.step_time_s) if fitting else None
     rejected.sort(key=lambda c: c.time.step_time_s)
-    if fitting:  # what would win with more memory
-        shown = [c for c in rejected if c.time.step_time_s < fitting[0].time.step_time_s]
+    if fastest is not None:  # what would win with more memory
+        shown = [c for c in rejected if c.time.step_time_s < fastest.time.step_time_s]
     else:  # nothing fits: the layouts closest to fitting
         shown = sorted(rejected, key=lambda c: c.memory.total_bytes)
-    return Plan(shape=shape, cluster=cluster, training=training, assumptions=assumptions, fitting=fitting,
-                rejected=shown[:keep_rejected], evaluated=evaluated)
+    ranked = rank_candidates(fitting=fitting, cluster=cluster, uncertainty=assumptions.time_uncertainty)
+    return Plan(shape=shape, cluster=cluster, training=training, assumptions=assumptions, fitting=ranked,
+                rejected=shown[:keep_rejected], evaluated=evaluated, fastest=fastest)

@@ -1,4 +1,4 @@
-"""Predicted step time of a layout: compute, tensor/pipeline/data-parallel communication, bubble, optimizer.
+"""Predicted step time of a layout: compute, tensor/context/pipeline/data-parallel communication, bubble, optimizer.
 
 Sources
   * FLOPs: Narayanan et al. 2021 (Megatron-LM at scale), section 5.1: with full recompute
@@ -8,17 +8,25 @@ Sources
   * Pipeline bubble (p-1)/(v·m) (same paper, section 2.2); TP traffic 8·b·s·h·(t-1)/t elements per layer per
     micro-batch (4 all-reduces; 6 with full recompute).
   * Collectives: ring bounds from nccl-tests PERFORMANCE.md, all-reduce 2(n-1)/n·S/B, reduce-scatter and
-    all-gather (n-1)/n·S/B.
-  * Data parallel per DeepSpeed: ZeRO-0/1 reduce once per step; ZeRO-2 reduce-scatters the gradients of every
-    micro-batch; ZeRO-3 also all-gathers the parameters for each forward and backward.
+    all-gather (n-1)/n·S/B. Ranks are megatron-core's order (tp fastest, then cp, dp, pp), one NIC per GPU.
+  * Context parallelism (megatron-core through Transformer Engine): each rank holds s/cp tokens; per layer the
+    ring passes K and V chunks cp-1 times forward and about twice that backward (K, V again and dK, dV), beside
+    the attention compute. Gradients reduce over the dp x cp ranks holding equal weights.
+  * Data parallel as dsmt's engine runs DeepSpeed (toolkit/train/engine.py, DeepSpeed 0.19 engine.py):
+    at pp > 1 the engine sets overlap_comm false and reduces after the pipeline schedule; at ZeRO-0 DeepSpeed's
+    allreduce_gradients reduces after the last backward; bf16 ZeRO-1 with fp32 accumulation (dsmt's default) is
+    DeepSpeed's BF16_Optimizer, which all-reduces at the accumulation boundary and all-gathers the updated bf16
+    weights after the step. Only ZeRO-2 (reduce-scatter in the backward hooks of every micro-batch) and ZeRO-3
+    (also parameter all-gathers, prefetched) at pp = 1 run beside compute: `dp_overlap` of that traffic hides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from toolkit.plan.assumptions import Assumptions
-from toolkit.plan.layout import Cluster, Layout, TrainingShape, num_micro_batches
+from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, padded_vocab_size, stage_params_per_gpu
 from toolkit.shapes import ModelShape
 
@@ -27,10 +35,13 @@ from toolkit.shapes import ModelShape
 class StepTime:
     step_time_s: float
     compute_s: float          # matmul time of the slowest stage over the step, bubble excluded
+    elementwise_s: float      # memory-bound kernels (norms, activations, softmax) of that stage over the step
     tp_comm_s: float          # exposed tensor-parallel collectives over the step
+    cp_comm_s: float          # exposed context-parallel ring exchange over the step
     pp_comm_s: float          # pipeline point-to-point over the step
     bubble_s: float           # pipeline fill and drain
     dp_comm_s: float          # exposed data-parallel collectives
+    dp_hidden_s: float        # data-parallel collectives hidden behind backward (ZeRO-2/3 hooks at pp = 1)
     optimizer_s: float
     bubble_fraction: float    # (p-1)/(v·m), the paper's bubble time over ideal time
     flops_per_step: float     # hardware FLOPs, recompute included
@@ -38,9 +49,15 @@ class StepTime:
     tokens_per_s: float
     mfu: float
 
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: the MFU with the recomputed forward counted as work."""
+        return self.mfu * self.flops_per_step / self.model_flops_per_step
+
 
 def layer_forward_flops(*, shape: ModelShape, tokens: int, seq_length: int) -> tuple[float, float]:
-    """(matmul FLOPs, attention-core FLOPs) of one layer's forward over `tokens` tokens."""
+    """(matmul FLOPs, attention-core FLOPs) of one layer's forward over `tokens` tokens, each query attending to
+    `seq_length` keys (counted in full, as Narayanan's formula does)."""
     matmul_params = shape.params_per_layer() - 2 * shape.hidden_size
     core = 4.0 * tokens * seq_length * shape.num_attention_heads * shape.kv_channels  # QK^T and AV
     return 2.0 * tokens * matmul_params, core
@@ -65,87 +82,183 @@ def ring_time_s(*, kind: str, message_bytes: float, group_size: int, bandwidth_g
     return factor * message_bytes / bandwidth + assumptions.collective_latency_s
 
 
-def _link_gbps(*, span_gpus: int, cluster: Cluster) -> float:
-    """A group whose ranks span `span_gpus` consecutive GPUs stays on NVLink only inside one node."""
-    return cluster.gpu.nvlink_gbps if span_gpus <= cluster.gpus_per_node else cluster.gpu.ib_gbps
+def group_bandwidth_gbps(*, stride: int, size: int, cluster: Cluster) -> float:
+    """Per-GPU bus bandwidth of a ring over `size` ranks placed `stride` ranks apart.
+
+    Inside one node it is NVLink. Across nodes each GPU has its own NIC (rail-optimised DGX / HGX nodes,
+    hardware.py): the k ranks of the group that share a node send over k NICs at once (NCCL stripes its rings
+    over them), so the ring gets k x NIC bandwidth, at most NVLink."""
+    per_node = cluster.gpus_per_node
+    if stride * size <= per_node:
+        return cluster.gpu.nvlink_gbps
+    ranks_per_node = max(1, min(size, per_node // stride))
+    return min(cluster.gpu.nvlink_gbps, ranks_per_node * cluster.gpu.ib_gbps)
 
 
-def estimate_step_time(*, shape: ModelShape, layout: Layout, training: TrainingShape, cluster: Cluster,
+def estimate_step_time(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, cluster: Cluster,
                        assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> StepTime:
-    """Predicted time of one optimizer step. Rank order is megatron's: tp fastest, then dp, then pp."""
+    """Predicted time of one optimizer step on the slowest pipeline stage."""
     a, gpu = assumptions, cluster.gpu
     m, p, v, t = num_micro_batches(layout=layout, training=training), layout.pp, layout.vpp, layout.tp
     s = training.seq_length
-    compute_mb_s, tp_mb_s, pp_mb_s = _per_micro_batch_s(shape=shape, layout=layout, training=training,
-                                                        cluster=cluster, assumptions=a)
-    per_mb_s = compute_mb_s + tp_mb_s + pp_mb_s
+    mb = _per_micro_batch_s(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=a)
+    per_mb_s = mb.compute_s + mb.elementwise_s + mb.tp_s + mb.cp_s + mb.pp_s
     bubble_s = (p - 1) / v * per_mb_s
-    dp_s = _dp_comm_s(shape=shape, layout=layout, cluster=cluster, num_micro=m, assumptions=a)
+    dp_total_s, dp_hidden_s = _dp_comm_s(shape=shape, layout=layout, cluster=cluster, num_micro=m,
+                                         compute_s=m * (mb.compute_s + mb.elementwise_s), assumptions=a)
     optimizer_s = _optimizer_s(shape=shape, layout=layout, cluster=cluster, assumptions=a)
-    step_s = m * per_mb_s + bubble_s + dp_s * (1.0 - a.dp_overlap) + optimizer_s
+    dp_exposed_s = dp_total_s - dp_hidden_s
+    step_s = m * per_mb_s + bubble_s + dp_exposed_s + optimizer_s
     global_tokens = training.global_batch_size * s
     model_flops = training_flops(shape=shape, tokens=global_tokens, seq_length=s, recompute="none", tp=t)
     hw_flops = training_flops(shape=shape, tokens=global_tokens, seq_length=s, recompute=layout.recompute, tp=t)
     return StepTime(
-        step_time_s=step_s, compute_s=m * compute_mb_s, tp_comm_s=m * tp_mb_s, pp_comm_s=m * pp_mb_s,
-        bubble_s=bubble_s, dp_comm_s=dp_s * (1.0 - a.dp_overlap), optimizer_s=optimizer_s,
-        bubble_fraction=(p - 1) / (v * m), flops_per_step=hw_flops, model_flops_per_step=model_flops,
-        tokens_per_s=global_tokens / step_s,
+        step_time_s=step_s, compute_s=m * mb.compute_s, elementwise_s=m * mb.elementwise_s,
+        tp_comm_s=m * mb.tp_s, cp_comm_s=m * mb.cp_s,
+        pp_comm_s=m * mb.pp_s, bubble_s=bubble_s, dp_comm_s=dp_exposed_s, dp_hidden_s=dp_hidden_s,
+        optimizer_s=optimizer_s, bubble_fraction=(p - 1) / (v * m), flops_per_step=hw_flops,
+        model_flops_per_step=model_flops, tokens_per_s=global_tokens / step_s,
         mfu=model_flops / (step_s * cluster.world_size * gpu.peak_bf16_tflops * 1e12),
     )
 
 
-def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions) -> tuple[float, float, float]:
-    """(compute, exposed TP comm, PP p2p) of one micro-batch through the slowest stage (the last: its layers
-    plus the logits)."""
-    a, t, p, v = assumptions, layout.tp, layout.pp, layout.vpp
-    s, tokens = training.seq_length, training.seq_length * layout.micro_batch_size
-    ab = a.activation_bytes
+@dataclasses.dataclass(frozen=True)
+class _MicroBatch:
+    compute_s: float
+    elementwise_s: float
+    tp_s: float
+    cp_s: float
+    pp_s: float
+
+
+def _stage_layers(*, shape: ModelShape, layout: PlanLayout) -> int:
+    """Layers on the slowest stage: megatron splits evenly; a published uneven split holds at most the ceiling."""
+    return math.ceil(shape.num_layers / layout.pp)
+
+
+def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions) -> _MicroBatch:
+    """One micro-batch through the slowest stage (the last: its layers plus the logits) on one rank."""
+    a, t, cp = assumptions, layout.tp, layout.cp
+    s = training.seq_length
+    tokens = s * layout.micro_batch_size // cp          # this rank's share of the micro-batch
+    layers = _stage_layers(shape=shape, layout=layout)
     matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=s)
     passes = 4.0 if layout.recompute == "full" else 3.0
     layer_flops = (matmul + core) * passes + (core if layout.recompute == "selective" else 0.0)
     vocab = padded_vocab_size(shape=shape, tp=t)
-    stage_flops = (layer_flops * (shape.num_layers // p) + 6.0 * tokens * vocab * shape.hidden_size) / t
-    compute_s = stage_flops / (cluster.gpu.peak_bf16_tflops * 1e12 * a.efficiency)
-    # Tensor parallel: 4 all-reduces (or reduce-scatter + all-gather pairs under SP) per layer per micro-batch.
+    stage_flops = (layer_flops * layers + 6.0 * tokens * vocab * shape.hidden_size) / t
+    flops_per_s = cluster.gpu.peak_bf16_tflops * 1e12 * a.efficiency
+    elementwise_s = layers * elementwise_bytes(shape=shape, layout=layout, tokens=tokens, seq_length=s,
+                                                assumptions=a) / (cluster.gpu.hbm_gbps * 1e9)
+    # Tensor parallel: 4 all-reduces (or reduce-scatter + all-gather pairs under SP, the same volume) per layer.
     tp_calls = 6 if layout.recompute == "full" else 4
-    tp_one = ring_time_s(kind="all_reduce", message_bytes=tokens * shape.hidden_size * ab, group_size=t,
-                         bandwidth_gbps=_link_gbps(span_gpus=t, cluster=cluster), assumptions=a)
-    tp_s = tp_one * tp_calls * (shape.num_layers // p) * (1.0 - a.tp_overlap)
-    # Pipeline: each of the v chunks sends activations forward and gradients backward per micro-batch.
-    pp_s = 0.0
-    if p > 1:
-        p2p_bytes = tokens * shape.hidden_size * ab / (t if layout.sp else 1)
-        link = _link_gbps(span_gpus=t * layout.dp * 2, cluster=cluster)
-        pp_s = 2 * v * (p2p_bytes / (link * 1e9 * a.link_efficiency) + a.collective_latency_s)
-    return compute_s, tp_s, pp_s
+    tp_one = ring_time_s(kind="all_reduce", message_bytes=tokens * shape.hidden_size * a.activation_bytes,
+                         group_size=t, bandwidth_gbps=group_bandwidth_gbps(stride=1, size=t, cluster=cluster),
+                         assumptions=a)
+    tp_s = tp_one * tp_calls * layers * (1.0 - a.tp_overlap)
+    cp_s = _cp_exposed_s(shape=shape, layout=layout, tokens=tokens, layers=layers,
+                         attention_s=core * passes * layers / t / flops_per_s, cluster=cluster, assumptions=a)
+    return _MicroBatch(compute_s=stage_flops / flops_per_s, elementwise_s=elementwise_s, tp_s=tp_s, cp_s=cp_s,
+                       pp_s=_pp_p2p_s(shape=shape, layout=layout, tokens=tokens, cluster=cluster, assumptions=a))
 
 
-def _dp_comm_s(*, shape, layout, cluster, num_micro, assumptions) -> float:
-    """Data-parallel collectives of the heaviest stage over one step (before overlap)."""
-    dp = layout.dp
-    if dp <= 1:
+def elementwise_bytes(*, shape: ModelShape, layout: PlanLayout, tokens: int, seq_length: int,
+                      assumptions: Assumptions) -> float:
+    """HBM bytes one rank's memory-bound kernels move in one layer for `tokens` tokens (forward, backward and any
+    recomputed forward), counted in bf16 elements per token of the forward:
+      hidden width h (split by SP): two norms (read h, write h), two residual adds (read 2h, write h), with
+        dropout two dropouts (read h, write h and a 1-byte mask)              -> 10h, +5h with dropout
+      FFN width f (split by TP): activation read f write f (GeLU), SwiGLU reads 2f  -> 2f or 3f
+      attention scores a·s (split by TP), only without fused attention: softmax read and write, with dropout
+        also its mask and output                                             -> 2as, +2.5as with dropout
+    """
+    a, h, t = assumptions, shape.hidden_size, layout.tp
+    hidden = (10 + (5 if a.dropout else 0)) * h / (t if layout.sp else 1)
+    ffn = (3 if shape.gated_mlp else 2) * shape.ffn_hidden_size / t
+    scores = 0.0
+    if _materialised_scores(a):
+        scores = (2 + (2.5 if a.dropout else 0)) * shape.num_attention_heads * seq_length / t
+    forward = (hidden + ffn + scores) * tokens * a.activation_bytes
+    recomputed = {"full": forward, "selective": scores * tokens * a.activation_bytes}.get(layout.recompute, 0.0)
+    return forward * (1 + a.elementwise_backward_factor) + recomputed
+
+
+def _materialised_scores(assumptions: Assumptions) -> bool:
+    """True for unfused ("local") attention, which writes the s x s scores to memory (flash / fused does not)."""
+    return assumptions.attention == "local"
+
+
+def _cp_exposed_s(*, shape, layout, tokens, layers, attention_s, cluster, assumptions) -> float:
+    """Ring attention: cp-1 K/V chunk exchanges per layer forward, ~2x that backward, `cp_overlap` of it hidden
+    behind the attention compute of the stage (never more than that compute)."""
+    cp, a = layout.cp, assumptions
+    if cp <= 1:
         return 0.0
+    kv_heads = max(shape.num_kv_heads // layout.tp, 1)  # a replicated KV head when tp > num_kv_heads
+    kv_chunk_bytes = 2 * tokens * kv_heads * shape.kv_channels * a.activation_bytes
+    # point-to-point to the ring neighbour: NVLink inside a node, else the GPU's own NIC (no striping over others)
+    inside = layout.tp * cp <= cluster.gpus_per_node
+    link = cluster.gpu.nvlink_gbps if inside else cluster.gpu.ib_gbps
+    per_exchange = kv_chunk_bytes / (link * 1e9 * a.link_efficiency) + a.collective_latency_s
+    total = 3 * (cp - 1) * per_exchange * layers
+    return total - a.cp_overlap * min(total, attention_s)
+
+
+def _pp_p2p_s(*, shape, layout, tokens, cluster, assumptions) -> float:
+    """Each of the v chunks sends activations forward and gradients backward per micro-batch. Some stage
+    boundary crosses nodes unless the whole job sits in one node."""
+    if layout.pp <= 1:
+        return 0.0
+    a = assumptions
+    p2p_bytes = tokens * shape.hidden_size * a.activation_bytes / (layout.tp if layout.sp else 1)
+    link = cluster.gpu.nvlink_gbps if cluster.world_size <= cluster.gpus_per_node else cluster.gpu.ib_gbps
+    return 2 * layout.vpp * (p2p_bytes / (link * 1e9 * a.link_efficiency) + a.collective_latency_s)
+
+
+def dp_overlap_share(*, layout: PlanLayout, assumptions: Assumptions) -> float:
+    """Share of the hookable data-parallel traffic hidden behind compute, as dsmt's engine runs DeepSpeed: none at
+    pp > 1 (overlap_comm off, reduction after the schedule) or at ZeRO-0/1 (reduced at the accumulation
+    boundary); `dp_overlap` for ZeRO-2/3 at pp = 1 (module docstring)."""
+    if layout.pp > 1 or layout.zero_stage <= 1:
+        return 0.0
+    return assumptions.dp_overlap
+
+
+def _dp_comm_s(*, shape, layout, cluster, num_micro, compute_s, assumptions) -> tuple[float, float]:
+    """(all data-parallel collectives of the heaviest stage over one step, the part hidden behind compute:
+    reduce-scatters behind the backward passes (2/3 of the compute), ZeRO-3's gathers also behind forward)."""
+    ranks = layout.dp * layout.cp   # megatron's dp-cp group: CP ranks hold the same weights
+    if ranks <= 1:
+        return 0.0, 0.0
+    a = assumptions
     params = max(stage_params_per_gpu(shape=shape, layout=layout, stage=i) for i in {0, layout.pp - 1})
-    grad_bytes = params * assumptions.grad_bytes
-    link = _link_gbps(span_gpus=layout.tp * dp, cluster=cluster)
+    link = group_bandwidth_gbps(stride=layout.tp, size=ranks, cluster=cluster)
 
-    def ring(kind, count):
-        return count * ring_time_s(kind=kind, message_bytes=grad_bytes, group_size=dp, bandwidth_gbps=link,
-                                   assumptions=assumptions)
+    def ring(kind, count, bytes_per_param):
+        return count * ring_time_s(kind=kind, message_bytes=params * bytes_per_param, group_size=ranks,
+                                   bandwidth_gbps=link, assumptions=a)
 
-    if layout.zero_stage <= 1:
-        return ring("all_reduce", 1)   # ZeRO-1: reduce-scatter + all-gather, the same volume
+    grads, weights = a.dp_grad_comm_bytes, a.param_bytes
+    if layout.zero_stage == 0:
+        return ring("all_reduce", 1, grads), 0.0
+    if layout.zero_stage == 1:   # BF16_Optimizer: reduce at the boundary, gather the updated weights
+        return ring("all_reduce", 1, grads) + ring("all_gather", 1, weights), 0.0
     if layout.zero_stage == 2:
-        return ring("reduce_scatter", num_micro) + ring("all_gather", 1)
-    return ring("reduce_scatter", num_micro) + ring("all_gather", 2 * num_micro)
+        hookable = ring("reduce_scatter", num_micro, grads)
+        after_step = ring("all_gather", 1, weights)
+        compute_s *= 2 / 3
+    else:   # forward and backward gather every micro-batch, prefetched; nothing to gather after the step
+        hookable = ring("reduce_scatter", num_micro, grads) + ring("all_gather", 2 * num_micro, weights)
+        after_step = 0.0
+    hidden = dp_overlap_share(layout=layout, assumptions=a) * min(hookable, compute_s)
+    return hookable + after_step, hidden
 
 
 def _optimizer_s(*, shape, layout, cluster, assumptions) -> float:
     """Adam is memory bound on the GPU; with offload it runs on the CPU behind PCIe transfers."""
     a = assumptions
     params = max(stage_params_per_gpu(shape=shape, layout=layout, stage=i) for i in {0, layout.pp - 1})
-    shard = params / (layout.dp if layout.zero_stage >= 1 else 1)
+    shard = params / (layout.dp * layout.cp if layout.zero_stage >= 1 else 1)
     if layout.offload_optimizer:
         pcie_bytes = shard * (a.master_grad_bytes + a.param_bytes)
         return shard / a.cpu_adam_params_per_s + pcie_bytes / (a.pcie_gbps * 1e9)

@@ -6,14 +6,15 @@ offload, ...) are decided by the schema itself; these need the model shape or mo
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Callable
 
 from toolkit.errors import DsmtError
 from toolkit.generate.deepspeed_config import grad_accum_dtype
 from toolkit.shapes import ModelShape, ModelShapeError
-from toolkit.spec.layout import derive_layout, divisors, padded_vocab_size, requested_global_batch, world_size_of
+from toolkit.layout_rules import ModelFacts, RunFacts, layout_problems, resolve_attention, run_problems
+from toolkit.spec.layout import (derive_layout, padded_vocab_size, parallel_layout, requested_global_batch,
+                                 world_size_of)
 from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
 from toolkit.spec.report import Problem, Report, SpecError
 from toolkit.spec.schema import JobSpec
@@ -21,77 +22,25 @@ from toolkit.spec.schema import JobSpec
 Check = Callable[..., list[Problem]]
 
 
-def _listing(values) -> str:
-    return ", ".join(str(v) for v in values) or "none"
+def spec_run_facts(spec: JobSpec) -> RunFacts:
+    world, parallel = world_size_of(spec), parallel_layout(spec)
+    return RunFacts(world_size=world, gpus_per_node=spec.cluster.gpus_per_node,
+                    global_batch_size=requested_global_batch(spec, dp=parallel.dp),
+                    micro_batch_size=spec.training.micro_batch_size, seq_length=spec.training.seq_length,
+                    zero_stage=spec.parallel.zero_stage, device=spec.cluster.device,
+                    attention=resolve_attention(attention=spec.training.attention, device=spec.cluster.device))
 
 
-def _tp_candidates(spec: JobSpec) -> list[int]:
-    """TP sizes the cluster can host with the spec's pp (divisors of world / pp)."""
-    world, pp = world_size_of(spec), spec.parallel.pp
-    return divisors(world // pp if world % pp == 0 else world)
-
-
-def check_world_size(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    world, tp, pp = world_size_of(spec), spec.parallel.tp, spec.parallel.pp
-    if world % (tp * pp) == 0:
-        return []
-    valid_tp = [d for d in divisors(world) if (world // d) % pp == 0]
-    return [Problem(
-        "error", "world_size",
-        f"world_size={world} (nodes={spec.cluster.nodes} × gpus_per_node={spec.cluster.gpus_per_node}) is not "
-        f"divisible by tp×pp={tp}×{pp}={tp * pp}; dp would not be whole",
-        f"valid tp with pp={pp}: {_listing(valid_tp)}",
-    )]
-
-
-def check_heads_vs_tp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    tp, heads = spec.parallel.tp, shape.num_attention_heads
-    if heads % tp == 0:
-        return []
-    return [Problem("error", "heads_vs_tp", f"tp={tp} does not divide num_attention_heads={heads}",
-                    f"valid tp: {_listing(t for t in _tp_candidates(spec) if heads % t == 0)}")]
-
-
-def check_kv_heads_vs_tp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    """KV heads are either split (kv % tp == 0) or replicated (tp % kv == 0); anything else cannot be laid out."""
-    tp, kv = spec.parallel.tp, shape.num_kv_heads
-    if kv % tp == 0 or tp % kv == 0:
-        return []
-    valid = [t for t in _tp_candidates(spec) if shape.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0)]
-    return [Problem("error", "kv_heads_vs_tp",
-                    f"tp={tp} neither divides nor is a multiple of num_kv_heads={kv}",
-                    f"valid tp: {_listing(valid)}")]
-
-
-def check_ffn_vs_tp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    tp, ffn = spec.parallel.tp, shape.ffn_hidden_size
-    if ffn % tp == 0:
-        return []
-    valid = [t for t in _tp_candidates(spec) if ffn % t == 0]
-    return [Problem("error", "ffn_vs_tp", f"tp={tp} does not divide ffn_hidden_size={ffn}", f"valid tp: {_listing(valid)}")]
-
-
-def check_layers_vs_pp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    pp, vpp, layers = spec.parallel.pp, spec.parallel.vpp or 1, shape.num_layers
-    if layers % (pp * vpp) == 0:
-        return []
-    valid_pp = [p for p in divisors(layers) if layers % (p * vpp) == 0 and p <= world_size_of(spec)]
-    valid_vpp = [v for v in divisors(layers // pp)] if layers % pp == 0 else []
-    fix = f"valid pp with vpp={vpp}: {_listing(valid_pp)}"
-    if valid_vpp:
-        fix += f"; valid vpp with pp={pp}: {_listing(valid_vpp)}"
-    return [Problem("error", "layers_vs_pp",
-                    f"num_layers={layers} is not divisible by pp×vpp={pp}×{vpp}={pp * vpp} (equal stages)", fix)]
+def check_layout(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """The one layout rule set (toolkit/layout_rules.py), as plan, train and verify apply it."""
+    model = ModelFacts.from_shape(shape, vocab_multiple=spec.model.make_vocab_size_divisible_by)
+    return layout_problems(layout=parallel_layout(spec), model=model, run=spec_run_facts(spec))
 
 
 def check_vocab_padding(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    multiple, tp = spec.model.make_vocab_size_divisible_by, spec.parallel.tp
+    """How the vocabulary is padded (whether tp divides it is a layout rule)."""
+    multiple = spec.model.make_vocab_size_divisible_by
     padded = padded_vocab_size(vocab_size=shape.vocab_size, divisible_by=multiple)
-    if padded % tp:
-        return [Problem("error", "vocab_padding",
-                        f"the padded vocabulary {padded} (vocab_size={shape.vocab_size} rounded up to a multiple of "
-                        f"make_vocab_size_divisible_by={multiple}) is not divisible by tp={tp}",
-                        f"set model.make_vocab_size_divisible_by to a multiple of {tp} (e.g. {multiple * tp})")]
     if padded == shape.vocab_size:
         return []
     return [Problem("info", "vocab_padding",
@@ -100,68 +49,11 @@ def check_vocab_padding(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
                     f"the {padded - shape.vocab_size} extra rows are dropped on export")]
 
 
-def check_batch_divisibility(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    world, tp, pp = world_size_of(spec), spec.parallel.tp, spec.parallel.pp
-    if world % (tp * pp):
-        return []  # reported by check_world_size
-    dp, micro = world // (tp * pp), spec.training.micro_batch_size
-    global_batch = requested_global_batch(spec, dp=dp)
-    unit = micro * dp
-    if global_batch % unit == 0:
-        return []
-    below, above = global_batch // unit * unit, (global_batch // unit + 1) * unit
-    valid_micro = [m for m in divisors(global_batch // dp)] if global_batch % dp == 0 else []
-    fix = f"nearest valid global_batch_size: {_listing(v for v in (below, above) if v)}"
-    if valid_micro:
-        fix += f"; or micro_batch_size in: {_listing(valid_micro)}"
-    return [Problem("error", "batch_divisibility",
-                    f"global_batch_size={global_batch} is not divisible by micro_batch_size×dp={micro}×{dp}={unit} "
-                    f"(DeepSpeed requires train_batch_size = micro × grad_accum × dp)", fix)]
-
-
-def check_zero_with_pp(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    if spec.parallel.zero_stage < 2 or spec.parallel.pp == 1:
-        return []
-    return [Problem("error", "zero_with_pp",
-                    f"zero_stage={spec.parallel.zero_stage} with pp={spec.parallel.pp} is unsupported: pipeline "
-                    "parallelism runs many micro-batches and ZeRO-2/3 adds data-parallel traffic to each one",
-                    "use zero_stage=1 (or 0) with pp > 1, or pp=1 with ZeRO-2/3")]
-
-
-def check_vpp_microbatches(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    """Megatron-core's interleaved schedule runs micro-batches in groups of pp (microbatch_group_size_per_vp_stage
-    defaults to pp, and dsmt leaves it there); a remainder group smaller than pp raises at the first step."""
-    world, tp, pp, vpp = world_size_of(spec), spec.parallel.tp, spec.parallel.pp, spec.parallel.vpp or 1
-    if vpp == 1 or world % (tp * pp):
-        return []
-    dp, micro = world // (tp * pp), spec.training.micro_batch_size
-    num_microbatches = requested_global_batch(spec, dp=dp) // (micro * dp)
-    if num_microbatches and num_microbatches % pp == 0:
-        return []
-    unit = pp * micro * dp
-    return [Problem("error", "vpp_microbatches",
-                    f"interleaved pipeline (vpp={vpp}) needs num_microbatches to be a multiple of pp={pp}; got "
-                    f"{num_microbatches} (global_batch_size / (micro_batch_size×dp={micro}×{dp}))",
-                    f"use a global_batch_size that is a multiple of pp×micro×dp={unit}, or set vpp=null")]
-
-
-def check_tp_within_node(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    if spec.parallel.tp <= spec.cluster.gpus_per_node:
-        return []
-    return [Problem("warning", "tp_crosses_nodes",
-                    f"tp={spec.parallel.tp} > gpus_per_node={spec.cluster.gpus_per_node}: tensor-parallel all-reduces "
-                    "cross the inter-node network on every layer", f"keep tp <= {spec.cluster.gpus_per_node}; use pp across nodes")]
-
-
 def check_precision_on_device(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     problems = []
     if spec.cluster.device == "cpu" and spec.training.precision == "fp16":
         problems.append(Problem("error", "fp16_on_cpu", "precision=fp16 with device=cpu: DeepSpeed refuses fp16 on CPU",
                                 "use precision fp32 or bf16"))
-    if spec.cluster.device == "cpu" and spec.parallel.sequence_parallel:
-        problems.append(Problem("error", "sequence_parallel_on_cpu",
-                                "sequence_parallel with device=cpu: megatron's torch-norm fallback refuses it",
-                                "set parallel.sequence_parallel=false"))
     return problems
 
 
@@ -246,23 +138,30 @@ def check_builtin_tokenizer(*, spec: JobSpec, shape: ModelShape) -> list[Problem
 
 
 def _planner_inputs(spec: JobSpec):
-    """The spec as the planner's (Layout, TrainingShape, GpuSpec, Assumptions); raises DsmtError if not whole."""
+    """The spec as the planner's (PlanLayout, TrainingShape, GpuSpec, Assumptions); raises DsmtError if not whole.
+    The assumptions carry the spec's precision (which DeepSpeed buffers exist), attention kernel and buffer sizes.
+    A CPU spec has no GPU preset (gpu: cpu): its GpuSpec is None, the per-rank figures are still those of a GPU."""
+    from toolkit.layout_rules import resolve_attention
     from toolkit.plan.assumptions import Assumptions
     from toolkit.plan.hardware import get_gpu
-    from toolkit.plan.layout import Layout as PlanLayout, TrainingShape
+    from toolkit.plan.layout import PlanLayout, TrainingShape
 
     layout, parallel, comm = derive_layout(spec), spec.parallel, spec.communication
-    plan_layout = PlanLayout(
-        tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp, zero_stage=parallel.zero_stage,
-        micro_batch_size=layout.micro_batch_size, recompute=spec.training.recompute,
-        sequence_parallel=parallel.sequence_parallel, offload_optimizer=parallel.offload_optimizer)
+    plan_layout = PlanLayout(**layout.parallel_fields(), zero_stage=parallel.zero_stage,
+                             micro_batch_size=layout.micro_batch_size, recompute=spec.training.recompute,
+                             offload_optimizer=parallel.offload_optimizer)
     training = TrainingShape(seq_length=layout.seq_length, global_batch_size=layout.global_batch_size)
-    assumptions = Assumptions(reduce_bucket_elements=comm.reduce_bucket_elements,
-                              zero3_prefetch_elements=comm.prefetch_bucket_elements)
-    if spec.training.precision == "fp32":  # fp32 weights, grads, activations; Adam needs no separate master copy
-        assumptions = dataclasses.replace(assumptions, param_bytes=4, grad_bytes=4, master_grad_bytes=0,
-                                          optimizer_bytes_per_param=8, activation_bytes=4)
-    return plan_layout, training, get_gpu(spec.cluster.gpu), assumptions
+    device = spec.cluster.device
+    attention = resolve_attention(attention=spec.training.attention, device=device)
+    assumptions = Assumptions.for_precision(
+        spec.training.precision, reduce_bucket_elements=comm.reduce_bucket_elements,
+        overlap_comm=comm.overlap_comm and parallel.pp == 1,  # what the engine runs (engine_config)
+        zero3_prefetch_elements=comm.prefetch_bucket_elements,
+        zero3_persistence_threshold=comm.param_persistence_threshold_elements,
+        # the layers follow the attention kind (adapters/build.py layer_spec): fused = Transformer Engine's
+        attention=attention, layer_spec="te" if attention == "fused" else "local")
+    gpu = None if device == "cpu" else get_gpu(spec.cluster.gpu)
+    return plan_layout, training, gpu, assumptions
 
 
 def _memory_fixes(spec: JobSpec, *, global_batch_size: int) -> str:
@@ -305,9 +204,7 @@ def check_memory_fit(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
 
 
 CHECKS: tuple[Check, ...] = (
-    check_world_size, check_heads_vs_tp, check_kv_heads_vs_tp, check_ffn_vs_tp, check_layers_vs_pp,
-    check_vocab_padding, check_batch_divisibility, check_zero_with_pp, check_vpp_microbatches,
-    check_tp_within_node, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node, check_lengths_and_intervals,
+    check_layout, check_vocab_padding, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node, check_lengths_and_intervals,
     check_data, check_builtin_tokenizer, check_memory_fit,
 )
 
@@ -332,11 +229,13 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
         return None
     problems = [Problem("info", "plain_model", f"model_type {model_type}: not a transformer LM shape; it trains with "
                                                "DeepSpeed ZeRO data parallelism only (tp=1, pp=1)")]
-    if spec.parallel.tp > 1 or spec.parallel.pp > 1:
+    parallel = spec.parallel
+    if parallel.tp > 1 or parallel.pp > 1 or parallel.cp > 1 or parallel.sequence_parallel:
         problems.append(Problem("error", "plain_model_layout",
-                                f"tp={spec.parallel.tp}, pp={spec.parallel.pp}: model_type {model_type} has no "
-                                "megatron-core adapter", "set parallel.tp=1 and parallel.pp=1"))
-    problems += check_batch_divisibility(spec=spec, shape=None)
+                                f"tp={parallel.tp}, pp={parallel.pp}, cp={parallel.cp}, sequence_parallel="
+                                f"{parallel.sequence_parallel}: model_type {model_type} has no megatron-core adapter",
+                                "set parallel.tp: 1, pp: 1, cp: 1 and sequence_parallel: false"))
+    problems += run_problems(layout=parallel_layout(spec), run=spec_run_facts(spec))
     problems += check_plain_model_data(spec=spec, model_type=model_type)
     return problems
 

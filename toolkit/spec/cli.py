@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from toolkit.spec.report import SpecError
+
 
 def register(subparsers) -> None:
     check = subparsers.add_parser("check", help="pre-flight checks of job specs: every problem at once, with fixes")
@@ -36,7 +38,7 @@ def run_check(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_json() for r in reports], indent=2))
     else:
         print("\n".join(r.to_text() for r in reports))
-    return 0 if all(r.ok for r in reports) else 1
+    return 0 if all(r.ok for r in reports) else SpecError.exit_code  # bad input: 2, as every dsmt refusal
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -47,7 +49,7 @@ def run_generate(args: argparse.Namespace) -> int:
     spec, report = check_file(args.spec, overrides=args.overrides)
     if spec is None or not report.ok:
         print(report.to_text(), file=sys.stderr)
-        return 1
+        return SpecError.exit_code
     spec = absolutize_paths(spec, base_dir=Path.cwd())  # the run directory's copy must not depend on the cwd
     written = write_run_dir(spec=spec, out_dir=args.out, overwrite=args.overwrite)
     print(f"dsmt generate: wrote {len(written)} files to {args.out}")

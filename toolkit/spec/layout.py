@@ -6,19 +6,16 @@ import dataclasses
 
 from toolkit import shapes
 from toolkit.errors import DsmtError
-from toolkit.parallel import divisors  # noqa: F401  (re-exported for the checks)
+from toolkit.layout import Layout, divisors  # noqa: F401  (divisors re-exported for the checks)
 from toolkit.spec.schema import JobSpec
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunLayout(Layout):
+    """The spec's parallel layout with the cluster and batch numbers it runs with."""
+
     nodes: int
     gpus_per_node: int
-    world_size: int
-    tp: int
-    pp: int
-    vpp: int  # 1: not interleaved
-    dp: int
     micro_batch_size: int  # sequences per rank per forward
     grad_accum_steps: int  # micro-batches per optimizer step per rank (megatron's num_microbatches)
     global_batch_size: int  # sequences per optimizer step
@@ -43,24 +40,30 @@ def requested_global_batch(spec: JobSpec, *, dp: int) -> int:
     return training.micro_batch_size * dp
 
 
-def derive_layout(spec: JobSpec) -> Layout:
+def parallel_layout(spec: JobSpec) -> Layout:
+    """The spec's parallel topology, dp taken from the world (rounded down when tp × cp × pp does not divide it:
+    the world_size rule in toolkit/layout_rules.py reports that)."""
+    parallel = spec.parallel
+    model_parallel = parallel.tp * parallel.cp * parallel.pp
+    return Layout(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp or 1, cp=parallel.cp, sp=parallel.sequence_parallel,
+                  dp=max(1, world_size_of(spec) // model_parallel))
+
+
+def derive_layout(spec: JobSpec) -> RunLayout:
     """The layout of a spec that passed its checks; raises DsmtError naming the factors otherwise."""
-    world = world_size_of(spec)
-    tp, pp = spec.parallel.tp, spec.parallel.pp
-    if world % (tp * pp):
-        raise DsmtError(f"world_size({world}) is not divisible by tp({tp}) * pp({pp}); run `dsmt check`")
-    dp = world // (tp * pp)
-    micro = spec.training.micro_batch_size
+    world, parallel = world_size_of(spec), parallel_layout(spec)
+    if parallel.world_size != world:
+        raise DsmtError(f"world_size({world}) is not divisible by tp({parallel.tp}) * cp({parallel.cp}) * "
+                        f"pp({parallel.pp}); run `dsmt check`")
+    micro, dp = spec.training.micro_batch_size, parallel.dp
     global_batch = requested_global_batch(spec, dp=dp)
     if global_batch % (micro * dp):
         raise DsmtError(
             f"global_batch_size({global_batch}) is not divisible by micro_batch_size({micro}) * dp({dp}); run `dsmt check`"
         )
-    return Layout(
-        nodes=spec.cluster.nodes, gpus_per_node=spec.cluster.gpus_per_node, world_size=world, tp=tp, pp=pp,
-        vpp=spec.parallel.vpp or 1, dp=dp, micro_batch_size=micro, grad_accum_steps=global_batch // (micro * dp),
-        global_batch_size=global_batch, seq_length=spec.training.seq_length,
-    )
+    return RunLayout(**parallel.parallel_fields(), nodes=spec.cluster.nodes, gpus_per_node=spec.cluster.gpus_per_node,
+                     micro_batch_size=micro, grad_accum_steps=global_batch // (micro * dp),
+                     global_batch_size=global_batch, seq_length=spec.training.seq_length)
 
 
 def padded_vocab_size(*, vocab_size: int, divisible_by: int) -> int:

@@ -16,6 +16,7 @@ class Problem:
     rule: str  # stable name, e.g. "heads_vs_tp"
     message: str  # the rule and the values seen
     fix: str = ""  # what to change; valid alternatives
+    valid: tuple = ()  # the valid values of the setting the rule is about (e.g. tp sizes), when it has a list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Report:
 class SpecError(DsmtError):
     """A spec that cannot be loaded or fails its checks; carries every problem found."""
 
-    exit_code = 1
+    exit_code = 2  # bad input, as every dsmt refusal
 
     def __init__(self, report: Report):
         self.report = report

@@ -31,7 +31,7 @@ SCHEMA_RULES = frozenset({
     "bad_path", "batch_both", "batch_tokens_vs_seq", "duplicate_host", "env_name",
     "env_value", "gpu_device_mismatch", "host_name", "hosts_count", "hosts_required",
     "job_name", "messages_vs_prompt", "min_lr_above_lr", "model_source", "network_interface",
-    "offload_optimizer_needs_zero", "offload_params_needs_zero3", "prompt_completion_pair", "sequence_parallel_needs_tp", "synthetic_with_path", "unknown_gpu", "vpp_needs_pp",
+    "offload_optimizer_needs_zero", "offload_params_needs_zero3", "prompt_completion_pair", "synthetic_with_path", "unknown_gpu",
     "warmup_vs_steps",
 })
 
@@ -153,19 +153,15 @@ class ParallelSpec(Section):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     vpp: int | None = Field(None, ge=1)  # virtual pipeline stages per rank (interleaved 1F1B); None: not interleaved
-    sequence_parallel: bool = False
+    cp: int = Field(1, ge=1)  # context parallel: the sequence split over cp ranks (needs fused attention, GPU)
+    sequence_parallel: bool = False  # with tp > 1: norm / dropout activations split over the TP ranks
     zero_stage: Literal[0, 1, 2, 3] = 1
     offload_optimizer: bool = False
     offload_params: bool = False
 
     @model_validator(mode="after")
     def _self_consistent(self):
-        if self.sequence_parallel and self.tp == 1:
-            raise PydanticCustomError(
-                "sequence_parallel_needs_tp", "sequence_parallel=true needs tp > 1 (tp=1); set tp>=2 or turn it off", {}
-            )
-        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
-            raise PydanticCustomError("vpp_needs_pp", "vpp={vpp} needs pp > 1 (pp=1); set pp>=2 or vpp=null", {"vpp": self.vpp})
+        # Rules between tp / pp / vpp / cp / sp belong to the layout: toolkit/layout_rules.py.
         if self.offload_params and self.zero_stage != 3:
             raise PydanticCustomError(
                 "offload_params_needs_zero3", "offload_params=true needs zero_stage=3 (zero_stage={stage})",
@@ -185,6 +181,9 @@ class TrainingSpec(Section):
     seq_length: int = Field(2048, ge=1)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     recompute: Literal["none", "selective", "full"] = "none"
+    # Attention kernel: fused (Transformer Engine / flash: no s x s scores stored; needed by cp > 1), local
+    # (megatron's unfused torch attention: stores the s x s scores), auto: fused on cuda, local on cpu.
+    attention: Literal["auto", "fused", "local"] = "auto"
     lr: float = Field(3e-4, gt=0)
     min_lr: float = Field(3e-5, ge=0)
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"

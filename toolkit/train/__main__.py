@@ -1,4 +1,5 @@
-"""`python -m toolkit.train --config job.yaml`: what torchrun, the deepspeed launcher and SLURM start per rank."""
+"""`python -m toolkit.train --config job.yaml [--run-dir DIR]`: what torchrun, the deepspeed launcher and SLURM start
+per rank (the generated scripts pass their run directory: toolkit/train/run_files.py)."""
 
 import sys
 

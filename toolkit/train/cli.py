@@ -1,8 +1,13 @@
 """`dsmt train SPEC` (or `--config SPEC`): checks the spec, then starts the spec's ranks on this machine (torchrun).
+`dsmt train --run-dir DIR` trains a `dsmt generate` directory as its scripts do: DIR/job.resolved.yaml is the spec
+and DIR/ds_config.json what DeepSpeed receives (edited tuning keys win, layout keys must agree with the spec:
+`toolkit/train/run_files.py`).
 `--dry-run` does every check `dsmt train` would do before launching (`toolkit/train/dryrun.py`) and writes nothing.
 On a cluster use the generated scripts (`dsmt generate`), which start `python -m toolkit.train` per rank."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from toolkit.errors import DsmtError
 
@@ -11,6 +16,10 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("train", help="train a job spec (ranks on this machine); --dry-run checks only")
     parser.add_argument("spec", nargs="?", metavar="JOB", help="job spec (YAML/JSON), as for `dsmt check JOB`")
     parser.add_argument("--config", help="job spec (YAML/JSON); the same as the positional JOB")
+    parser.add_argument("--run-dir", type=Path, metavar="DIR",
+                        help="a `dsmt generate` directory: its ds_config.json (edited tuning keys win) and "
+                             "megatron.json are checked against the spec and used; JOB defaults to "
+                             "DIR/job.resolved.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
     parser.add_argument("--dry-run", action="store_true",
                         help="check spec, model at this layout (meta device), DeepSpeed config, data and tokenizer; "
@@ -19,13 +28,16 @@ def register(subparsers) -> None:
 
 
 def spec_path(args) -> str:
+    from toolkit.train.run_files import spec_path_for
+
     if args.spec and args.config and args.spec != args.config:
         raise DsmtError(f"two job specs given: JOB={args.spec!r} and --config={args.config!r}; give one "
                         f"(`dsmt train JOB` or `dsmt train --config JOB`)")
     path = args.spec or args.config
-    if not path:
-        raise DsmtError("no job spec: use `dsmt train JOB.yaml` or `dsmt train --config JOB.yaml` (configs/ has examples)")
-    return path
+    if not path and args.run_dir is None:
+        raise DsmtError("no job spec: use `dsmt train JOB.yaml`, `dsmt train --config JOB.yaml` (configs/ has "
+                        "examples) or `dsmt train --run-dir DIR` (a `dsmt generate` directory)")
+    return spec_path_for(config=path, run_dir=args.run_dir, overrides=args.set)
 
 
 def run(args) -> int:
@@ -33,7 +45,7 @@ def run(args) -> int:
     if args.dry_run:
         from toolkit.train.dryrun import dry_run
 
-        report = dry_run(path, overrides=args.set)
+        report = dry_run(path, overrides=args.set, run_dir=args.run_dir)
         print(report.to_text())
         return 0 if report.ok else 2
     from toolkit.launch import launch_local_workers
@@ -43,6 +55,10 @@ def run(args) -> int:
     spec, report = check_file(path, overrides=args.set)
     if spec is None or not report.ok:  # before any process group starts
         raise DsmtError(f"job spec {path} does not pass `dsmt check`:\n{report.to_text()}")
+    if args.run_dir is not None:  # a contradiction stops here, once; rank 0 of the workers lists the overrides
+        from toolkit.train.run_files import compare_run_files
+
+        compare_run_files(run_dir=args.run_dir, spec=spec).require_agreement(spec_ref=path)
     from toolkit.train.run import require_weights
 
     require_weights(spec)
@@ -53,6 +69,7 @@ def run(args) -> int:
         raise DsmtError(f"cluster.nodes={spec.cluster.nodes}: `dsmt train` starts ranks on this machine only; "
                         f"run `dsmt generate {path} --out run/` and launch run/launch_deepspeed.sh or job.sbatch")
     overrides = [f"--set={item}" for item in args.set]
-    launch_local_workers(module="toolkit.train", args=["--config", str(path), *overrides],
+    run_dir = ["--run-dir", str(args.run_dir.expanduser().absolute())] if args.run_dir is not None else []
+    launch_local_workers(module="toolkit.train", args=["--config", str(path), *run_dir, *overrides],
                          nprocs=world_size_of(spec), timeout_s=24 * 3600)
     return 0

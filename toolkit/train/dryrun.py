@@ -5,7 +5,9 @@ One report (exit 0, or 2 listing every problem found, not just the first):
   * the model: its config translated by the adapters, the layout checked against it (`Layout.problems`), and the
     first and last pipeline stage of this layout built as megatron-core GPTModel chunks on the meta device (no
     memory, no initialisation), by a fake process group that puts this one process at that stage's rank;
-  * the DeepSpeed config, accepted by DeepSpeed's own parser at the layout's data-parallel size;
+  * the DeepSpeed config, accepted by DeepSpeed's own parser at the layout's data-parallel size; with `--run-dir`
+    the run directory's ds_config.json and megatron.json compared with the spec first (`toolkit/train/run_files.py`:
+    contradictions are errors, edited tuning keys are listed) and the file's config is the one parsed;
   * the data readable (`load_records`), and the tokenizer present and no larger than the model's vocabulary.
 """
 
@@ -19,10 +21,11 @@ from toolkit.errors import DsmtError
 from toolkit.spec.report import Problem, Report
 
 # `dsmt check` rules that already say the layout does not fit the model (the meta build is skipped after them).
-LAYOUT_RULES = frozenset({"world_size", "heads_vs_tp", "kv_heads_vs_tp", "ffn_vs_tp", "layers_vs_pp", "vocab_padding"})
+LAYOUT_RULES = frozenset({"world_size", "layout_sizes", "heads_vs_tp", "kv_heads_vs_tp", "ffn_vs_tp", "layers_vs_pp",
+                          "vocab_padding", "vpp_needs_pp", "sequence_parallel_needs_tp", "expert_parallel_not_built"})
 
 
-def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -> Report:
+def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None) -> Report:
     from toolkit.spec.checks import check_file
 
     spec, report = check_file(path, overrides=overrides)
@@ -34,7 +37,9 @@ def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) ->
     problems += model_found
     if settings is not None:
         problems += layout_and_build_problems(spec=spec, settings=settings, spec_errors=report.rules("error"))
-    problems += deepspeed_problems(spec=spec)
+    ds_config, files_found = run_files_problems(spec=spec, run_dir=run_dir, spec_ref=str(path))
+    problems += files_found
+    problems += deepspeed_problems(spec=spec, ds_config=ds_config)
     problems += data_problems(spec=spec)
     return Report(source=source, problems=tuple(problems))
 
@@ -44,10 +49,6 @@ def trainer_problems(*, spec) -> list[Problem]:
     import torch
 
     found = []
-    if spec.parallel.sequence_parallel:
-        found.append(Problem("error", "sequence_parallel_not_wired",
-                             f"parallel.sequence_parallel=true (tp={spec.parallel.tp}) is not wired into `dsmt train` "
-                             "yet", "set parallel.sequence_parallel: false; training.recompute saves activations"))
     if spec.cluster.nodes > 1:
         found.append(Problem("info", "launch", f"cluster.nodes={spec.cluster.nodes}: `dsmt train` starts ranks on this "
                              "machine only; `dsmt generate SPEC --out run/` writes the launch scripts (launch_deepspeed.sh, "
@@ -57,9 +58,28 @@ def trainer_problems(*, spec) -> list[Problem]:
                              f"cluster.device={spec.cluster.device} but this machine "
                              f"{'has' if torch.cuda.is_available() else 'has no'} CUDA: `dsmt train` here would refuse",
                              "run the training where the spec's device is; the dry run itself needs none"))
+    found += attention_problems(spec=spec)
     if Path(spec.training.output_dir).expanduser().exists():
         found.append(Problem("info", "resume", f"training.output_dir={spec.training.output_dir} exists: a run there "
                              "resumes from its latest complete checkpoint"))
+    return found
+
+
+def attention_problems(*, spec) -> list[Problem]:
+    """The attention kind the run's layers will use, and whether this machine could build them."""
+    import importlib.util
+
+    from toolkit.layout_rules import resolve_attention
+
+    attention = resolve_attention(attention=spec.training.attention, device=spec.cluster.device)
+    layers = ("Transformer Engine layers (fused attention, no s × s scores stored)" if attention == "fused" else
+              "megatron's local torch layers (unfused attention: the s × s scores are stored)")
+    found = [Problem("info", "attention", f"training.attention={spec.training.attention}: {layers}")]
+    if attention == "fused" and importlib.util.find_spec("transformer_engine") is None:
+        found.append(Problem("warning", "transformer_engine_here", "training.attention resolves to fused but "
+                             "transformer_engine is not importable on this machine: the ranks refuse to build without it",
+                             "install transformer-engine on the training nodes (this machine may only plan), or set "
+                             "training.attention: local" + (" and parallel.cp: 1" if spec.parallel.cp > 1 else "")))
     return found
 
 
@@ -107,35 +127,33 @@ def model_settings_of(*, spec):
 
 
 def layout_and_build_problems(*, spec, settings, spec_errors: set[str]) -> list[Problem]:
-    from toolkit.parallel import Layout
     from toolkit.train.run import params_dtype
 
     if spec_errors & LAYOUT_RULES:
         return [Problem("info", "model_build", "model build: skipped, the layout does not fit the model (above)")]
-    parallel = spec.parallel
-    world = spec.cluster.nodes * spec.cluster.gpus_per_node
-    if world % (parallel.tp * parallel.pp):
+    from toolkit.layout_rules import ModelFacts, layout_errors
+    from toolkit.spec.checks import spec_run_facts
+    from toolkit.spec.layout import parallel_layout
+
+    layout = parallel_layout(spec)
+    if layout.world_size != spec.cluster.nodes * spec.cluster.gpus_per_node:
         return []  # reported by dsmt check's world_size
-    layout = Layout(tp_size=parallel.tp, pp_size=parallel.pp, vpp_size=parallel.vpp or 1,
-                    dp_size=world // (parallel.tp * parallel.pp))
-    fields = settings.transformer_fields
-    layout_found = layout.problems(num_attention_heads=fields["num_attention_heads"],
-                                   num_query_groups=fields["num_query_groups"], num_layers=settings.num_layers,
-                                   padded_vocab_size=settings.padded_vocab_size)
+    # The same rules on the checkpoint's own numbers (its config.json may differ from what `dsmt check` read).
+    layout_found = layout_errors(layout=layout, model=ModelFacts.from_settings(settings), run=spec_run_facts(spec))
     if layout_found:
-        return [Problem("error", "model_layout", text, "change parallel.tp / pp / vpp") for text in layout_found]
+        return [Problem("error", "model_layout", f"[{p.rule}] {p.message}", p.fix, p.valid) for p in layout_found]
     try:
         counts = stage_parameter_counts(settings=settings, layout=layout,
                                         params_dtype=params_dtype(spec.training.precision),
                                         recompute=spec.training.recompute)
     except Exception as err:  # megatron-core's own refusals (asserts, ValueErrors) of this config at this layout
-        return [Problem("error", "model_build", f"megatron-core could not build the model at tp={layout.tp_size} "
-                        f"pp={layout.pp_size} vpp={layout.vpp_size}: {type(err).__name__}: {err}", "")]
+        return [Problem("error", "model_build", f"megatron-core could not build the model at tp={layout.tp} "
+                        f"pp={layout.pp} vpp={layout.vpp}: {type(err).__name__}: {err}", "")]
     if counts is None:
         return [Problem("info", "model_build", "model build: skipped, a process group is already running here")]
     stages = ", ".join(f"{name} stage {count / 1e6:,.1f}M" for name, count in counts.items())
-    return [Problem("info", "model_build", f"megatron-core GPTModel built on the meta device at tp={layout.tp_size} "
-                    f"pp={layout.pp_size} vpp={layout.vpp_size}: parameters per GPU: {stages}")]
+    return [Problem("info", "model_build", f"megatron-core GPTModel built on the meta device at tp={layout.tp} "
+                    f"pp={layout.pp} vpp={layout.vpp}: parameters per GPU: {stages}")]
 
 
 def stage_parameter_counts(*, settings, layout, params_dtype, recompute: str = "none") -> dict[str, int] | None:
@@ -156,25 +174,27 @@ def stage_parameter_counts(*, settings, layout, params_dtype, recompute: str = "
         return None
     backends.current()  # on a CPU machine: megatron's CUDA calls redirected before any model code runs
     # megatron's default rank order is tp-cp-ep-dp-pp: the pipeline rank is the outermost coordinate.
-    ranks = {"first": 0, "last": (layout.pp_size - 1) * layout.tp_size * layout.dp_size}
+    ranks = {"first": 0, "last": (layout.pp - 1) * layout.tp * layout.cp * layout.dp}
     counts = {}
     for name, rank in ranks.items():
-        if name == "last" and layout.pp_size == 1:
+        if name == "last" and layout.pp == 1:
             break
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
         try:
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=layout.tp_size, pipeline_model_parallel_size=layout.pp_size,
-                virtual_pipeline_model_parallel_size=layout.vpp_size if layout.vpp_size > 1 else None,
-                create_gloo_process_groups=False)
+                tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+                context_parallel_size=layout.cp, create_gloo_process_groups=False)
             config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, recompute=recompute)
             # CPU-style allocation honours the meta device context (the CUDA path names a device explicitly).
-            config = dataclasses.replace(config, use_cpu_initialization=True, perform_initialization=False)
+            # cp and sp change no parameter shape; the local layers have neither (Transformer Engine's do).
+            config = dataclasses.replace(config, use_cpu_initialization=True, perform_initialization=False,
+                                         context_parallel_size=1, sequence_parallel=False)
             # megatron's local layers: the same parameter shapes as the Transformer Engine ones, and they
             # allocate nothing real on the meta device.
             layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
             with torch.device("meta"):
-                chunks = gpt_chunks(config=config, spec=layer_spec, settings=settings, vpp_size=layout.vpp_size)
+                chunks = gpt_chunks(config=config, spec=layer_spec, settings=settings, vpp_size=layout.vpp)
                 counts[name] = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         finally:
             parallel_state.destroy_model_parallel()
@@ -188,7 +208,7 @@ class LayoutMpu:
     def __init__(self, layout):
         self.layout = layout
 
-    def get_data_parallel_world_size(self): return self.layout.dp
+    def get_data_parallel_world_size(self): return self.layout.zero_size  # dp × cp, as MegatronMpu
     def get_data_parallel_rank(self): return 0
     def get_model_parallel_world_size(self): return self.layout.tp * self.layout.pp
     def get_model_parallel_rank(self): return 0
@@ -198,7 +218,28 @@ class LayoutMpu:
     def get_pipeline_model_parallel_rank(self): return 0
 
 
-def deepspeed_problems(*, spec) -> list[Problem]:
+def run_files_problems(*, spec, run_dir: Path | None, spec_ref: str) -> tuple[dict | None, list[Problem]]:
+    """(the run directory's ds_config or None, problems): what `python -m toolkit.train --run-dir` checks at start."""
+    from toolkit.train.run_files import RULE, RunFilesError, compare_run_files
+
+    if run_dir is None:
+        return None, []
+    try:
+        files = compare_run_files(run_dir=run_dir, spec=spec)
+    except RunFilesError as err:
+        return None, [Problem("error", err.rule, err.detail, err.fix)]
+    except DsmtError:
+        return None, []  # the layout arithmetic is wrong; dsmt check's errors above say how
+    if files.contradictions:  # the trainer stops here; DeepSpeed's parser below reads the spec's config
+        return None, [Problem("error", RULE, f"{d.line()}: {files.run_dir} contradicts the spec {spec_ref}",
+                              files.fix()) for d in files.contradictions]
+    if not files.overrides:
+        return files.ds_config, [Problem("info", "run_files", files.start_lines()[0].removeprefix("dsmt train: "))]
+    return files.ds_config, [Problem("info", "run_files_override", f"ds_config.json overrides the spec: {d.line()}")
+                             for d in files.overrides]
+
+
+def deepspeed_problems(*, spec, ds_config: dict | None = None) -> list[Problem]:
     import deepspeed
     from deepspeed.runtime import config as ds_config_module
 
@@ -209,23 +250,26 @@ def deepspeed_problems(*, spec) -> list[Problem]:
         layout = derive_layout(spec)
     except DsmtError:
         return []  # the batch / world arithmetic is wrong; dsmt check's errors above say how
-    config = build_deepspeed_config(spec=spec, layout=layout)
+    config = build_deepspeed_config(spec=spec, layout=layout) if ds_config is None else ds_config
+    which = "generated ds_config" if ds_config is None else "run directory's ds_config.json"
     # The parser reads the mpu only when deepspeed.comm answers get_rank(); without a process group it would
     # silently assume one rank. Rank 0 of the layout's world is what it must see.
     try:
         with unittest.mock.patch.object(ds_config_module.dist, "get_rank", lambda *args, **kwargs: 0):
             parsed = ds_config_module.DeepSpeedConfig(config, mpu=LayoutMpu(layout))
     except Exception as err:  # DeepSpeed refuses with asserts, ValueErrors and pydantic errors alike
-        return [Problem("error", "deepspeed_config", f"DeepSpeed {deepspeed.__version__} refuses the generated "
-                        f"ds_config at dp={layout.dp}: {type(err).__name__}: {err}", "")]
+        return [Problem("error", "deepspeed_config", f"DeepSpeed {deepspeed.__version__} refuses the {which} "
+                        f"at dp={layout.dp}: {type(err).__name__}: {err}", "")]
     seen = (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps)
-    wanted = (layout.global_batch_size, layout.micro_batch_size, layout.grad_accum_steps)
+    wanted = (layout.global_batch_size * layout.cp, layout.micro_batch_size, layout.grad_accum_steps)
     if seen != wanted:
         return [Problem("error", "deepspeed_config", f"DeepSpeed reads (train_batch_size, micro, grad-accum) = {seen}, "
                         f"the layout says {wanted}", "")]
     return [Problem("info", "deepspeed_config", f"DeepSpeed {deepspeed.__version__} accepts ds_config: "
-                    f"train_batch_size={layout.global_batch_size} = micro {layout.micro_batch_size} × grad-accum "
-                    f"{layout.grad_accum_steps} × dp {layout.dp}, ZeRO-{parsed.zero_optimization_stage}")]
+                    f"train_batch_size={layout.global_batch_size * layout.cp} = micro {layout.micro_batch_size} × "
+                    f"grad-accum {layout.grad_accum_steps} × dp {layout.dp}" + (f" × cp {layout.cp}" if layout.cp > 1
+                                                                                else "")
+                    + f", ZeRO-{parsed.zero_optimization_stage}")]
 
 
 def data_problems(*, spec) -> list[Problem]:

@@ -15,6 +15,8 @@ Two drivers, chosen by the layout:
     ZeRO-2/3 reduce and partition gradients in hooks that only `engine.backward` arms (a megatron schedule with
     PP = 1 is the same loop over micro-batches, so nothing is lost).
 ZeRO-2/3 with PP > 1 is refused before launch (`dsmt check`): every micro-batch would add DP traffic.
+With sequence parallelism the norms' gradients are partial per TP rank; a hook per such parameter sums them over
+the TP group as each is computed, before DeepSpeed sees them (`sum_sequence_parallel_grads`), in both drivers.
 Both drivers backpropagate the same per-token loss over the global batch (`HybridEngine`); bf16 accumulates and
 reduces gradients in fp32 (`toolkit/generate/deepspeed_config.py`).
 """
@@ -22,6 +24,7 @@ reduces gradients in fp32 (`toolkit/generate/deepspeed_config.py`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import torch
@@ -72,6 +75,7 @@ class HybridEngine:
         self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=config,
                                                     mpu=MegatronMpu())
         check_driver(self.engine, pp_size=pp_size)
+        self._sequence_parallel_hooks = sum_sequence_parallel_grads(self.chunks)
         self.vocab_size = vocab_size
         self.pp_size = pp_size
         self.tied_embeddings = tied_embeddings
@@ -82,15 +86,15 @@ class HybridEngine:
         return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
 
     def train_step(self, micro_batches: list[dict]) -> StepStats:
-        from megatron.core import parallel_state
-
         start = time.perf_counter()
         lr = self.engine.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler steps after the update)
         device = backends.current().device
         micro_batches = [{key: value.to(device) for key, value in batch.items()} for batch in micro_batches]
+        micro_batches = context_parallel_slices(micro_batches)
+        check_sequence_split(seq_length=micro_batches[0]["tokens"].shape[1], chunks=self.chunks)
         global_tokens = global_loss_tokens(micro_batches, device=device)
         # dp / global_tokens: see the class docstring (clamped: a step whose tokens are all masked learns nothing)
-        scale = parallel_state.get_data_parallel_world_size() / max(global_tokens, 1)
+        scale = MegatronMpu().get_data_parallel_world_size() / max(global_tokens, 1)  # dp (× cp: MegatronMpu)
         step = self._pipeline_step if self.pp_size > 1 else self._deepspeed_step
         local_sum = step(micro_batches, scale=scale)
         norm = self.engine.get_global_grad_norm()
@@ -111,10 +115,12 @@ class HybridEngine:
         return local_sum
 
     def _pipeline_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
+        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         sums: list[torch.Tensor] = []
         num_microbatches = len(micro_batches)
+        cp_size = parallel_state.get_context_parallel_world_size()
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
@@ -124,9 +130,9 @@ class HybridEngine:
                 token_sum = masked_token_loss_sum(output, labels=batch["labels"], loss_mask=batch["loss_mask"],
                                                   vocab_size=self.vocab_size)
                 sums.append(token_sum.detach().clone())
-                # megatron's schedule divides a (loss, {}) return by num_microbatches: undo it so that the
-                # backpropagated value is token_sum * scale, as in the DeepSpeed driver.
-                return token_sum * (scale * num_microbatches), {}
+                # megatron's schedule divides a (loss, {}) return by num_microbatches and multiplies it by the CP
+                # size: undo both so that the backpropagated value is token_sum * scale, as in the DeepSpeed driver.
+                return token_sum * (scale * num_microbatches / cp_size), {}
 
             return logits, loss_func
 
@@ -137,7 +143,9 @@ class HybridEngine:
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
-            seq_length=first.shape[1], micro_batch_size=first.shape[0], forward_only=False,
+            # the full length: megatron divides it by cp (and by tp under SP) for the p2p tensors
+            seq_length=first.shape[1] * parallel_state.get_context_parallel_world_size(),
+            micro_batch_size=first.shape[0], forward_only=False,
         )
         self._allreduce_tied_embedding_grads()
         # DeepSpeed counts samples by its backward calls, which megatron's schedule bypasses; without this its
@@ -170,19 +178,86 @@ class HybridEngine:
         if not parallel_state.is_pipeline_last_stage():
             value.zero_()
         dist.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
-        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(value, group=MegatronMpu().get_data_parallel_group())  # the CP ranks' slices too
         return value.item() / max(global_tokens, 1)
 
 
-def global_loss_tokens(micro_batches: list[dict], *, device: torch.device) -> int:
-    """Loss tokens of this step summed over this rank's micro-batches and every data-parallel rank."""
+def sequence_parallel_params(chunks: list) -> list[torch.nn.Parameter]:
+    """Parameters whose gradient each TP rank computes from its own slice of the sequence under sequence
+    parallelism: those marked `sequence_parallel=True` (megatron's rule in `finalize_model_grads`; the marks come
+    from dsmt's `TorchNorm`, Transformer Engine's norms and fused layer-norm linears, apex's norms, megatron's
+    row-parallel biases). Empty for chunks built without sequence parallelism."""
+    found: dict[int, torch.nn.Parameter] = {}
+    for chunk in chunks:
+        config = getattr(chunk, "config", None)
+        if not getattr(config, "sequence_parallel", False):
+            continue
+        for param in chunk.parameters():
+            if param.requires_grad and getattr(param, "sequence_parallel", False):
+                found[id(param)] = param
+    return list(found.values())
+
+
+def sum_sequence_parallel_grads(chunks: list, *, tp_group=None) -> list:
+    """Sum the gradients of `sequence_parallel_params` over the TP group; returns the hook handles.
+
+    megatron sums them in `finalize_model_grads` for its own DDP, after backward. Here DeepSpeed owns the
+    gradients, and at ZeRO-2/3 it reduces (and at bf16 moves) each one over DP in a post-accumulate-grad hook
+    during backward, so nothing after backward could come first. A tensor hook on the parameter runs when its
+    gradient is computed, before accumulation, so every DeepSpeed stage and both drivers see the TP sum; it also
+    fires inside activation recompute's backward. One small all-reduce per norm and micro-batch (norms are
+    hidden_size long); sum over micro-batches of TP sums = TP sum of the accumulated gradient."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group=group) == 1:
+        return []
+    hook = functools.partial(_sum_over_group, group=group)
+    return [param.register_hook(hook) for param in sequence_parallel_params(chunks)]
+
+
+def check_sequence_split(*, seq_length: int, chunks: list) -> None:
+    """Sequence parallelism splits every sequence into tp equal slices (megatron asserts it deep in a forward)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if seq_length % tp and any(getattr(getattr(c, "config", None), "sequence_parallel", False) for c in chunks):
+        raise DsmtError(f"sequence_parallel_vs_seq_length: seq_length={seq_length} is not divisible by tp={tp}, "
+                        "and sequence parallelism splits each sequence into tp equal slices; set "
+                        f"training.seq_length to a multiple of {tp} or parallel.sequence_parallel: false")
+
+
+def _sum_over_group(grad: torch.Tensor, *, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    total = grad.to(torch.float32, copy=True)  # a new tensor (hooks must not modify theirs); fp32: one rounding
+    dist.all_reduce(total, group=group)
+    return total.to(grad.dtype)
+
+
+def global_loss_tokens(micro_batches: list[dict], *, device: torch.device) -> int:
+    """Loss tokens of this step summed over this rank's micro-batches and every data-parallel rank (and, with
+    context parallelism, every CP rank's slice of the sequences: the group DeepSpeed reduces over)."""
+    import torch.distributed as dist
+
     count = sum(int(batch["loss_mask"].sum().item()) for batch in micro_batches)
     total = torch.tensor([count], dtype=torch.int64, device=device)
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(total, group=MegatronMpu().get_data_parallel_group())
     return int(total.item())
+
+
+def context_parallel_slices(micro_batches: list[dict]) -> list[dict]:
+    """This CP rank's part of every sequence, as megatron-core's `get_batch_on_this_cp_rank` cuts it: 2·cp chunks,
+    chunk r and chunk 2·cp-1-r on rank r (balancing causal attention's work). Tokens, labels, loss mask and
+    positions are cut alike; RoPE is computed for the full length inside GPTModel and cut the same way. The CP
+    ranks of one replica read the same micro-batches (they share megatron's data-parallel rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return micro_batches
+    return [get_batch_on_this_cp_rank(dict(batch)) for batch in micro_batches]
 
 
 def accumulated_grad(param: torch.Tensor) -> torch.Tensor:

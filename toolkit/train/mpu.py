@@ -13,17 +13,22 @@ class MegatronMpu:
 
         self._ps = parallel_state
 
-    # data parallel: what ZeRO partitions and reduces over
+    # data parallel: what ZeRO partitions and reduces over. With context parallelism the CP ranks of one replica
+    # hold the same weights and gradients of different sequence chunks, so gradients are reduced (and ZeRO state
+    # partitioned) over dp × cp ranks, as megatron's own DDP does (`with_context_parallel=True`).
+    def _with_cp(self) -> bool:
+        return self._ps.get_context_parallel_world_size() > 1
+
     def get_data_parallel_group(self):
-        return self._ps.get_data_parallel_group()
+        return self._ps.get_data_parallel_group(with_context_parallel=self._with_cp())
 
     def get_data_parallel_rank(self) -> int:
-        return self._ps.get_data_parallel_rank()
+        return self._ps.get_data_parallel_rank(with_context_parallel=self._with_cp())
 
     def get_data_parallel_world_size(self) -> int:
-        return self._ps.get_data_parallel_world_size()
+        return self._ps.get_data_parallel_world_size(with_context_parallel=self._with_cp())
 
-    # model parallel = tensor x pipeline
+    # model parallel = tensor x pipeline (megatron's model-parallel group; CP ranks are data-parallel to DeepSpeed)
     def get_model_parallel_group(self):
         return self._ps.get_model_parallel_group()
 

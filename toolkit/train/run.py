@@ -5,12 +5,14 @@ Every rank runs this (under torchrun, the deepspeed launcher, SLURM or `dsmt tra
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from toolkit.errors import DsmtError
+from toolkit.layout import Layout
 from toolkit.train import checkpoints
 from toolkit.train.report import RunLog
 
@@ -39,9 +41,6 @@ def model_checkpoint(*, spec, output_dir: Path) -> Path:
 
 def require_weights(spec) -> None:
     """What `dsmt train` needs beyond `dsmt check` (which also serves `dsmt generate` for other trainers)."""
-    if spec.parallel.sequence_parallel:
-        raise DsmtError("parallel.sequence_parallel=true is not wired into `dsmt train` yet (it was not tested on "
-                        "GPU); set parallel.sequence_parallel=false, or use training.recompute to save activations")
     if spec.model.builtin is not None:  # pretrained from megatron-core's init: a Llama-like shape, a fitting tokenizer
         from toolkit.train.pretrain import require_trainable
 
@@ -67,22 +66,26 @@ def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
                         dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle)
 
 
-def train(*, spec) -> list[dict]:
-    """Run the spec's training on this rank; returns the per-step history (same on every rank)."""
+def train(*, spec, ds_config: dict | None = None) -> list[dict]:
+    """Run the spec's training on this rank; returns the per-step history (same on every rank).
+
+    `ds_config`: the run directory's ds_config.json, already compared with the spec (`toolkit/train/run_files.py`);
+    None generates it from the spec."""
     from toolkit import backend as backends
     from toolkit.generate.deepspeed_config import build_deepspeed_config
-    from toolkit.parallel import Layout, init_process_groups
+    from toolkit.parallel import init_process_groups
     from toolkit.spec.layout import derive_layout
     from toolkit.train import plain
 
     backend = backends.select(device=spec.cluster.device)  # the spec's device or an error, never a silent CPU run
     layout = derive_layout(spec)
-    parallel = Layout(tp_size=layout.tp, pp_size=layout.pp, vpp_size=layout.vpp, dp_size=layout.dp)
+    parallel = Layout(**layout.parallel_fields())  # the topology alone (sp and cp included)
     init_process_groups(layout=parallel, dist_backend=backend.dist_backend)
     backend.seed(spec.training.seed)
     output_dir = Path(spec.training.output_dir)
     hf_dir = model_checkpoint(spec=spec, output_dir=output_dir)
-    ds_config = build_deepspeed_config(spec=spec, layout=layout)
+    if ds_config is None:
+        ds_config = build_deepspeed_config(spec=spec, layout=layout)
     build = _plain_parts if plain.is_plain_model(hf_dir) else _hybrid_parts
     trainer, batches, export, notice = build(spec=spec, layout=layout, parallel=parallel, hf_dir=hf_dir,
                                              ds_config=ds_config, output_dir=output_dir)
@@ -96,6 +99,7 @@ def _hybrid_parts(*, spec, layout, parallel, hf_dir: Path, ds_config: dict, outp
 
     from toolkit.models import load_model_chunks
     from toolkit.train.engine import HybridEngine
+    from toolkit.train.pretrain import run_attention
 
     # At ZeRO-3 the chunks are built partitioned (and loaded one parameter at a time): toolkit/train/zero3.py.
     zero3_config = ds_config if spec.parallel.zero_stage == 3 else None
@@ -107,7 +111,7 @@ def _hybrid_parts(*, spec, layout, parallel, hf_dir: Path, ds_config: dict, outp
     else:
         chunks, info = load_model_chunks(checkpoint=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
                                          show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
-                                         zero3_config=zero3_config)
+                                         attention=run_attention(spec), zero3_config=zero3_config)
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
                           tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp)
     batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
@@ -186,15 +190,26 @@ def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m toolkit.train")
-    parser.add_argument("--config", required=True, help="job spec (YAML/JSON)")
+    parser.add_argument("--config", help="job spec (YAML/JSON); default RUN_DIR/job.resolved.yaml")
+    parser.add_argument("--run-dir", type=Path, help="the `dsmt generate` directory: its ds_config.json is what "
+                        "DeepSpeed receives, checked against the spec first (toolkit/train/run_files.py)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = parser.parse_args(argv)
     from toolkit.spec.checks import check_file
+    from toolkit.train.run_files import spec_path_for
 
-    spec, report = check_file(args.config, overrides=args.set)
+    config = spec_path_for(config=args.config, run_dir=args.run_dir, overrides=args.set)
+    spec, report = check_file(config, overrides=args.set)
     if spec is None or not report.ok:
-        raise DsmtError(f"job spec {args.config} does not pass `dsmt check`:\n{report.to_text()}")
-    train(spec=spec)  # a run resumed after its last step has nothing to do, and succeeds
-    return 0
+        raise DsmtError(f"job spec {config} does not pass `dsmt check`:\n{report.to_text()}")
+    ds_config = None
+    if args.run_dir is not None:  # before any process group, model or output file: a contradiction stops here
+        from toolkit.train.run_files import compare_run_files
 
+        run_files = compare_run_files(run_dir=args.run_dir, spec=spec).require_agreement(spec_ref=str(config))
+        if os.environ.get("RANK", "0") == "0":  # the launcher's rank; one copy of the report
+            print("\n".join(run_files.start_lines()), flush=True)
+        ds_config = run_files.ds_config
+    train(spec=spec, ds_config=ds_config)  # a run resumed after its last step has nothing to do, and succeeds
+    return 0

@@ -24,7 +24,7 @@ def run_verify_many(*, checkpoints: list[Path], tp: int = 1, pp: int = 1, vpp: i
     from toolkit.parallel import Layout
 
     for checkpoint in checkpoints:  # bad paths, configs and layouts fail here, before any process starts
-        check_layout(inspect_checkpoint(checkpoint).settings, Layout(tp_size=tp, pp_size=pp, vpp_size=vpp))
+        check_layout(inspect_checkpoint(checkpoint).settings, Layout(tp=tp, pp=pp, vpp=vpp))
     with tempfile.TemporaryDirectory(prefix="dsmt-verify-") as scratch:
         result_file = Path(scratch) / "result.json"
         args = [f"--checkpoint={c}" for c in checkpoints]

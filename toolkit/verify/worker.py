@@ -74,7 +74,7 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     backend = backends.current()
-    layout = Layout(tp_size=args.tp, pp_size=args.pp, vpp_size=args.vpp)
+    layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp)
     backends.use_rank_device()  # cuda:<LOCAL_RANK> before the process group (init_process_groups checks it again)
     init_process_groups(layout=layout, dist_backend=backend.dist_backend)
     results = []
@@ -109,7 +109,7 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
     hf_dir = args.reference or (info.hf_dir if info.kind == "hf" else None)
     reference = _reference_model(info, hf_dir, AutoModelForCausalLM)(tokens).logits.float()
     result = compare(reference=reference, candidate=logits[..., : info.settings.vocab_size].float())
-    result.update(checkpoint=str(checkpoint), tp=layout.tp_size, pp=layout.pp_size, vpp=layout.vpp_size,
+    result.update(checkpoint=str(checkpoint), tp=layout.tp, pp=layout.pp, vpp=layout.vpp,
                   model_type=info.settings.family.model_type, checkpoint_kind=info.kind, tokens=int(tokens.numel()),
                   tied_embeddings=info.settings.tied_embeddings, param_devices=param_devices)
     return result
