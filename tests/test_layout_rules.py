@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from toolkit.layout import Layout
-from toolkit.layout_rules import LAYOUT_RULES, ModelFacts, RunFacts, layout_problems, require_valid_layout
+from toolkit.layout_rules import LAYOUT_RULES, MODEL_RULES, ModelFacts, RunFacts, layout_problems, require_valid_layout
 from toolkit.parallel import LayoutError
 
 # 12 heads, 2 KV heads: tp 4, 6 and 12 replicate each KV head on tp/2 ranks (megatron-core allows it); a vocabulary
@@ -101,6 +101,7 @@ def test_every_rule_is_reachable_from_the_table_or_the_unit_tests():
     tabled = set().union(*(expected for _, expected in TABLE))
     unit = {"layout_sizes", "cp_on_cpu", "fused_attention_on_cpu", "expert_parallel_not_built", "tp_crosses_nodes"}
     assert LAYOUT_RULES == tabled | unit
+    assert MODEL_RULES == LAYOUT_RULES - RUN_RULES  # what the model loader (and the dry run's build) can decide
     assert rules_of(layout_problems(layout=Layout(ep=2), model=MODEL)) == {"expert_parallel_not_built"}
 
 

@@ -21,6 +21,12 @@ LAYOUT_RULES = frozenset({
     "expert_parallel_not_built", "batch_divisibility", "vpp_microbatches", "zero_with_pp", "tp_crosses_nodes",
 })
 
+# The rules that need only the layout and the model (no world, batch or device): what the model loader applies.
+MODEL_RULES = frozenset({
+    "layout_sizes", "heads_vs_tp", "kv_heads_vs_tp", "ffn_vs_tp", "vocab_padding", "layers_vs_pp", "vpp_needs_pp",
+    "sequence_parallel_needs_tp", "expert_parallel_not_built",
+})
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelFacts:
@@ -103,7 +109,7 @@ def rule_sizes(*, layout: Layout, model: ModelFacts, run: RunFacts | None) -> li
 def rule_world_size(*, layout: Layout, model: ModelFacts, run: RunFacts | None) -> list[Problem]:
     if run is None or layout.world_size == run.world_size:
         return []
-    world, model_parallel = run.world_size, layout.tp * layout.cp * layout.pp
+    world, model_parallel = run.world_size, layout.model_parallel_size
     valid = tuple(t for t in divisors(world) if (world // t) % (layout.pp * layout.cp) == 0)
     if world % model_parallel:
         message = (f"world_size={world} (nodes × gpus_per_node) is not divisible by tp×cp×pp={layout.tp}×{layout.cp}×"

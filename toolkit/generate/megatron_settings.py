@@ -9,9 +9,8 @@ Model-family details (normalization, activation, RoPE) are the adapters' busines
 
 from __future__ import annotations
 
-from toolkit.layout_rules import resolve_attention
 from toolkit.shapes import ModelShape
-from toolkit.spec.layout import RunLayout, padded_vocab_size
+from toolkit.spec.layout import RunLayout, padded_vocab_size, spec_attention
 from toolkit.spec.schema import JobSpec
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # torch.<name>
@@ -29,7 +28,7 @@ def build_megatron_settings(*, spec: JobSpec, layout: RunLayout, shape: ModelSha
             "world_size": layout.world_size,
             "data_parallel_size": layout.dp,
             # fused: Transformer Engine's attention (flash / cuDNN, needed by cp > 1); local: megatron's unfused one
-            "attention": resolve_attention(attention=spec.training.attention, device=spec.cluster.device),
+            "attention": spec_attention(spec),
             "global_batch_size": layout.global_batch_size,
             "tokens_per_step": layout.tokens_per_step,
             "vocab_size": shape.vocab_size,

@@ -103,11 +103,7 @@ def plan_run_facts(*, layout: PlanLayout, training: TrainingShape, cluster: Clus
     return RunFacts(world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
                     global_batch_size=training.global_batch_size, micro_batch_size=layout.micro_batch_size,
                     seq_length=training.seq_length, zero_stage=layout.zero_stage, device="cuda",
-                    attention=attention_kind(assumptions))
-
-
-def attention_kind(assumptions: Assumptions) -> str:
-    return assumptions.attention
+                    attention=assumptions.attention)
 
 
 def layout_violations(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, cluster: Cluster,
@@ -155,7 +151,7 @@ def enumerate_layouts(*, shape: ModelShape, training: TrainingShape, cluster: Cl
     without TP groups across nodes. Sequence parallelism is on whenever tp > 1 (megatron-core's recommendation:
     the same communication volume as TP alone, less activation memory)."""
     model = ModelFacts.from_shape(shape, vocab_multiple=VOCAB_DIVISIBLE_BY)
-    attention = attention_kind(assumptions)
+    attention = assumptions.attention
     # Selective recompute drops only the attention core, which fused attention does not store.
     recomputes = [r for r in RECOMPUTE_CHOICES if not (r == "selective" and attention == "fused")]
     for tp, cp, pp, vpp in _topologies(model=model, training=training, cluster=cluster, attention=attention,

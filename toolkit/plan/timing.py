@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from toolkit.plan.activations import heads_per_rank
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, padded_vocab_size, stage_params_per_gpu
@@ -176,16 +177,11 @@ def elementwise_bytes(*, shape: ModelShape, layout: PlanLayout, tokens: int, seq
     hidden = (10 + (5 if a.dropout else 0)) * h / (t if layout.sp else 1)
     ffn = (3 if shape.gated_mlp else 2) * shape.ffn_hidden_size / t
     scores = 0.0
-    if _materialised_scores(a):
+    if a.attention == "local":  # unfused attention writes the s x s scores to memory (fused / flash does not)
         scores = (2 + (2.5 if a.dropout else 0)) * shape.num_attention_heads * seq_length / t
     forward = (hidden + ffn + scores) * tokens * a.activation_bytes
     recomputed = {"full": forward, "selective": scores * tokens * a.activation_bytes}.get(layout.recompute, 0.0)
     return forward * (1 + a.elementwise_backward_factor) + recomputed
-
-
-def _materialised_scores(assumptions: Assumptions) -> bool:
-    """True for unfused ("local") attention, which writes the s x s scores to memory (flash / fused does not)."""
-    return assumptions.attention == "local"
 
 
 def _cp_exposed_s(*, shape, layout, tokens, layers, attention_s, cluster, assumptions) -> float:
@@ -194,7 +190,7 @@ def _cp_exposed_s(*, shape, layout, tokens, layers, attention_s, cluster, assump
     cp, a = layout.cp, assumptions
     if cp <= 1:
         return 0.0
-    kv_heads = max(shape.num_kv_heads // layout.tp, 1)  # a replicated KV head when tp > num_kv_heads
+    _, kv_heads = heads_per_rank(shape=shape, tp=layout.tp)  # a replicated KV head when tp > num_kv_heads
     kv_chunk_bytes = 2 * tokens * kv_heads * shape.kv_channels * a.activation_bytes
     # point-to-point to the ring neighbour: NVLink inside a node, else the GPU's own NIC (no striping over others)
     inside = layout.tp * cp <= cluster.gpus_per_node
@@ -227,7 +223,7 @@ def dp_overlap_share(*, layout: PlanLayout, assumptions: Assumptions) -> float:
 def _dp_comm_s(*, shape, layout, cluster, num_micro, compute_s, assumptions) -> tuple[float, float]:
     """(all data-parallel collectives of the heaviest stage over one step, the part hidden behind compute:
     reduce-scatters behind the backward passes (2/3 of the compute), ZeRO-3's gathers also behind forward)."""
-    ranks = layout.dp * layout.cp   # megatron's dp-cp group: CP ranks hold the same weights
+    ranks = layout.zero_size   # megatron's dp-cp group: CP ranks hold the same weights
     if ranks <= 1:
         return 0.0, 0.0
     a = assumptions
@@ -258,7 +254,7 @@ def _optimizer_s(*, shape, layout, cluster, assumptions) -> float:
     """Adam is memory bound on the GPU; with offload it runs on the CPU behind PCIe transfers."""
     a = assumptions
     params = max(stage_params_per_gpu(shape=shape, layout=layout, stage=i) for i in {0, layout.pp - 1})
-    shard = params / (layout.dp * layout.cp if layout.zero_stage >= 1 else 1)
+    shard = params / (layout.zero_size if layout.zero_stage >= 1 else 1)
     if layout.offload_optimizer:
         pcie_bytes = shard * (a.master_grad_bytes + a.param_bytes)
         return shard / a.cpu_adam_params_per_s + pcie_bytes / (a.pcie_gbps * 1e9)

@@ -12,9 +12,9 @@ from typing import Callable
 from toolkit.errors import DsmtError
 from toolkit.generate.deepspeed_config import grad_accum_dtype
 from toolkit.shapes import ModelShape, ModelShapeError
-from toolkit.layout_rules import ModelFacts, RunFacts, layout_problems, resolve_attention, run_problems
+from toolkit.layout_rules import ModelFacts, RunFacts, layout_problems, run_problems
 from toolkit.spec.layout import (derive_layout, padded_vocab_size, parallel_layout, requested_global_batch,
-                                 world_size_of)
+                                 spec_attention, world_size_of)
 from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
 from toolkit.spec.report import Problem, Report, SpecError
 from toolkit.spec.schema import JobSpec
@@ -28,7 +28,7 @@ def spec_run_facts(spec: JobSpec) -> RunFacts:
                     global_batch_size=requested_global_batch(spec, dp=parallel.dp),
                     micro_batch_size=spec.training.micro_batch_size, seq_length=spec.training.seq_length,
                     zero_stage=spec.parallel.zero_stage, device=spec.cluster.device,
-                    attention=resolve_attention(attention=spec.training.attention, device=spec.cluster.device))
+                    attention=spec_attention(spec))
 
 
 def check_layout(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
@@ -152,7 +152,7 @@ def _planner_inputs(spec: JobSpec):
                              offload_optimizer=parallel.offload_optimizer)
     training = TrainingShape(seq_length=layout.seq_length, global_batch_size=layout.global_batch_size)
     device = spec.cluster.device
-    attention = resolve_attention(attention=spec.training.attention, device=device)
+    attention = spec_attention(spec)
     assumptions = Assumptions.for_precision(
         spec.training.precision, reduce_bucket_elements=comm.reduce_bucket_elements,
         overlap_comm=comm.overlap_comm and parallel.pp == 1,  # what the engine runs (engine_config)

@@ -49,6 +49,13 @@ def parallel_layout(spec: JobSpec) -> Layout:
                   dp=max(1, world_size_of(spec) // model_parallel))
 
 
+def spec_attention(spec: JobSpec) -> str:
+    """The attention kind the run's layers use: `training.attention`, auto resolved for the spec's device."""
+    from toolkit.layout_rules import resolve_attention
+
+    return resolve_attention(attention=spec.training.attention, device=spec.cluster.device)
+
+
 def derive_layout(spec: JobSpec) -> RunLayout:
     """The layout of a spec that passed its checks; raises DsmtError naming the factors otherwise."""
     world, parallel = world_size_of(spec), parallel_layout(spec)

@@ -18,11 +18,11 @@ import unittest.mock
 from pathlib import Path
 
 from toolkit.errors import DsmtError
+from toolkit.layout_rules import MODEL_RULES
 from toolkit.spec.report import Problem, Report
 
 # `dsmt check` rules that already say the layout does not fit the model (the meta build is skipped after them).
-LAYOUT_RULES = frozenset({"world_size", "layout_sizes", "heads_vs_tp", "kv_heads_vs_tp", "ffn_vs_tp", "layers_vs_pp",
-                          "vocab_padding", "vpp_needs_pp", "sequence_parallel_needs_tp", "expert_parallel_not_built"})
+LAYOUT_RULES = MODEL_RULES | {"world_size"}
 
 
 def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None) -> Report:
@@ -69,9 +69,9 @@ def attention_problems(*, spec) -> list[Problem]:
     """The attention kind the run's layers will use, and whether this machine could build them."""
     import importlib.util
 
-    from toolkit.layout_rules import resolve_attention
+    from toolkit.spec.layout import spec_attention
 
-    attention = resolve_attention(attention=spec.training.attention, device=spec.cluster.device)
+    attention = spec_attention(spec)
     layers = ("Transformer Engine layers (fused attention, no s × s scores stored)" if attention == "fused" else
               "megatron's local torch layers (unfused attention: the s × s scores are stored)")
     found = [Problem("info", "attention", f"training.attention={spec.training.attention}: {layers}")]

@@ -144,7 +144,7 @@ class HybridEngine:
             forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
             # the full length: megatron divides it by cp (and by tp under SP) for the p2p tensors
-            seq_length=first.shape[1] * parallel_state.get_context_parallel_world_size(),
+            seq_length=first.shape[1] * cp_size,
             micro_batch_size=first.shape[0], forward_only=False,
         )
         self._allreduce_tied_embedding_grads()

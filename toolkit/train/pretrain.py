@@ -107,20 +107,14 @@ def write_init_dir(init_dir: Path, *, spec) -> Path:
     return Path(init_dir)
 
 
-def run_attention(spec) -> str:
-    """The attention kind the run's layers use: the spec's `training.attention`, auto resolved for its device."""
-    from toolkit.layout_rules import resolve_attention
-
-    return resolve_attention(attention=spec.training.attention, device=spec.cluster.device)
-
-
 def init_chunks(*, spec, hf_dir: Path, layout, params_dtype, zero3_config: dict | None = None):
     """This rank's chunks from megatron-core's initialisation, std = the config's initializer_range (built
     partitioned with a ZeRO-3 `zero3_config`)."""
     from toolkit.models import init_model_chunks
+    from toolkit.spec.layout import spec_attention
 
     std = hf_config(spec.model.builtin).initializer_range
     return init_model_chunks(hf_dir=hf_dir, layout=layout, params_dtype=params_dtype, init_method_std=std,
                              seed=spec.training.seed, vocab_pad_multiple=spec.model.make_vocab_size_divisible_by,
-                             recompute=spec.training.recompute, attention=run_attention(spec),
+                             recompute=spec.training.recompute, attention=spec_attention(spec),
                              zero3_config=zero3_config)

@@ -12,7 +12,6 @@ import torch
 from tqdm import tqdm
 
 from toolkit.errors import DsmtError
-from toolkit.layout import Layout
 from toolkit.train import checkpoints
 from toolkit.train.report import RunLog
 
@@ -79,46 +78,45 @@ def train(*, spec, ds_config: dict | None = None) -> list[dict]:
 
     backend = backends.select(device=spec.cluster.device)  # the spec's device or an error, never a silent CPU run
     layout = derive_layout(spec)
-    parallel = Layout(**layout.parallel_fields())  # the topology alone (sp and cp included)
-    init_process_groups(layout=parallel, dist_backend=backend.dist_backend)
+    init_process_groups(layout=layout, dist_backend=backend.dist_backend)
     backend.seed(spec.training.seed)
     output_dir = Path(spec.training.output_dir)
     hf_dir = model_checkpoint(spec=spec, output_dir=output_dir)
     if ds_config is None:
         ds_config = build_deepspeed_config(spec=spec, layout=layout)
     build = _plain_parts if plain.is_plain_model(hf_dir) else _hybrid_parts
-    trainer, batches, export, notice = build(spec=spec, layout=layout, parallel=parallel, hf_dir=hf_dir,
+    trainer, batches, export, notice = build(spec=spec, layout=layout, hf_dir=hf_dir,
                                              ds_config=ds_config, output_dir=output_dir)
     return _run(trainer=trainer, batches=batches, export=export, notice=notice, spec=spec, layout=layout,
                 ds_config=ds_config, output_dir=output_dir)
 
 
-def _hybrid_parts(*, spec, layout, parallel, hf_dir: Path, ds_config: dict, output_dir: Path):
+def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
     """megatron-core chunks from the adapters inside DeepSpeed, on tokenised `datasets` data."""
     import torch.distributed as dist
 
     from toolkit.models import load_model_chunks
     from toolkit.train.engine import HybridEngine
-    from toolkit.train.pretrain import run_attention
+    from toolkit.spec.layout import spec_attention
 
     # At ZeRO-3 the chunks are built partitioned (and loaded one parameter at a time): toolkit/train/zero3.py.
     zero3_config = ds_config if spec.parallel.zero_stage == 3 else None
     if spec.model.builtin is not None:  # megatron-core's own initialisation, no weights read
         from toolkit.train.pretrain import init_chunks
 
-        chunks, info = init_chunks(spec=spec, hf_dir=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
+        chunks, info = init_chunks(spec=spec, hf_dir=hf_dir, layout=layout, params_dtype=params_dtype(spec.training.precision),
                                    zero3_config=zero3_config)
     else:
-        chunks, info = load_model_chunks(checkpoint=hf_dir, layout=parallel, params_dtype=params_dtype(spec.training.precision),
+        chunks, info = load_model_chunks(checkpoint=hf_dir, layout=layout, params_dtype=params_dtype(spec.training.precision),
                                          show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
-                                         attention=run_attention(spec), zero3_config=zero3_config)
+                                         attention=spec_attention(spec), zero3_config=zero3_config)
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
                           tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp)
     batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
     return hybrid, batches, lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir), None
 
 
-def _plain_parts(*, spec, layout, parallel, hf_dir: Path, ds_config: dict, output_dir: Path):
+def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
     """An HF model without a megatron-core adapter: DeepSpeed ZeRO data parallelism only, synthetic inputs."""
     from megatron.core import parallel_state
 
