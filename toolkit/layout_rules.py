@@ -69,11 +69,12 @@ class RunFacts:
     attention: str = "fused"  # the resolved attention kind: "fused" (TE / flash) or "local" (unfused)
 
 
-def resolve_attention(*, attention: str, device: str) -> str:
-    """training.attention as it will run: auto is fused on GPUs (Transformer Engine), local on the CPU."""
+def resolve_attention(*, attention: str, device: str, encoder: bool = False) -> str:
+    """training.attention as it will run: auto is fused on GPUs (Transformer Engine), local on the CPU and for
+    encoders (BERT's post-LayerNorm layers are megatron's local ones)."""
     if attention != "auto":
         return attention
-    return "fused" if device == "cuda" else "local"
+    return "fused" if device == "cuda" and not encoder else "local"
 
 
 Rule = Callable[..., list[Problem]]

@@ -127,14 +127,24 @@ def shape_from_config(config: dict, *, name: str) -> ModelShape:
             gated_mlp=False, max_position_embeddings=config.get("n_positions", 1024),
         )
     heads = _field(config, "num_attention_heads", name)
-    act = config.get("hidden_act", "silu")
     return ModelShape(
         name=name, hidden_size=_field(config, "hidden_size", name), num_layers=_field(config, "num_hidden_layers", name),
         num_attention_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
         ffn_hidden_size=_field(config, "intermediate_size", name), vocab_size=_field(config, "vocab_size", name),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=act in ("silu", "swiglu"),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=_gated_mlp(config),
         max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
     )
+
+
+def _gated_mlp(config: dict) -> bool:
+    """The family's own answer when dsmt has an adapter for it (Gemma's GeGLU is gated with a GELU), else a
+    SwiGLU activation name says so."""
+    from toolkit.adapters.family import supported_model_types, get_family
+
+    model_type = config.get("model_type")
+    if model_type in supported_model_types():
+        return get_family(model_type).architecture.gated_mlp
+    return config.get("hidden_act", "silu") in ("silu", "swiglu")
 
 
 def _field(config: dict, key: str, name: str) -> int:

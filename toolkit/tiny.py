@@ -13,16 +13,31 @@ TINY_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num
                   num_key_value_heads=2, vocab_size=250, max_position_embeddings=128, rms_norm_eps=1e-5,
                   rope_theta=10000.0, tie_word_embeddings=False)
 
-_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+# What each family's tiny model changes from TINY_LLAMA, so that its own features show in the logits: a head_dim
+# that is not hidden / heads (Qwen3, Gemma), one KV head (Gemma: TP 2 and 4 replicate it), special-token ids inside
+# the tiny vocabulary (Phi-3's and GPT-2's defaults are past it), and no dropout (parity needs none).
+_TOKEN_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_FAMILY_FIELDS = {
+    "llama": {},
+    "mistral": dict(sliding_window=None),
+    "qwen2": {},
+    "qwen3": dict(head_dim=16),
+    "gemma": dict(head_dim=16, num_key_value_heads=1, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "phi3": dict(sliding_window=None, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **_TOKEN_IDS),
+    "gpt2": dict(n_embd=64, n_inner=96, n_layer=4, n_head=8, n_positions=128, vocab_size=250, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                 bos_token_id=1, eos_token_id=2),
+}
 
 
 def tiny_config(model_type: str = "llama", **overrides):
-    import transformers
+    from transformers import AutoConfig
 
-    fields = {**TINY_LLAMA, **overrides}
-    if model_type == "mistral":
-        fields.setdefault("sliding_window", None)
-    return getattr(transformers, _CONFIG_CLASSES[model_type])(**fields)
+    if model_type not in _FAMILY_FIELDS:
+        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {', '.join(_FAMILY_FIELDS)}")
+    base = {} if model_type == "gpt2" else dict(TINY_LLAMA)
+    fields = {**base, **_FAMILY_FIELDS[model_type], **overrides}
+    return AutoConfig.for_model(model_type, **fields)
 
 
 def make_tiny_checkpoint(path: Path, *, model_type: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -34,7 +49,7 @@ def make_tiny_checkpoint(path: Path, *, model_type: str = "llama", seed: int = 0
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:  # HF initialises norms to 1: randomise so a misplaced norm is visible
+            if "norm" in name or ".ln_" in name:  # HF initialises norms to 1 (or 0): randomise them
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))

@@ -14,6 +14,11 @@ VARIANTS = {
     "qwen2": dict(model_type="qwen2", seed=1),
     "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True, seed=4),
     "mistral": dict(model_type="mistral", seed=2),
+    "qwen3": dict(model_type="qwen3", seed=5),            # q/k head norms, head_dim 16 != 64 / 8
+    "qwen3_tied": dict(model_type="qwen3", tie_word_embeddings=True, seed=6),
+    "gemma": dict(model_type="gemma", seed=7),            # GeGLU, (1 + w) norms, sqrt(h) embedding scale, 1 KV head
+    "phi3": dict(model_type="phi3", seed=8),              # packed qkv_proj and gate_up_proj
+    "gpt2": dict(model_type="gpt2", seed=9),              # learned positions, LayerNorm + biases, Conv1D, GELU
 }
 
 

@@ -24,7 +24,8 @@ def round_trip(source, tmp_path, *extra):
     return tmp_path / "mcore", tmp_path / "back"
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama_tied", "qwen2", "qwen2_tied", "mistral"])
+@pytest.mark.parametrize("variant", ["llama", "llama_tied", "qwen2", "qwen2_tied", "mistral", "qwen3", "gemma", "phi3",
+                                     "gpt2"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(variant, tiny_checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -71,9 +72,9 @@ def test_missing_and_unreadable_config(tmp_path, capsys):
     assert_fails(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "out")], capsys, "config.json is missing")
     (tmp_path / "hf" / "config.json").write_text("{not json")
     assert_fails(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "out")], capsys, "not readable JSON")
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "t5"}))
     assert_fails(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "out")], capsys,
-                 "'bert' has no megatron-core adapter", "supported: llama, mistral, qwen2")
+                 "'t5' has no megatron-core adapter", "supported: bert, gemma, gpt2, llama, mistral")
     assert no_partial_output(tmp_path)
 
 

@@ -1,17 +1,39 @@
-"""HF vs sharded megatron-core logits at TP in {1,2,4} x PP in {1,2} plus interleaved PP, every family per launch.
+"""HF vs sharded megatron-core outputs at TP in {1,2,4} x PP in {1,2} plus interleaved PP, every family per launch.
 
-Each launch checks all variants at once (process start-up and imports dominate on small machines). The first
-launch also saves its sharded model as a dsmt checkpoint written at TP2 x PP2; later launches load that checkpoint
-at their own layout (megatron's dist_checkpointing reshards) and compare with HF too."""
+Each launch checks all variants at once (process start-up and imports dominate on small machines): the decoder
+families' logits, and BERT's (toolkit/adapters/encoder.py) MLM logits and classifier outputs with padding and two
+token types. The first launches save a sharded model as a dsmt checkpoint written at TP2 x PP2 (a tied Llama; the
+tied BERT MLM, whose embedding lives on both stages); later launches load those checkpoints at their own layout
+(megatron's dist_checkpointing reshards) and compare with HF too. TP1 x PP1 of BERT is also checked in one process
+(test_bert.py). Measured: decoders <= 7.2e-7 (Gemma; the others <= 3.6e-7), BERT <= 2.7e-7; KL <= 6.4e-16."""
 
 import pytest
 
+from toolkit.tiny_encoder import TINY_BERT_HEADS
 from toolkit.verify.run import run_verify_many
 
 pytestmark = pytest.mark.multiproc
 
-FAMILY_VARIANTS = ["llama", "llama_tied", "llama3_rope", "qwen2", "qwen2_tied", "mistral"]
+FAMILY_VARIANTS = ["llama", "llama_tied", "llama3_rope", "qwen2", "qwen2_tied", "mistral", "qwen3", "qwen3_tied", "gemma",
+                   "phi3", "gpt2"]
 TOLERANCE = 1e-4  # fp32; observed ~3e-7
+
+
+BERT_HEADS = TINY_BERT_HEADS
+
+
+@pytest.fixture(scope="module")
+def berts(tmp_path_factory):
+    from toolkit.tiny_encoder import make_tiny_bert
+
+    root = tmp_path_factory.mktemp("bert-verify")
+    return [make_tiny_bert(root / name, **kwargs) for name, kwargs in BERT_HEADS.items()]
+
+
+@pytest.fixture(scope="module")
+def bert_saved_at_tp2pp2(berts, tmp_path_factory):
+    saved = tmp_path_factory.mktemp("bert-at-tp2pp2") / "mlm-mcore"
+    return saved, run_verify_many(checkpoints=berts, tp=2, pp=2, save_as=saved, tolerance=TOLERANCE)
 
 
 @pytest.fixture(scope="module")
@@ -33,18 +55,31 @@ def assert_all_pass(results, expected_count):
 def test_tp2_pp2_all_families_and_save(saved_at_tp2pp2):
     saved, results = saved_at_tp2pp2
     assert_all_pass(results, len(FAMILY_VARIANTS))
-    assert {r["model_type"] for r in results} == {"llama", "qwen2", "mistral"}
+    assert {r["model_type"] for r in results} == {"llama", "qwen2", "mistral", "qwen3", "gemma", "phi3", "gpt2"}
+    assert (saved / "dsmt_checkpoint.json").is_file()
+
+
+def test_tp2_pp2_every_bert_head_and_save(bert_saved_at_tp2pp2):
+    saved, results = bert_saved_at_tp2pp2
+    assert_all_pass(results, len(BERT_HEADS))
+    assert [r["task"] for r in results] == ["masked_lm", "sequence_classification", "sequence_classification"]
+    assert {r["model_type"] for r in results} == {"bert"} and results[0]["tied_embeddings"]
     assert (saved / "dsmt_checkpoint.json").is_file()
 
 
 @pytest.mark.parametrize("tp,pp,vpp", [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (4, 2, 1), (1, 2, 2)])
-def test_layout_all_families_and_resharded_checkpoint(tp, pp, vpp, tiny_checkpoints, saved_at_tp2pp2):
+def test_layout_all_families_and_resharded_checkpoint(tp, pp, vpp, tiny_checkpoints, saved_at_tp2pp2, berts,
+                                                      bert_saved_at_tp2pp2):
     saved, _ = saved_at_tp2pp2
-    checkpoints = [tiny_checkpoints[v] for v in FAMILY_VARIANTS] + [saved]
+    bert_saved, _ = bert_saved_at_tp2pp2
+    checkpoints = [tiny_checkpoints[v] for v in FAMILY_VARIANTS] + [saved] + berts + [bert_saved]
     results = run_verify_many(checkpoints=checkpoints, tp=tp, pp=pp, vpp=vpp, tolerance=TOLERANCE,
                               reference=None)
     assert_all_pass(results, len(checkpoints))
-    assert results[-1]["checkpoint_kind"] == "mcore" and results[-1]["tied_embeddings"]
+    decoder_saved, bert_reloaded = results[len(FAMILY_VARIANTS)], results[-1]
+    assert decoder_saved["checkpoint_kind"] == "mcore" and decoder_saved["tied_embeddings"]
+    assert bert_reloaded["checkpoint_kind"] == "mcore" and bert_reloaded["task"] == "masked_lm"
+    assert [r["model_type"] for r in results[-4:]] == ["bert"] * 4
     assert all((r["tp"], r["pp"], r["vpp"]) == (tp, pp, vpp) for r in results)
 
 

@@ -1,6 +1,7 @@
 """Family tables, config translation and layout rules: everything checked before a tensor is read."""
 
 import pytest
+import torch
 
 from toolkit.adapters.family import AdapterError, get_family, supported_model_types
 from toolkit.adapters.hf_config import model_settings, rope_settings
@@ -9,12 +10,13 @@ from toolkit.tiny import tiny_config
 
 
 def test_registry_lists_supported_model_types_for_unknown_ones():
-    assert supported_model_types() == ["llama", "mistral", "qwen2"]
-    with pytest.raises(AdapterError, match=r"'gpt_neox'.*supported: llama, mistral, qwen2"):
+    decoders = ["gemma", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3"]
+    assert set(decoders) <= set(supported_model_types()) and supported_model_types() == sorted(supported_model_types())
+    with pytest.raises(AdapterError, match=r"'gpt_neox'.*supported: .*" + ", ".join(decoders[2:])):
         get_family("gpt_neox")
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2"])
 def test_table_covers_every_hf_tensor_of_a_real_hf_model(model_type):
     from transformers import AutoModelForCausalLM
 
@@ -41,8 +43,14 @@ def test_shared_translation_and_family_deltas():
     assert llama.transformer_fields["num_query_groups"] == 2
     assert llama.transformer_fields["kv_channels"] == 8
     assert llama.padded_vocab_size == 256 and llama.vocab_size == 250
-    assert "add_qkv_bias" not in llama.transformer_fields
+    assert llama.transformer_fields["add_qkv_bias"] is False and llama.transformer_fields["gated_linear_unit"]
+    assert llama.transformer_fields["activation_func"] is torch.nn.functional.silu
     assert model_settings(tiny_config("qwen2")).transformer_fields["add_qkv_bias"] is True
+
+
+def test_activation_must_be_the_familys():
+    with pytest.raises(AdapterError, match=r"hidden_act='gelu'; the llama adapter reproduces only 'silu' / 'swish'"):
+        model_settings(tiny_config("llama", hidden_act="gelu"))
 
 
 def test_rope_llama3_scaling_supported_and_other_kinds_refused():
@@ -67,3 +75,43 @@ def test_unreproducible_features_are_refused_by_name():
         model_settings(tiny_config("llama", attention_bias=True))
     with pytest.raises(AdapterError, match="use_sliding_window=True"):
         model_settings(tiny_config("qwen2", use_sliding_window=True, sliding_window=16))
+
+
+def test_family_deltas_reach_the_megatron_config():
+    from toolkit.adapters.family import gelu_tanh
+
+    fields = {t: model_settings(tiny_config(t)).transformer_fields for t in ("qwen3", "gemma", "phi3", "gpt2")}
+    assert fields["qwen3"]["qk_layernorm"] and fields["qwen3"]["kv_channels"] == 16  # head_dim != 64 / 8
+    gemma = fields["gemma"]
+    assert gemma["activation_func"] is gelu_tanh and gemma["gated_linear_unit"] and gemma["layernorm_zero_centered_gamma"]
+    assert gemma["num_query_groups"] == 1 and gemma["kv_channels"] == 16
+    assert get_family("gemma").architecture.embedding_scale
+    assert fields["phi3"]["activation_func"] is torch.nn.functional.silu and not fields["phi3"]["add_bias_linear"]
+    gpt2 = fields["gpt2"]
+    assert (gpt2["normalization"], gpt2["gated_linear_unit"], gpt2["add_bias_linear"]) == ("LayerNorm", False, True)
+    assert (gpt2["ffn_hidden_size"], gpt2["num_query_groups"], gpt2["layernorm_epsilon"]) == (96, 8, 1e-5)
+    assert get_family("gpt2").architecture.position_embedding == "learned_absolute"
+    assert model_settings(tiny_config("gpt2", n_inner=None)).transformer_fields["ffn_hidden_size"] == 4 * 64
+
+
+@pytest.mark.parametrize("model_type,overrides,message", [
+    ("phi3", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                                "original_max_position_embeddings": 64}),
+     "rope_type 'longrope' \\(Phi-3 long-context RoPE scaling, which megatron-core does not implement\\)"),
+    ("phi3", dict(sliding_window=32), "sliding_window=32 < max_position_embeddings=128"),
+    ("phi3", dict(resid_pdrop=0.1), "the phi3 adapter trains without dropout"),
+    ("gpt2", dict(embd_pdrop=0.1), "embd_pdrop=0.1 != resid_pdrop=0.0"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "only the standard 1/sqrt\\(head_dim\\) attention scale"),
+    ("gpt2", dict(activation_function="relu"), "activation_function='relu'; the gpt2 adapter reproduces only"),
+    ("gemma", dict(hidden_act="silu"), "hidden_act='silu'; the gemma adapter reproduces only 'gelu_new' / "
+                                       "'gelu_pytorch_tanh'"),
+    ("qwen3", dict(use_sliding_window=True), "use_sliding_window=True"),
+])
+def test_family_features_megatron_cannot_reproduce_are_refused_by_name(model_type, overrides, message):
+    with pytest.raises(AdapterError, match=message):
+        model_settings(tiny_config(model_type, **overrides))
+
+
+def test_gpt2_keeps_its_dropout_as_megatron_hidden_and_attention_dropout():
+    fields = model_settings(tiny_config("gpt2", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.05)).transformer_fields
+    assert (fields["hidden_dropout"], fields["attention_dropout"]) == (0.1, 0.05)

@@ -77,7 +77,39 @@ def test_megatron_shape(kind, hf_shapes, expected):
 
 @pytest.mark.parametrize("kind", list(Kind))
 def test_every_kind_round_trips_bit_exactly(kind):
-    shapes = {Kind.QKV: [(4, 3), (2, 3), (2, 3)], Kind.GATE_UP: [(6, 3), (6, 3)], Kind.VOCAB: [(5, 3)]}
+    shapes = {Kind.QKV: [(4, 3), (2, 3), (2, 3)], Kind.GATE_UP: [(6, 3), (6, 3)], Kind.VOCAB: [(5, 3)],
+              Kind.QKV_PACKED: [(8, 3)]}
     hf = [torch.randn(s, dtype=torch.bfloat16) for s in shapes.get(kind, [(6, 3)])]
     back = transforms.to_hf(kind, transforms.to_megatron(kind, hf, ctx=CTX), ctx=CTX)
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back, hf))
+
+
+def test_packed_qkv_equals_qkv_from_the_three_tensors_and_shards_alike():
+    q, k, v = rows(0, 1, 2, 3), rows(10, 11), rows(20, 21)
+    packed = torch.cat([q, k, v])  # Phi-3 qkv_proj / GPT-2 c_attn (after the transpose) row order
+    fused = transforms.to_megatron(Kind.QKV_PACKED, [packed], ctx=CTX)
+    assert torch.equal(fused, transforms.to_megatron(Kind.QKV, [q, k, v], ctx=CTX))
+    assert transforms.megatron_shape(Kind.QKV_PACKED, [tuple(packed.shape)], ctx=CTX) == tuple(fused.shape)
+    assert transforms.expected_hf_shapes(Kind.QKV_PACKED, tuple(fused.shape), ctx=CTX) == [tuple(packed.shape)]
+    assert torch.equal(transforms.to_hf(Kind.QKV_PACKED, fused, ctx=CTX)[0], packed)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_packed_gate_up_shards_hold_gate_shard_then_up_shard(tp_size):
+    gate, up = rows(0, 1, 2, 3), rows(10, 11, 12, 13)
+    packed = torch.cat([gate, up])  # Phi-3 gate_up_proj
+    full = transforms.to_megatron(Kind.GATE_UP_PACKED, [packed], ctx=CTX)
+    for rank in range(tp_size):
+        expected = transforms.merge_gate_up(gate, up, tp_rank=rank, tp_size=tp_size)
+        assert torch.equal(transforms.shard(Kind.GATE_UP_PACKED, full, tp_rank=rank, tp_size=tp_size), expected)
+        assert torch.equal(transforms.shard(Kind.GATE_UP, full, tp_rank=rank, tp_size=tp_size), expected)
+    assert torch.equal(transforms.to_hf(Kind.GATE_UP_PACKED, full, ctx=CTX)[0], packed)
+
+
+def test_conv1d_storage_is_transposed_both_ways_bit_exactly():
+    stored = torch.randn(3, 8, dtype=torch.bfloat16)  # GPT-2 Conv1D: [in, out]
+    linear = transforms.from_hf_storage(stored, transposed=True)
+    assert linear.shape == (8, 3) and linear.is_contiguous() and torch.equal(linear, stored.t())
+    assert torch.equal(transforms.to_hf_storage(linear, transposed=True), stored)
+    assert transforms.hf_storage_shape((3, 8), transposed=True) == (8, 3)
+    assert transforms.from_hf_storage(stored, transposed=False) is stored

@@ -128,3 +128,12 @@ def test_check_cli_exit_codes_and_json(write_spec, capsys):
     reports = json.loads(capsys.readouterr().out)
     assert [r["ok"] for r in reports] == [True, False]
     assert "layers_vs_pp" in {p["rule"] for p in reports[1]["problems"]}
+
+
+def test_sync_batchnorm_on_a_transformer_is_a_warning_naming_it(tmp_path):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(tiny_spec(training={"sync_batchnorm": True})))
+    spec, report = check_file(path)
+    assert report.ok and report.rules("warning") >= {"sync_batchnorm_no_batchnorm"}
+    path.write_text(json.dumps(tiny_spec()))
+    assert "sync_batchnorm_no_batchnorm" not in check_file(path)[1].rules("warning")

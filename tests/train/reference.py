@@ -137,6 +137,17 @@ def rank_rows(*, micro_batch: int, dp_rank: int, micro_batch_size: int, dp_size:
 
 # --- schedule ---------------------------------------------------------------------------------------------------
 
+def clip_and_step(optimizer, *, params: list, step: int, settings: RunSettings) -> tuple[float, float]:
+    """Clip the gradients to `grad_clip` by their global L2 norm, set this step's lr, step; (pre-clip norm, lr)."""
+    max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    lr = deepspeed_warmup_cosine_lr(step=step, settings=settings)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return norm, lr
+
+
 def deepspeed_warmup_cosine_lr(*, step: int, settings: RunSettings) -> float:
     """The LR of optimizer step `step` (0-based) under the WarmupCosineLR that dsmt configures.
 
@@ -209,11 +220,8 @@ def train_reference(spec_path: Path, *, chunk_rows: int | None = None,
         optimizer.zero_grad(set_to_none=True)
         losses.append(global_batch_loss_backward(model, token_ids=token_ids[rows], loss_mask=loss_mask[rows],
                                                  chunk_rows=chunk_rows or settings.micro_batch_size))
-        max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-        lrs.append(deepspeed_warmup_cosine_lr(step=step, settings=settings))
-        for group in optimizer.param_groups:
-            group["lr"] = lrs[-1]
-        optimizer.step()
+        norm, lr = clip_and_step(optimizer, params=params, step=step, settings=settings)
+        norms.append(norm)
+        lrs.append(lr)
     return ReferenceRun(losses=losses, grad_norms=norms, lrs=lrs,
                         state_dict={k: v.detach().clone() for k, v in model.state_dict().items()})

@@ -120,7 +120,7 @@ def test_context_parallel_reaches_megatron_config_and_te_spec(monkeypatch):
     te = backends.Backend(name="cuda", dist_backend="nccl", use_transformer_engine=True)
     monkeypatch.setattr(backends, "current", lambda: te)
     sentinel = object()
-    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda: sentinel)
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda **kwargs: sentinel)
     assert build.layer_spec(attention="fused", cp_size=2) is sentinel
     assert build.layer_spec(attention=None, cp_size=2) is sentinel
 

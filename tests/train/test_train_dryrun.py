@@ -137,3 +137,20 @@ def test_inline_config_without_model_type_is_reported(tmp_path):
     config = {k: v for k, v in TINY_CONFIG.items() if k != "model_type"}
     report = dry_run(write(tmp_path / "job.yaml", cpu_spec(output_dir=tmp_path / "out", model={"config": config})))
     assert "model_config" in report.rules("error") and "model_type" in report.to_text()
+
+
+def test_a_model_without_an_adapter_dry_runs_its_own_task_data(tmp_path):
+    """An image classifier on an image folder: the dry run builds the examples as a rank would (no tokenizer asked
+    for); a folder with one class is refused by the task's rule."""
+    from test_train_plain_check import image_folder, tiny_resnet, write_spec
+
+    model = tiny_resnet(tmp_path / "m")
+    good = write_spec(tmp_path, model_dir=model, data={"path": str(image_folder(tmp_path / "i"))})
+    report = dry_run(good)
+    assert report.ok, report.to_text()
+    assert any(p.rule == "data" and "6 examples for image_classification" in p.message for p in report.problems)
+    (tmp_path / "bad").mkdir()
+    bad = write_spec(tmp_path / "bad", model_dir=model, data={"path": str(image_folder(tmp_path / "one", classes=("a",)))})
+    report = dry_run(bad)
+    assert not report.ok and "tokenizer" not in report.rules(), report.to_text()
+    assert any("one class" in p.message or "1 class" in p.message for p in report.errors), report.to_text()

@@ -318,9 +318,12 @@ def test_transformer_engine_layers_keep_megatrons_norms(monkeypatch):
 
     # TE's layer spec has no separate input norm (it is TELayerNormColumnParallelLinear's layer_norm_weight).
     te_spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(input_layernorm=IdentityOp))
-    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda: te_spec)
+    asked = []
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec",
+                        lambda **kwargs: asked.append(kwargs) or te_spec)
     backend_with(monkeypatch, transformer_engine=True)
-    assert layer_spec() is te_spec
+    assert layer_spec() is te_spec and asked == [{"qk_layernorm": False}]
+    assert layer_spec(qk_norm=True) is te_spec and asked[-1] == {"qk_layernorm": True}  # Qwen3's head norms
     assert decoder_spec(config=None, layer_spec=te_spec, vp_stage=None) is te_spec  # megatron picks TENorm
 
 
@@ -345,8 +348,16 @@ def test_local_layers_and_final_norm_use_the_marked_torch_norm(monkeypatch):
     assert len(block.layer_specs) == settings.num_layers // 2
     norm = TorchNorm(config, hidden_size=8, eps=1e-6)
     assert type(norm) is torch.nn.RMSNorm and norm.weight.sequence_parallel is True
-    with pytest.raises(AdapterError, match="zero-centred gamma"):
-        TorchNorm(dataclasses.replace(config, layernorm_zero_centered_gamma=True), hidden_size=8)
+    # Gemma's (1 + w) norm: megatron's zero-centred gamma, as Transformer Engine computes it
+    centred = TorchNorm(dataclasses.replace(config, layernorm_zero_centered_gamma=True), hidden_size=8, eps=1e-6)
+    with torch.no_grad():
+        centred.weight.copy_(torch.randn(8))
+    x = torch.randn(3, 8)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + centred.weight)
+    torch.testing.assert_close(centred(x), expected, rtol=0, atol=1e-6)
+    assert centred.weight.sequence_parallel is True
+    with pytest.raises(AdapterError, match="normalization=ScaleNorm"):
+        TorchNorm(dataclasses.replace(config, normalization="ScaleNorm"), hidden_size=8)
 
 
 class TransformerEngineLike(torch.nn.Module):

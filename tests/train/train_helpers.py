@@ -124,3 +124,47 @@ def parity_figures(*, name: str, spec_path: Path, output_dir: Path, model_dir: P
     assert reference.losses[-1] < reference.losses[0]  # it learns
     assert figures["moved"] > 1e-3  # the weights compared are trained ones, not two copies of the start
     return figures
+
+
+# --- several `dsmt train` runs in one launch ---------------------------------------------------------------------
+
+def train_in_one_launch(*, runs: dict[str, Path], root: Path, nprocs: int, timeout: int = 1200) -> None:
+    """`toolkit.train.run.train(spec=...)` for each spec, one after the other, in ONE torchrun launch of `nprocs`
+    gloo ranks (imports cost ~6 s per process on 2 cores; the world group stays, megatron's groups are rebuilt per
+    run). This file is the per-rank worker. Fails with the launch's output."""
+    import os
+    import subprocess
+    import sys
+
+    from toolkit.launch import free_port
+
+    plan = Path(root) / "plan.json"
+    plan.write_text(json.dumps({"runs": {name: str(path) for name, path in runs.items()}}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nprocs}",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", __file__, str(plan)]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def _train_worker(plan_path: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from toolkit.spec.load import load_spec
+    from toolkit.train.run import train
+
+    plan = json.loads(Path(plan_path).read_text())
+    dist.init_process_group("gloo")
+    for spec_path in plan["runs"].values():
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        train(spec=load_spec(spec_path))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _train_worker(sys.argv[1])

@@ -24,8 +24,7 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
 
     backend = backends.current()
     return TransformerConfig(
-        **settings.transformer_fields,
-        activation_func=torch.nn.functional.silu,
+        **settings.transformer_fields,  # shapes, and the family's deltas (activation, norm, biases, qk-norm)
         tensor_model_parallel_size=layout.tp,
         # Norm and residual activations split along the sequence over the TP ranks; the norms' gradients are then
         # partial per rank and the engine sums them over TP (`toolkit.train.engine.sum_sequence_parallel_grads`).
@@ -48,10 +47,11 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
     )
 
 
-def layer_spec(*, attention: str | None = None, cp_size: int = 1):
+def layer_spec(*, attention: str | None = None, cp_size: int = 1, qk_norm: bool = False):
     """The layers for the run's attention kind (the spec's resolved `training.attention`): "fused" is Transformer
     Engine's layers (fused / flash attention; context parallelism needs them), "local" megatron's torch layers
-    (unfused attention, the s x s scores stored); None (verify, convert): TE where installed, local otherwise."""
+    (unfused attention, the s x s scores stored); None (verify, convert): TE where installed, local otherwise.
+    The norm kind (RMSNorm / LayerNorm, zero-centred) is read from the TransformerConfig by both."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     use_te = backends.current().use_transformer_engine
@@ -65,22 +65,24 @@ def layer_spec(*, attention: str | None = None, cp_size: int = 1):
                            "training.attention: fused on GPUs with transformer-engine installed")
     if attention == "fused" or (attention is None and use_te):
         # TE fuses the layer norms into its linear layers and marks their weights `sequence_parallel` itself.
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return local_layer_spec()
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    return local_layer_spec(qk_norm=qk_norm)
 
 
-def local_layer_spec():
-    """megatron's local (torch) layer spec with `TorchNorm` for its norms, which, unlike megatron's
-    `WrappedTorchNorm`, works with sequence parallelism."""
+def local_layer_spec(*, qk_norm: bool = False):
+    """megatron's local (torch) layer spec with `TorchNorm` for its norms (the q / k head norms too), which, unlike
+    megatron's `WrappedTorchNorm`, works with sequence parallelism and zero-centred weights."""
     import dataclasses
 
     from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    norms = {name: TorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
-             if getattr(spec.submodules, name) is WrappedTorchNorm}
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **norms))
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    attention = spec.submodules.self_attention
+    if qk_norm:
+        attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+            attention.submodules, q_layernorm=TorchNorm, k_layernorm=TorchNorm))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm, self_attention=attention))
 
 
 class TorchNorm:
@@ -93,15 +95,31 @@ class TorchNorm:
     A class, not a function: megatron's `build_module` returns functions uncalled."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
-        norms = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
-        if config.normalization not in norms or config.layernorm_zero_centered_gamma:
-            raise AdapterError(f"normalization={config.normalization} (zero-centred gamma: "
-                               f"{config.layernorm_zero_centered_gamma}) has no torch norm in megatron's local "
-                               "layers; supported: RMSNorm, LayerNorm without zero-centred gamma")
+        plain = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        centred = {"RMSNorm": ZeroCenteredRMSNorm, "LayerNorm": ZeroCenteredLayerNorm}
+        norms = centred if config.layernorm_zero_centered_gamma else plain
+        if config.normalization not in norms:
+            raise AdapterError(f"normalization={config.normalization} has no torch norm in dsmt's local layers; "
+                               f"supported: {', '.join(norms)}")
         norm = norms[config.normalization](hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm scaled by (1 + weight), weight stored zero-centred (Gemma's norm; megatron's
+    `layernorm_zero_centered_gamma`, which Transformer Engine's norms implement the same way)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, 1 + self.weight, self.eps)
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm scaled by (1 + weight) (megatron's `layernorm_zero_centered_gamma`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, 1 + self.weight, self.bias, self.eps)
 
 
 def decoder_spec(*, config, layer_spec, vp_stage: int | None):
@@ -129,12 +147,23 @@ def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype:
                                 init_method_std=init_method_std, recompute=recompute)
     device = backends.current().device
     chunks = []
-    spec = layer_spec(attention=attention, cp_size=layout.cp)
-    for model in gpt_chunks(config=config, spec=spec, settings=settings, vpp_size=layout.vpp,
-                            parallel_output=parallel_output):
+    for model in model_chunks(config=config, settings=settings, layout=layout, attention=attention,
+                              parallel_output=parallel_output):
         mark_tensor_parallel_weights(model)
         chunks.append(model.to(device))
     return chunks
+
+
+def model_chunks(*, config, settings: ModelSettings, layout: Layout, attention: str | None, parallel_output: bool):
+    """This rank's models per virtual stage: `GPTModel`s, or for an encoder family (BERT) the post-LN encoder of
+    toolkit/adapters/encoder.py with the checkpoint's head."""
+    if settings.encoder is not None:
+        from toolkit.adapters.encoder import check_encoder_attention, encoder_chunks
+
+        check_encoder_attention(attention=attention, cp_size=layout.cp)
+        return encoder_chunks(config=config, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
+    spec = layer_spec(attention=attention, cp_size=layout.cp, qk_norm=settings.family.architecture.qk_norm)
+    return gpt_chunks(config=config, spec=spec, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
 
 
 def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel_output: bool = True):
@@ -143,9 +172,11 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    architecture = settings.family.architecture
+    rope = architecture.position_embedding == "rope"
     for vp_stage in range(vpp_size):
         vp = vp_stage if vpp_size > 1 else None
-        yield GPTModel(
+        model = GPTModel(
             config=config,
             transformer_layer_spec=decoder_spec(config=config, layer_spec=spec, vp_stage=vp),
             vocab_size=settings.padded_vocab_size,
@@ -154,11 +185,25 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             parallel_output=parallel_output,
             share_embeddings_and_output_weights=settings.tied_embeddings,
-            position_embedding_type="rope",
-            rotary_base=settings.rotary_base,
+            position_embedding_type=architecture.position_embedding,
             vp_stage=vp,
-            **(settings.rope_scaling or {}),
+            **({"rotary_base": settings.rotary_base, **(settings.rope_scaling or {})} if rope else {}),
         )
+        if architecture.embedding_scale and model.pre_process:
+            model.embedding.register_forward_hook(EmbeddingScale(settings.transformer_fields["hidden_size"]))
+        yield model
+
+
+class EmbeddingScale:
+    """Forward hook on megatron's embedding: multiply its output by sqrt(hidden_size), as Gemma does (HF rounds the
+    factor to the activations' dtype first; so does this). megatron-core's GPTModel has no embedding multiplier.
+    Applied after megatron's embedding dropout (HF: before); the families that scale use no dropout."""
+
+    def __init__(self, hidden_size: int):
+        self.factor = hidden_size**0.5
+
+    def __call__(self, module, inputs, output: torch.Tensor) -> torch.Tensor:
+        return output * torch.tensor(self.factor, dtype=output.dtype, device=output.device)
 
 
 def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:

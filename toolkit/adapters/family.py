@@ -24,6 +24,8 @@ class WeightMapping:
     megatron: str
     kind: Kind
     hf: tuple[str, ...]
+    # The HF tensors are stored [in, out] (GPT-2's Conv1D) rather than torch.nn.Linear's [out, in].
+    transposed: bool = False
 
     def __post_init__(self):
         if len(self.hf) != HF_ARITY[self.kind]:
@@ -41,6 +43,76 @@ class WeightMapping:
         return self.megatron.replace("*", index), tuple(name.replace("*", index) for name in self.hf)
 
 
+def gelu_tanh(x):
+    """GELU with the tanh approximation (HF `gelu_pytorch_tanh`, `gelu_new`)."""
+    import torch
+
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _activations() -> dict[str, Callable]:
+    import torch
+
+    return {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "gelu_tanh": gelu_tanh}
+
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """How a family's layers differ from the shared Llama-like decoder: the family deltas build.py and the
+    planner read. The defaults are Llama: SwiGLU, pre-norm RMSNorm, no biases, RoPE."""
+
+    activation: str = "silu"  # one of ACTIVATIONS
+    gated_mlp: bool = True  # fc1 = [gate; up], act(gate) * up (SwiGLU / GeGLU); else act(fc1(x))
+    normalization: str = "RMSNorm"  # one of NORMALIZATIONS
+    zero_centered_norm: bool = False  # the norm scales by (1 + w) (Gemma), megatron's zero-centred gamma
+    qk_norm: bool = False  # an RMSNorm over each query and key head, before RoPE (Qwen3)
+    qkv_bias: bool = False  # biases on q, k, v only (Qwen2)
+    linear_bias: bool = False  # biases on every linear layer (GPT-2)
+    embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
+    position_embedding: str = "rope"  # one of POSITION_EMBEDDINGS
+
+    def __post_init__(self):
+        for field, value, allowed in (("activation", self.activation, ACTIVATIONS),
+                                      ("normalization", self.normalization, NORMALIZATIONS),
+                                      ("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)):
+            if value not in allowed:
+                raise ValueError(f"Architecture.{field}={value!r}; one of {allowed}")
+
+    @property
+    def activation_func(self) -> Callable:
+        return _activations()[self.activation]
+
+    def transformer_fields(self) -> dict:
+        """The megatron TransformerConfig fields these deltas set."""
+        return dict(activation_func=self.activation_func, gated_linear_unit=self.gated_mlp,
+                    normalization=self.normalization, layernorm_zero_centered_gamma=self.zero_centered_norm,
+                    qk_layernorm=self.qk_norm, add_bias_linear=self.linear_bias,
+                    add_qkv_bias=self.qkv_bias or self.linear_bias)
+
+
+ENCODER_TASKS = ("masked_lm", "sequence_classification")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTable:
+    """An encoder family's head for one HF class (BERT): the training task it implies, the weight rows of the head
+    (added to the family's `weights`), and HF tensors a checkpoint of that class may carry and the head drops."""
+
+    hf_architecture: str  # the HF class in config.architectures[0] ("BertForSequenceClassification")
+    task: str  # one of ENCODER_TASKS
+    weights: tuple[WeightMapping, ...]
+    ignored_hf: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.task not in ENCODER_TASKS:
+            raise ValueError(f"HeadTable.task={self.task!r}; one of {ENCODER_TASKS}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
     model_type: str  # HF config.model_type
@@ -50,10 +122,33 @@ class ModelFamily:
     untied_output: WeightMapping
     # HF tensor names (with `*`) that carry no megatron parameter and are dropped on purpose.
     ignored_hf: tuple[str, ...] = ()
-    # TransformerConfig fields this family sets differently from the shared translation (e.g. add_qkv_bias).
-    config_deltas: dict = dataclasses.field(default_factory=dict)
+    # The family's layer deltas (activation, norm, qk-norm, biases, embedding scale, position embedding).
+    architecture: Architecture = Architecture()
+    # HF config -> TransformerConfig fields read differently from the shared table (GPT-2's n_inner,
+    # layer_norm_epsilon); applied after the shared translation.
+    read_config: Callable[[object], dict] = lambda hf_config: {}
+    # The HF config field naming the activation (checked against `architecture.activation`).
+    hf_activation_field: str = "hidden_act"
     # Refuses config features megatron-core cannot reproduce; returns a list of problems (empty when fine).
     check_config: Callable[[object], list[str]] = lambda hf_config: []
+    # Encoder families only (BERT): the model is toolkit/adapters/encoder.py's post-LN encoder, not GPTModel, and its
+    # head is the one named by config.architectures[0]. Empty for decoder families.
+    heads: tuple[HeadTable, ...] = ()
+
+    @property
+    def is_encoder(self) -> bool:
+        return bool(self.heads)
+
+    def head_for(self, architectures) -> HeadTable:
+        """The head of an encoder checkpoint whose config.architectures is `architectures`."""
+        names = list(architectures or [])
+        for head in self.heads:
+            if names and names[0] == head.hf_architecture:
+                return head
+        supported = ", ".join(head.hf_architecture for head in self.heads)
+        raise AdapterError(f"architectures={names} ({self.model_type}): dsmt's {self.model_type} adapter has no "
+                           f"such head; supported: {supported}. Save the model with one of these classes "
+                           f"(e.g. AutoModelForSequenceClassification.from_pretrained(path, num_labels=N))")
 
     def weight_table(self, *, tied_embeddings: bool) -> tuple[WeightMapping, ...]:
         return self.weights if tied_embeddings else self.weights + (self.untied_output,)

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from toolkit.adapters.family import AdapterError, ModelFamily, get_family
+from toolkit.adapters.family import AdapterError, HeadTable, ModelFamily, WeightMapping, get_family
 from toolkit.adapters.transforms import ShapeContext, padded_vocab_size
 from toolkit.shapes import VOCAB_PAD_MULTIPLE
 
@@ -20,13 +20,11 @@ SHARED_CONFIG_TABLE = (
     ("rms_norm_eps", "layernorm_epsilon"),
 )
 
-# What every supported family shares and HF never states: pre-norm RMSNorm, SwiGLU, no linear biases, no dropout
-# (HF's Llama-like models have none), and no CUDA-only fusions (they would be picked on GPU by megatron defaults
-# but need apex / TE kernels; correctness first, the engine may switch them on where present).
+# What every supported family shares and HF never states: no dropout in fine-tuning (the families here set none,
+# or it is refused), and no CUDA-only fusions (they would be picked on GPU by megatron defaults but need apex / TE
+# kernels; correctness first, the engine may switch them on where present). The layer deltas (activation, norm,
+# biases, qk-norm) come from the family's `Architecture`.
 SHARED_CONFIG_CONSTANTS = dict(
-    normalization="RMSNorm",
-    gated_linear_unit=True,
-    add_bias_linear=False,
     hidden_dropout=0.0,
     attention_dropout=0.0,
     bias_activation_fusion=False,
@@ -36,6 +34,10 @@ SHARED_CONFIG_CONSTANTS = dict(
     gradient_accumulation_fusion=False,
     persist_layer_norm=False,
 )
+
+# HF activation names (transformers' ACT2FN keys) -> `Architecture.activation`; only exact equivalents.
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                  "gelu_new": "gelu_tanh"}
 
 DEFAULT_VOCAB_PAD_MULTIPLE = VOCAB_PAD_MULTIPLE  # see toolkit/shapes.py for why it is not multiplied by tp
 
@@ -83,6 +85,45 @@ def rope_settings(hf_config) -> tuple[float, dict | None, str | None]:
     return theta, None, f"rope_type {rope_type!r} is not supported (supported: default, llama3)"
 
 
+def activation_problems(hf_config, *, family: ModelFamily) -> list[str]:
+    """The checkpoint's activation (config field `family.hf_activation_field`) must be the family's."""
+    name = getattr(hf_config, family.hf_activation_field, None)
+    if HF_ACTIVATIONS.get(name) == family.architecture.activation:
+        return []
+    same = sorted(hf for hf, kind in HF_ACTIVATIONS.items() if kind == family.architecture.activation)
+    return [f"{family.hf_activation_field}={name!r}; the {family.model_type} adapter reproduces only "
+            f"{' / '.join(repr(n) for n in same)} (megatron {family.architecture.activation})"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderSettings:
+    """What an encoder checkpoint (BERT) needs beyond the TransformerConfig: its head (from config.architectures),
+    the head's sizes, and the token-type vocabulary (megatron's `num_tokentypes`)."""
+
+    head: HeadTable
+    num_tokentypes: int  # HF type_vocab_size
+    num_labels: int = 0  # sequence classification: outputs of the classifier (1 = regression)
+    classifier_dropout: float = 0.0  # HF classifier_dropout, else hidden_dropout_prob
+    padding_idx: int | None = None  # HF pad_token_id: the word-embedding row its lookups do not train
+
+    @property
+    def task(self) -> str:
+        return self.head.task
+
+
+def encoder_settings(hf_config, *, family: ModelFamily) -> EncoderSettings | None:
+    if not family.is_encoder:
+        return None
+    head = family.head_for(getattr(hf_config, "architectures", None))
+    dropout = getattr(hf_config, "classifier_dropout", None)
+    return EncoderSettings(
+        head=head, num_tokentypes=int(getattr(hf_config, "type_vocab_size", 0) or 0),
+        num_labels=int(hf_config.num_labels) if head.task == "sequence_classification" else 0,
+        classifier_dropout=float(getattr(hf_config, "hidden_dropout_prob", 0.0) if dropout is None else dropout),
+        padding_idx=getattr(hf_config, "pad_token_id", None),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
     """Everything needed to build the megatron model of one HF config, independent of the parallel layout."""
@@ -95,10 +136,24 @@ class ModelSettings:
     tied_embeddings: bool
     rotary_base: float
     rope_scaling: dict | None
+    encoder: EncoderSettings | None = None  # encoder families (BERT) only
 
     @property
     def num_layers(self) -> int:
         return self.transformer_fields["num_layers"]
+
+    def weight_table(self) -> tuple[WeightMapping, ...]:
+        """The family's rows, plus the head's for an encoder (and the untied output layer where there is one)."""
+        if self.encoder is None:
+            return self.family.weight_table(tied_embeddings=self.tied_embeddings)
+        has_output_layer = self.encoder.task == "masked_lm"
+        return self.family.weight_table(tied_embeddings=self.tied_embeddings or not has_output_layer) \
+            + self.encoder.head.weights
+
+    def ignored_hf(self) -> tuple[str, ...]:
+        """HF tensor names (with `*`) the conversion drops on purpose."""
+        head = self.encoder.head.ignored_hf if self.encoder is not None else ()
+        return self.family.ignored_hf + head + (("lm_head.weight",) if self.tied_embeddings else ())
 
     def shape_context(self) -> ShapeContext:
         fields = self.transformer_fields
@@ -110,20 +165,27 @@ class ModelSettings:
 
 def model_settings(hf_config, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE) -> ModelSettings:
     family = get_family(hf_config.model_type)
-    problems = family.check_config(hf_config)
+    problems = activation_problems(hf_config, family=family) + family.check_config(hf_config)
     if problems:
         raise AdapterError(f"{hf_config.model_type} config uses features dsmt cannot reproduce:\n  - " + "\n  - ".join(problems))
-    fields = {mcore: getattr(hf_config, hf) for hf, mcore in SHARED_CONFIG_TABLE}
+    fields = {mcore: getattr(hf_config, hf, None) for hf, mcore in SHARED_CONFIG_TABLE}
     fields["num_query_groups"] = fields["num_query_groups"] or fields["num_attention_heads"]
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     fields["kv_channels"] = head_dim
     fields.update(SHARED_CONFIG_CONSTANTS)
-    fields.update(family.config_deltas)
+    fields.update(family.architecture.transformer_fields())
+    fields.update(family.read_config(hf_config))
+    missing = sorted(name for name, value in fields.items() if value is None)
+    if missing:
+        raise AdapterError(f"{hf_config.model_type} config leaves megatron fields {missing} unset; the "
+                           f"{family.model_type} family must read them (ModelFamily.read_config)")
     theta, scaling, _ = rope_settings(hf_config)
+    encoder = encoder_settings(hf_config, family=family)
+    # An encoder without an MLM head has no output layer to tie (BERT configs say tie_word_embeddings=True anyway).
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and (encoder is None or encoder.task == "masked_lm")
     return ModelSettings(
         family=family, transformer_fields=fields, vocab_size=hf_config.vocab_size,
         padded_vocab_size=padded_vocab_size(hf_config.vocab_size, multiple=vocab_pad_multiple),
         max_position_embeddings=hf_config.max_position_embeddings,
-        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), rotary_base=float(theta),
-        rope_scaling=scaling,
+        tied_embeddings=tied, rotary_base=float(theta), rope_scaling=scaling, encoder=encoder,
     )

@@ -22,7 +22,8 @@ from toolkit.adapters.family import AdapterError, WeightMapping
 from toolkit.adapters.hf_config import ModelSettings
 from toolkit.adapters.transforms import Kind
 
-_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
+# The layer stack: `decoder` in GPTModel, `encoder` in the encoder models (toolkit/adapters/encoder.py).
+_LAYER_KEY = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.")
 
 
 def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -34,15 +35,16 @@ def canonical_tensors(chunks: list) -> dict[str, torch.Tensor]:
     """Canonical megatron name -> this rank's local tensor (shares storage with the parameter)."""
     found: dict[str, torch.Tensor] = {}
     for chunk in chunks:
-        global_layer = [layer.layer_number - 1 for layer in chunk.decoder.layers]  # layer_number is 1-based, global
+        block = chunk.encoder if hasattr(chunk, "encoder") else chunk.decoder
+        global_layer = [layer.layer_number - 1 for layer in block.layers]  # layer_number is 1-based, global
         for local_key, item in chunk.sharded_state_dict().items():
             data = getattr(item, "data", None)
             if not isinstance(data, torch.Tensor) or local_key.endswith("_extra_state"):
                 continue
             match = _LAYER_KEY.match(local_key)
             if match:
-                layer = global_layer[int(match.group(1))]
-                found[f"decoder.layers.{layer}." + item.key.removeprefix("decoder.layers.")] = data
+                stack, layer = match.group(1), global_layer[int(match.group(2))]
+                found[f"{stack}.layers.{layer}." + item.key.removeprefix(f"{stack}.layers.")] = data
             else:
                 found[item.key] = data
     return found
@@ -78,6 +80,7 @@ class LoadItem:
     megatron: str
     kind: Kind
     hf: tuple[str, ...]
+    transposed: bool = False  # HF stores the tensors [in, out] (Conv1D)
 
 
 def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int) -> dict[str, LoadItem]:
@@ -86,7 +89,7 @@ def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int) -> dict[s
     for row in table:
         for layer in (range(num_layers) if row.per_layer else [None]):
             megatron, hf = row.for_layer(layer)
-            items[megatron] = LoadItem(megatron, row.kind, hf)
+            items[megatron] = LoadItem(megatron, row.kind, hf, row.transposed)
     return items
 
 
@@ -115,9 +118,8 @@ def local_shape(item: LoadItem, hf_shapes: list[tuple[int, ...]], *, settings: M
 
 def plan_load(*, settings: ModelSettings, source, targets: dict[str, torch.Tensor], tp_size: int) -> list[LoadItem]:
     """What to read for each local tensor; raises one AdapterError listing every problem found."""
-    table = settings.family.weight_table(tied_embeddings=settings.tied_embeddings)
-    items = expand_table(table, num_layers=settings.num_layers)
-    ignored = settings.family.ignored_hf + (("lm_head.weight",) if settings.tied_embeddings else ())
+    items = expand_table(settings.weight_table(), num_layers=settings.num_layers)
+    ignored = settings.ignored_hf()
     hf_names = source.names()
     problems = check_hf_coverage(items=items, hf_names=hf_names, ignored=ignored)
     present, plan = set(hf_names), []
@@ -129,7 +131,7 @@ def plan_load(*, settings: ModelSettings, source, targets: dict[str, torch.Tenso
             continue
         if not all(n in present for n in item.hf):
             continue  # already reported as missing
-        hf_shapes = [source.shape(n) for n in item.hf]
+        hf_shapes = [transforms.hf_storage_shape(source.shape(n), transposed=item.transposed) for n in item.hf]
         expected_hf = transforms.expected_hf_shapes(item.kind, transforms.megatron_shape(item.kind, hf_shapes, ctx=ctx), ctx=ctx)
         wrong = [f"{n} {s} (expected {e})" for n, s, e in zip(item.hf, hf_shapes, expected_hf) if tuple(s) != tuple(e)]
         want = local_shape(item, hf_shapes, settings=settings, tp_size=tp_size)
@@ -142,7 +144,8 @@ def plan_load(*, settings: ModelSettings, source, targets: dict[str, torch.Tenso
 
 
 def local_shard(item: LoadItem, hf: list[torch.Tensor], *, settings: ModelSettings, tp_rank: int, tp_size: int) -> torch.Tensor:
-    if item.kind is Kind.GATE_UP:
+    """This rank's tensor from the row's HF tensors (already in [out, in] order)."""
+    if item.kind is Kind.GATE_UP:  # straight from gate and up, without building the full [gate ; up]
         return transforms.merge_gate_up(*hf, tp_rank=tp_rank, tp_size=tp_size)
     full = transforms.to_megatron(item.kind, hf, ctx=settings.shape_context())
     return transforms.shard(item.kind, full, tp_rank=tp_rank, tp_size=tp_size)
@@ -167,7 +170,7 @@ def load_hf_weights(*, chunks: list, settings: ModelSettings, source, tp_rank: i
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading HF tensors", disable=not show_progress) as bar:
         for item in plan:
             def value(item=item):
-                hf = [source.get(n) for n in item.hf]
+                hf = [transforms.from_hf_storage(source.get(n), transposed=item.transposed) for n in item.hf]
                 return local_shard(item, hf, settings=settings, tp_rank=tp_rank, tp_size=tp_size)
 
             write(targets[item.megatron], value)

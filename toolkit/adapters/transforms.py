@@ -14,6 +14,12 @@ Every megatron parameter is one of these kinds (see `families/*.py` for which is
               Concatenating q, k, v without this interleave is the classic GQA conversion bug.
   GATE_UP     fused SwiGLU input projection. Each TP rank holds [gate shard r ; up shard r]; the layout-free
               (TP=1) tensor is [gate ; up].
+  QKV_PACKED  QKV from ONE HF tensor whose rows are [all q ; all k ; all v] (Phi-3's qkv_proj, GPT-2's c_attn):
+              split into q, k, v, then as QKV.
+  GATE_UP_PACKED  GATE_UP from ONE HF tensor [gate ; up] (Phi-3's gate_up_proj): already the layout-free tensor.
+
+A row may also be `transposed` (family.py): the HF tensor is stored [in, out] (GPT-2's Conv1D) and is transposed
+on the way in and back on the way out (`from_hf_storage` / `to_hf_storage`); a transpose is exact.
 
 Functions work on any trailing shape, so the same code serves weights ([rows, hidden]) and biases ([rows]).
 """
@@ -35,10 +41,13 @@ class Kind(enum.Enum):
     VOCAB = "vocab"
     QKV = "qkv"
     GATE_UP = "gate_up"
+    QKV_PACKED = "qkv_packed"
+    GATE_UP_PACKED = "gate_up_packed"
 
 
 # How many HF tensors each kind combines.
-HF_ARITY = {Kind.REPLICATED: 1, Kind.COLUMN: 1, Kind.ROW: 1, Kind.VOCAB: 1, Kind.QKV: 3, Kind.GATE_UP: 2}
+HF_ARITY = {Kind.REPLICATED: 1, Kind.COLUMN: 1, Kind.ROW: 1, Kind.VOCAB: 1, Kind.QKV: 3, Kind.GATE_UP: 2,
+            Kind.QKV_PACKED: 1, Kind.GATE_UP_PACKED: 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +82,13 @@ def split_qkv(fused: torch.Tensor, *, ctx: ShapeContext) -> tuple[torch.Tensor, 
     return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous())
 
 
+def unpack_qkv(packed: torch.Tensor, *, ctx: ShapeContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[q rows ; k rows ; v rows] (one HF tensor) -> q, k, v."""
+    q_rows, kv_rows = ctx.num_attention_heads * ctx.head_dim, ctx.num_query_groups * ctx.head_dim
+    q, k, v = torch.split(packed, [q_rows, kv_rows, kv_rows], dim=0)
+    return q, k, v
+
+
 # ---- gate / up -----------------------------------------------------------------------------------------------
 
 
@@ -102,6 +118,22 @@ def strip_vocab(table: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
     return table[:vocab_size].contiguous()
 
 
+# ---- HF storage order ----------------------------------------------------------------------------------------
+
+
+def from_hf_storage(tensor: torch.Tensor, *, transposed: bool) -> torch.Tensor:
+    """An HF tensor in torch.nn.Linear's [out, in] order (Conv1D stores [in, out])."""
+    return tensor.t().contiguous() if transposed else tensor
+
+
+def to_hf_storage(tensor: torch.Tensor, *, transposed: bool) -> torch.Tensor:
+    return tensor.t().contiguous() if transposed else tensor
+
+
+def hf_storage_shape(shape: tuple[int, ...], *, transposed: bool) -> tuple[int, ...]:
+    return tuple(reversed(shape)) if transposed else tuple(shape)
+
+
 # ---- per-kind dispatch ---------------------------------------------------------------------------------------
 
 
@@ -109,17 +141,21 @@ def to_megatron(kind: Kind, hf: list[torch.Tensor], *, ctx: ShapeContext) -> tor
     """HF tensors -> the layout-free (TP=1) megatron tensor."""
     if kind is Kind.QKV:
         return merge_qkv(*hf, num_query_groups=ctx.num_query_groups)
+    if kind is Kind.QKV_PACKED:
+        return merge_qkv(*unpack_qkv(hf[0], ctx=ctx), num_query_groups=ctx.num_query_groups)
     if kind is Kind.GATE_UP:
         return merge_gate_up(*hf)
     if kind is Kind.VOCAB:
         return pad_vocab(hf[0], padded_size=ctx.padded_vocab_size)
-    return hf[0]
+    return hf[0]  # REPLICATED, COLUMN, ROW, GATE_UP_PACKED
 
 
 def to_hf(kind: Kind, tensor: torch.Tensor, *, ctx: ShapeContext) -> list[torch.Tensor]:
     """The layout-free megatron tensor -> HF tensors (inverse of `to_megatron`, bit-exact)."""
     if kind is Kind.QKV:
         return list(split_qkv(tensor, ctx=ctx))
+    if kind is Kind.QKV_PACKED:
+        return [torch.cat(split_qkv(tensor, ctx=ctx), dim=0)]
     if kind is Kind.GATE_UP:
         return list(split_gate_up(tensor))
     if kind is Kind.VOCAB:
@@ -128,9 +164,10 @@ def to_hf(kind: Kind, tensor: torch.Tensor, *, ctx: ShapeContext) -> list[torch.
 
 
 def shard(kind: Kind, full: torch.Tensor, *, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """TP rank `tp_rank`'s slice of the layout-free megatron tensor (GATE_UP excluded: see `merge_gate_up`)."""
-    if kind is Kind.GATE_UP:
-        raise ValueError("GATE_UP shards are [gate shard; up shard]: use merge_gate_up(..., tp_rank, tp_size)")
+    """TP rank `tp_rank`'s slice of the layout-free megatron tensor. A fused gate/up tensor [gate ; up] gives
+    [gate shard ; up shard] (`merge_gate_up`), not a plain row block."""
+    if kind in (Kind.GATE_UP, Kind.GATE_UP_PACKED):
+        return merge_gate_up(*split_gate_up(full), tp_rank=tp_rank, tp_size=tp_size)
     if kind is Kind.REPLICATED:
         return full
     dim = 1 if kind is Kind.ROW else 0
@@ -140,7 +177,7 @@ def shard(kind: Kind, full: torch.Tensor, *, tp_rank: int, tp_size: int) -> torc
 def megatron_shape(kind: Kind, hf_shapes: list[tuple[int, ...]], *, ctx: ShapeContext) -> tuple[int, ...]:
     """Shape of the layout-free megatron tensor made from HF tensors of these shapes."""
     first = tuple(hf_shapes[0])
-    if kind in (Kind.QKV, Kind.GATE_UP):
+    if kind in (Kind.QKV, Kind.GATE_UP):  # the packed kinds: one HF tensor of the megatron shape
         return (sum(shape[0] for shape in hf_shapes), *first[1:])
     if kind is Kind.VOCAB:
         return (ctx.padded_vocab_size, *first[1:])
@@ -155,6 +192,8 @@ def expected_hf_shapes(kind: Kind, megatron_shape_: tuple[int, ...], *, ctx: Sha
         return [(q_rows, *rest), (kv_rows, *rest), (kv_rows, *rest)]
     if kind is Kind.GATE_UP:
         return [(megatron_shape_[0] // 2, *rest)] * 2
+    if kind is Kind.QKV_PACKED:
+        return [((ctx.num_attention_heads + 2 * ctx.num_query_groups) * ctx.head_dim, *rest)]
     if kind is Kind.VOCAB:
         return [(ctx.vocab_size, *rest)]
     return [tuple(megatron_shape_)]

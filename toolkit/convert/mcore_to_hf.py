@@ -26,7 +26,7 @@ from toolkit.convert import checkpoint as ckpt
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
 SAFETENSORS_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
-_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LAYER_NAME = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")  # GPTModel's stack, or an encoder's
 HfEntry = tuple[str, tuple[int, ...], torch.dtype]  # HF name, shape, dtype of one exported tensor
 
 
@@ -52,7 +52,7 @@ class McoreTensorReader:
     def locate(self, name: str) -> tuple[str, int | None]:
         """(stored key, layer index or None)."""
         match = _LAYER_NAME.match(name)
-        return (f"decoder.layers.{match.group(2)}", int(match.group(1))) if match else (name, None)
+        return (f"{match.group(1)}.layers.{match.group(3)}", int(match.group(2))) if match else (name, None)
 
     def has(self, name: str) -> bool:
         key, layer = self.locate(name)
@@ -119,8 +119,7 @@ def export_plan(*, reader: McoreTensorReader, settings: ModelSettings,
                 dtypes: dict[str, torch.dtype]) -> list[tuple[LoadItem, list[HfEntry]]]:
     """Per table row, the HF tensors it becomes (name, shape, dtype), after checking the checkpoint's tensors
     against the table both ways; one AdapterError lists every problem."""
-    items = expand_table(settings.family.weight_table(tied_embeddings=settings.tied_embeddings),
-                         num_layers=settings.num_layers)
+    items = expand_table(settings.weight_table(), num_layers=settings.num_layers)
     ctx = settings.shape_context()
     problems = [f"weight table row {name!r} has no tensor in {reader.model_dir}"
                 for name in items if not reader.has(name)]
@@ -129,14 +128,15 @@ def export_plan(*, reader: McoreTensorReader, settings: ModelSettings,
                  for key in reader.stored_keys() if key not in table_keys]
     for key in table_keys & set(reader.stored_keys()):
         layers = reader.stacked_layers(key)
-        if key.startswith("decoder.layers.") and layers != settings.num_layers:
+        if key.startswith(("decoder.layers.", "encoder.layers.")) and layers != settings.num_layers:
             problems.append(f"checkpoint tensor {key!r} stacks {layers} layers, the config has {settings.num_layers}")
     if problems:
         raise AdapterError("cannot export:\n  - " + "\n  - ".join(problems))
     plan = []
     for name, item in items.items():
         stored_dtype = reader.dtype(name)
-        shapes = transforms.expected_hf_shapes(item.kind, reader.shape(name), ctx=ctx)
+        shapes = [transforms.hf_storage_shape(shape, transposed=item.transposed)
+                  for shape in transforms.expected_hf_shapes(item.kind, reader.shape(name), ctx=ctx)]
         plan.append((item, [(hf_name, tuple(shape), dtypes.get(hf_name, stored_dtype))
                             for hf_name, shape in zip(item.hf, shapes)]))
     return plan
@@ -148,7 +148,7 @@ def hf_tensors(*, reader: McoreTensorReader, settings: ModelSettings, plan) -> I
     for item, outputs in plan:
         tensors = transforms.to_hf(item.kind, reader.get(item.megatron), ctx=ctx)
         for (hf_name, _, dtype), tensor in zip(outputs, tensors):
-            yield hf_name, tensor.to(dtype).contiguous()
+            yield hf_name, transforms.to_hf_storage(tensor, transposed=item.transposed).to(dtype).contiguous()
 
 
 def plan_shards(entries: list[HfEntry], *, max_shard_bytes: int) -> list[list[int]]:

@@ -14,7 +14,7 @@ from toolkit.generate.deepspeed_config import grad_accum_dtype
 from toolkit.shapes import ModelShape, ModelShapeError
 from toolkit.layout_rules import ModelFacts, RunFacts, layout_problems, run_problems
 from toolkit.spec.layout import (derive_layout, padded_vocab_size, parallel_layout, requested_global_batch,
-                                 spec_attention, world_size_of)
+                                 spec_attention, spec_model_type, world_size_of)
 from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
 from toolkit.spec.report import Problem, Report, SpecError
 from toolkit.spec.schema import JobSpec
@@ -141,7 +141,6 @@ def _planner_inputs(spec: JobSpec):
     """The spec as the planner's (PlanLayout, TrainingShape, GpuSpec, Assumptions); raises DsmtError if not whole.
     The assumptions carry the spec's precision (which DeepSpeed buffers exist), attention kernel and buffer sizes.
     A CPU spec has no GPU preset (gpu: cpu): its GpuSpec is None, the per-rank figures are still those of a GPU."""
-    from toolkit.layout_rules import resolve_attention
     from toolkit.plan.assumptions import Assumptions
     from toolkit.plan.hardware import get_gpu
     from toolkit.plan.layout import PlanLayout, TrainingShape
@@ -203,28 +202,56 @@ def check_memory_fit(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
                     _memory_fixes(spec, global_batch_size=training.global_batch_size))]
 
 
-CHECKS: tuple[Check, ...] = (
-    check_layout, check_vocab_padding, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node, check_lengths_and_intervals,
-    check_data, check_builtin_tokenizer, check_memory_fit,
-)
-
-
-def _model_type_of(spec: JobSpec) -> str | None:
-    """model_type of an HF checkpoint directory in model.path (None when there is none to read)."""
+def check_encoder_model(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """A BERT-style encoder (an adapter family with heads: toolkit/adapters/encoder.py) is built from megatron's local
+    post-LayerNorm layers and trains the task of its head on real records."""
     import json
 
-    if spec.model.path is None or not (Path(spec.model.path) / "config.json").is_file():
-        return None
+    from toolkit.adapters.family import AdapterError, get_family, supported_model_types
+
+    model_type = spec_model_type(spec)
+    if model_type not in supported_model_types() or not get_family(model_type).is_encoder:
+        return []
+    problems = []
+    config = json.loads((Path(spec.model.path) / "config.json").read_text())
     try:
-        return json.loads((Path(spec.model.path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None
+        get_family(model_type).head_for(config.get("architectures"))
+    except AdapterError as err:
+        problems.append(Problem("error", "encoder_head", str(err), "save the model with a supported head class"))
+    attention = spec_attention(spec)
+    if attention == "fused" or spec.parallel.cp > 1:
+        problems.append(Problem("error", "encoder_layers",
+                                f"model_type {model_type} with training.attention={attention}, parallel.cp="
+                                f"{spec.parallel.cp}: the encoder is built from megatron's local post-LayerNorm "
+                                "layers, which have no fused attention and no context parallelism",
+                                "set training.attention: local and parallel.cp: 1"))
+    if spec.data.synthetic:
+        problems.append(Problem("error", "encoder_synthetic_data",
+                                f"data.synthetic=true: model_type {model_type} trains its head's task "
+                                f"({(config.get('architectures') or ['?'])[0]}) on real records only",
+                                "set data.path (text records; with data.label_field for classification)"))
+    return problems
+
+
+def check_sync_batchnorm(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """training.sync_batchnorm acts on BatchNorm layers (ResNet); a transformer has none."""
+    if not spec.training.sync_batchnorm:
+        return []
+    return [Problem("warning", "sync_batchnorm_no_batchnorm", f"training.sync_batchnorm=true has no effect on "
+                    f"{shape.name}: a transformer has no BatchNorm layers", "remove training.sync_batchnorm")]
+
+
+CHECKS: tuple[Check, ...] = (
+    check_layout, check_vocab_padding, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node,
+    check_lengths_and_intervals, check_data, check_builtin_tokenizer, check_memory_fit, check_encoder_model,
+    check_sync_batchnorm,
+)
 
 
 def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
     """Checks for an HF model that is not a transformer LM (e.g. ResNet): it trains with DeepSpeed data
     parallelism only, so only tp = pp = 1 and the batch arithmetic apply. None when model.path is no such model."""
-    model_type = _model_type_of(spec)
+    model_type = spec_model_type(spec) if spec.model.path is not None else None
     if model_type is None:
         return None
     problems = [Problem("info", "plain_model", f"model_type {model_type}: not a transformer LM shape; it trains with "
@@ -236,17 +263,10 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
                                 f"{parallel.sequence_parallel}: model_type {model_type} has no megatron-core adapter",
                                 "set parallel.tp: 1, pp: 1, cp: 1 and sequence_parallel: false"))
     problems += run_problems(layout=parallel_layout(spec), run=spec_run_facts(spec))
+    from toolkit.spec.plain_checks import check_plain_model_data  # imports the data package, which imports this
+
     problems += check_plain_model_data(spec=spec, model_type=model_type)
     return problems
-
-
-def check_plain_model_data(*, spec: JobSpec, model_type: str) -> list[Problem]:
-    """A model without an adapter has no tokenised-data path: it trains on synthetic inputs, asked for by name."""
-    if spec.data.synthetic:
-        return []
-    return [Problem("error", "data_source", f"model_type {model_type} has no megatron-core adapter and trains on "
-                    f"synthetic inputs only, but data.synthetic=false (data.path={spec.data.path!r})",
-                    "set data.synthetic: true and leave data.path unset")]
 
 
 def run_checks(*, spec: JobSpec, source: str = "job spec") -> Report:

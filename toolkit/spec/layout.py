@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import dataclasses
 
 from toolkit import shapes
@@ -50,10 +52,34 @@ def parallel_layout(spec: JobSpec) -> Layout:
 
 
 def spec_attention(spec: JobSpec) -> str:
-    """The attention kind the run's layers use: `training.attention`, auto resolved for the spec's device."""
+    """The attention kind the run's layers use: `training.attention`, auto resolved for the spec's device and
+    model (an encoder is built from megatron's local post-LayerNorm layers on every device)."""
     from toolkit.layout_rules import resolve_attention
 
-    return resolve_attention(attention=spec.training.attention, device=spec.cluster.device)
+    return resolve_attention(attention=spec.training.attention, device=spec.cluster.device,
+                             encoder=spec_is_encoder(spec))
+
+
+def spec_model_type(spec: JobSpec) -> str | None:
+    """model_type of the spec's model: model.path's config.json or model.config (None when there is none to read)."""
+    import json
+
+    if spec.model.config is not None:
+        return spec.model.config.get("model_type")
+    if spec.model.path is None or not (Path(spec.model.path) / "config.json").is_file():
+        return None
+    try:
+        return json.loads((Path(spec.model.path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def spec_is_encoder(spec: JobSpec) -> bool:
+    """True for a model of an adapter family with encoder heads (BERT)."""
+    from toolkit.adapters.family import get_family, supported_model_types
+
+    model_type = spec_model_type(spec)
+    return model_type in supported_model_types() and get_family(model_type).is_encoder
 
 
 def derive_layout(spec: JobSpec) -> RunLayout:

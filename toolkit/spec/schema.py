@@ -200,6 +200,7 @@ class TrainingSpec(Section):
     seed: int = Field(1234, ge=0)
     output_dir: str = "runs/dsmt"
     tensorboard: bool = False
+    sync_batchnorm: bool = False  # models without an adapter: BatchNorm -> torch.nn.SyncBatchNorm (stats over DP)
 
     @field_validator("output_dir")
     @classmethod
@@ -236,6 +237,7 @@ class DataSpec(Section):
     cache_dir: str | None = None  # tokenised-examples cache; None: <training.output_dir>/data-cache
     format: Literal["auto", "jsonl", "json", "csv", "parquet", "text", "arrow"] = "auto"
     text_field: str = "text"
+    label_field: str = "label"  # *ForSequenceClassification: class id, label2id name, or a number (num_labels=1)
     prompt_field: str | None = None  # with completion_field: loss on the completion only
     completion_field: str | None = None
     messages_field: str | None = None  # chat records [{"role", "content"}, ...]: loss on assistant turns only

@@ -48,17 +48,23 @@ def run(args) -> int:
         report = dry_run(path, overrides=args.set, run_dir=args.run_dir)
         print(report.to_text())
         return 0 if report.ok else 2
+    launch_training(path=path, overrides=args.set, run_dir=args.run_dir)
+    return 0
+
+
+def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None) -> None:
+    """Check the spec at `path`, then run its ranks on this machine and wait (`dsmt train`, `toolkit.api.train`)."""
     from toolkit.launch import launch_local_workers
     from toolkit.spec.checks import check_file
     from toolkit.spec.layout import world_size_of
 
-    spec, report = check_file(path, overrides=args.set)
+    spec, report = check_file(path, overrides=overrides)
     if spec is None or not report.ok:  # before any process group starts
         raise DsmtError(f"job spec {path} does not pass `dsmt check`:\n{report.to_text()}")
-    if args.run_dir is not None:  # a contradiction stops here, once; rank 0 of the workers lists the overrides
+    if run_dir is not None:  # a contradiction stops here, once; rank 0 of the workers lists the overrides
         from toolkit.train.run_files import compare_run_files
 
-        compare_run_files(run_dir=args.run_dir, spec=spec).require_agreement(spec_ref=path)
+        compare_run_files(run_dir=run_dir, spec=spec).require_agreement(spec_ref=path)
     from toolkit.train.run import require_weights
 
     require_weights(spec)
@@ -68,8 +74,7 @@ def run(args) -> int:
     if spec.cluster.nodes > 1:
         raise DsmtError(f"cluster.nodes={spec.cluster.nodes}: `dsmt train` starts ranks on this machine only; "
                         f"run `dsmt generate {path} --out run/` and launch run/launch_deepspeed.sh or job.sbatch")
-    overrides = [f"--set={item}" for item in args.set]
-    run_dir = ["--run-dir", str(args.run_dir.expanduser().absolute())] if args.run_dir is not None else []
-    launch_local_workers(module="toolkit.train", args=["--config", str(path), *run_dir, *overrides],
+    sets = [f"--set={item}" for item in overrides]
+    run_dir_args = ["--run-dir", str(Path(run_dir).expanduser().absolute())] if run_dir is not None else []
+    launch_local_workers(module="toolkit.train", args=["--config", str(path), *run_dir_args, *sets],
                          nprocs=world_size_of(spec), timeout_s=24 * 3600)
-    return 0

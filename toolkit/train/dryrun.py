@@ -119,7 +119,10 @@ def model_settings_of(*, spec):
         settings = model_settings(hf_config, vocab_pad_multiple=multiple)
     except DsmtError as err:
         rule = "builtin_not_trainable" if spec.model.builtin is not None else "model_config"
-        return None, [Problem("error", rule, str(err), "use a Llama-like model (llama, mistral, qwen2)")]
+        from toolkit.adapters.family import supported_model_types
+
+        return None, [Problem("error", rule, str(err), f"use a model dsmt has an adapter for "
+                              f"({', '.join(supported_model_types())}), or one it trains data-parallel only")]
     except (ValueError, TypeError, KeyError) as err:  # transformers' own refusals of an inline config
         return None, [Problem("error", "model_config", f"model.config is not a valid HF config: {err}", "")]
     return settings, [Problem("info", "model", f"{where}; {settings.family.model_type}, vocab_size="
@@ -152,23 +155,24 @@ def layout_and_build_problems(*, spec, settings, spec_errors: set[str]) -> list[
     if counts is None:
         return [Problem("info", "model_build", "model build: skipped, a process group is already running here")]
     stages = ", ".join(f"{name} stage {count / 1e6:,.1f}M" for name, count in counts.items())
-    return [Problem("info", "model_build", f"megatron-core GPTModel built on the meta device at tp={layout.tp} "
+    kind = "encoder" if settings.encoder is not None else "GPTModel"
+    return [Problem("info", "model_build", f"megatron-core {kind} built on the meta device at tp={layout.tp} "
                     f"pp={layout.pp} vpp={layout.vpp}: parameters per GPU: {stages}")]
 
 
 def stage_parameter_counts(*, settings, layout, params_dtype, recompute: str = "none") -> dict[str, int] | None:
-    """Parameters per GPU of the first and last pipeline stage (all their virtual chunks), counted on megatron
-    GPTModel chunks built on the meta device. torch's fake process-group backend (what torch's own tests use to
-    stand in for a large world in one process; collectives do nothing) puts this process at the stage's rank, so
+    """Parameters per GPU of the first and last pipeline stage (all their virtual chunks), counted on the chunks
+    `dsmt train` builds (GPTModel, or BERT's encoder) on the meta device. torch's fake process-group backend (what
+    torch's own tests use to stand in for a large world in one process; collectives do nothing) puts this process
+    at the stage's rank, so
     megatron shards exactly as it will at that rank. None when a process group already exists here."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import gpt_layer_specs
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from toolkit import backend as backends
-    from toolkit.adapters.build import gpt_chunks, transformer_config
+    from toolkit.adapters.build import model_chunks, transformer_config
 
     if dist.is_initialized():
         return None
@@ -190,11 +194,12 @@ def stage_parameter_counts(*, settings, layout, params_dtype, recompute: str = "
             # cp and sp change no parameter shape; the local layers have neither (Transformer Engine's do).
             config = dataclasses.replace(config, use_cpu_initialization=True, perform_initialization=False,
                                          context_parallel_size=1, sequence_parallel=False)
-            # megatron's local layers: the same parameter shapes as the Transformer Engine ones, and they
-            # allocate nothing real on the meta device.
-            layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+            # the local layers (with the family's deltas): the parameter shapes of the Transformer Engine ones,
+            # and they allocate nothing real on the meta device.
+            local = dataclasses.replace(layout, cp=1, sp=False)
             with torch.device("meta"):
-                chunks = gpt_chunks(config=config, spec=layer_spec, settings=settings, vpp_size=layout.vpp)
+                chunks = model_chunks(config=config, settings=settings, layout=local, attention="local",
+                                      parallel_output=True)
                 counts[name] = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         finally:
             parallel_state.destroy_model_parallel()
@@ -273,12 +278,16 @@ def deepspeed_problems(*, spec, ds_config: dict | None = None) -> list[Problem]:
 
 
 def data_problems(*, spec) -> list[Problem]:
-    """The data readable and the tokenizer present (and no larger than the model's vocabulary)."""
+    """The data readable and the tokenizer present (and no larger than the model's vocabulary); for a model whose
+    head is not a causal LM (masked LM, classification, images) the examples built as training builds them."""
     from toolkit.data import load_records
 
     data = spec.data
     found = []
     text_data = data.path is not None and not data.synthetic
+    task = _task_of(spec)
+    if text_data and task not in (None, "causal_lm"):
+        return task_data_problems(spec=spec, task=task)
     if text_data:
         try:
             records = load_records(data=data)
@@ -291,6 +300,36 @@ def data_problems(*, spec) -> list[Problem]:
     if text_data or data.tokenizer is not None:
         found += tokenizer_problems(spec=spec)
     return found
+
+
+def _task_of(spec) -> str | None:
+    """The training task of a checkpoint's head (toolkit/data/tasks.py), None without a readable config.json."""
+    from transformers import AutoConfig
+
+    from toolkit.data.tasks import task_of
+
+    config_path = Path(spec.model.path or "") / "config.json"
+    if spec.model.path is None or not config_path.is_file():
+        return None
+    try:
+        return task_of(AutoConfig.from_pretrained(spec.model.path))
+    except (DsmtError, ValueError, OSError):
+        return None  # the model checks report it
+
+
+def task_data_problems(*, spec, task: str) -> list[Problem]:
+    """Build the task's examples as a rank does (labels validated, images listed, tokenizer loaded)."""
+    from transformers import AutoConfig
+
+    from toolkit.data.tasks import task_examples
+
+    try:
+        examples = task_examples(data=spec.data, model_config=AutoConfig.from_pretrained(spec.model.path),
+                                 tokenizer_path=spec.data.tokenizer or spec.model.path,
+                                 seq_length=spec.training.seq_length, seed=spec.training.seed)
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "data_unreadable"), str(err), "fix data.path or its records")]
+    return [Problem("info", "data", f"data.path={spec.data.path}: {len(examples)} examples for {task}")]
 
 
 def tokenizer_problems(*, spec) -> list[Problem]:

@@ -17,8 +17,10 @@ Two drivers, chosen by the layout:
 ZeRO-2/3 with PP > 1 is refused before launch (`dsmt check`): every micro-batch would add DP traffic.
 With sequence parallelism the norms' gradients are partial per TP rank; a hook per such parameter sums them over
 the TP group as each is computed, before DeepSpeed sees them (`sum_sequence_parallel_grads`), in both drivers.
-Both drivers backpropagate the same per-token loss over the global batch (`HybridEngine`); bf16 accumulates and
-reduces gradients in fp32 (`toolkit/generate/deepspeed_config.py`).
+Both drivers backpropagate the same loss per unit (token, or sample for classification) over the global batch
+(`HybridEngine`), the model call and the loss coming from the task (`toolkit/train/tasks.py`: causal LM, masked
+LM, sequence classification / regression); bf16 accumulates and reduces gradients in fp32
+(`toolkit/generate/deepspeed_config.py`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ import torch
 from toolkit import backend as backends
 from toolkit.adapters.load import full_shape
 from toolkit.errors import DsmtError
-from toolkit.train.loss import masked_token_loss_sum
 from toolkit.train.mpu import MegatronMpu
+from toolkit.train.tasks import CausalLM
 
 MIN_DEEPSPEED = "0.19.4"  # the first release with `managed_gradient_accumulation` (the PP > 1 driver needs it)
 
@@ -62,9 +64,11 @@ class HybridEngine:
     every data-parallel rank divided by the step's number of loss tokens (HF's `num_items_in_batch`). Each
     micro-batch therefore backpropagates `sum(token losses) * dp / global_tokens`; DeepSpeed's data-parallel mean
     divides by dp again, so the summed gradient is d(sum over the global batch)/global_tokens whatever the split
-    into TP / PP / DP ranks and micro-batches."""
+    into TP / PP / DP ranks and micro-batches. `task` (toolkit/train/tasks.py) says what a unit is (a counted
+    token; a sample for classification), how the model is called and the loss summed; default: causal LM."""
 
-    def __init__(self, *, chunks: list, ds_config: dict, vocab_size: int, tied_embeddings: bool, pp_size: int):
+    def __init__(self, *, chunks: list, ds_config: dict, vocab_size: int, tied_embeddings: bool, pp_size: int,
+                 task=None):
         import deepspeed
 
         module = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
@@ -77,6 +81,7 @@ class HybridEngine:
         check_driver(self.engine, pp_size=pp_size)
         self._sequence_parallel_hooks = sum_sequence_parallel_grads(self.chunks)
         self.vocab_size = vocab_size
+        self.task = task if task is not None else CausalLM(vocab_size=vocab_size)
         self.pp_size = pp_size
         self.tied_embeddings = tied_embeddings
 
@@ -91,8 +96,8 @@ class HybridEngine:
         device = backends.current().device
         micro_batches = [{key: value.to(device) for key, value in batch.items()} for batch in micro_batches]
         micro_batches = context_parallel_slices(micro_batches)
-        check_sequence_split(seq_length=micro_batches[0]["tokens"].shape[1], chunks=self.chunks)
-        global_tokens = global_loss_tokens(micro_batches, device=device)
+        check_sequence_split(seq_length=self.task.sequence(micro_batches[0]).shape[1], chunks=self.chunks)
+        global_tokens = global_loss_tokens(micro_batches, device=device, count=self.task.count)
         # dp / global_tokens: see the class docstring (clamped: a step whose tokens are all masked learns nothing)
         scale = MegatronMpu().get_data_parallel_world_size() / max(global_tokens, 1)  # dp (× cp: MegatronMpu)
         step = self._pipeline_step if self.pp_size > 1 else self._deepspeed_step
@@ -103,11 +108,9 @@ class HybridEngine:
                          step_time_s=time.perf_counter() - start)
 
     def _deepspeed_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
-        local_sum = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)
+        local_sum = torch.zeros((), dtype=torch.float32, device=self.task.sequence(micro_batches[0]).device)
         for batch in micro_batches:
-            logits = self.engine(batch["tokens"], batch["position_ids"], None)
-            token_sum = masked_token_loss_sum(logits, labels=batch["labels"], loss_mask=batch["loss_mask"],
-                                              vocab_size=self.vocab_size)
+            token_sum = self.task.loss_sum(self.task.forward(self.engine, batch), batch)
             # The scale already accounts for accumulation: DeepSpeed must not divide by its GAS again.
             self.engine.backward(token_sum * scale, scale_wrt_gas=False)
             self.engine.step()  # steps at the accumulation boundary only
@@ -124,11 +127,10 @@ class HybridEngine:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            logits = model(batch["tokens"], batch["position_ids"], None)
+            logits = self.task.forward(model, batch)
 
             def loss_func(output):
-                token_sum = masked_token_loss_sum(output, labels=batch["labels"], loss_mask=batch["loss_mask"],
-                                                  vocab_size=self.vocab_size)
+                token_sum = self.task.loss_sum(output, batch)
                 sums.append(token_sum.detach().clone())
                 # megatron's schedule divides a (loss, {}) return by num_microbatches and multiplies it by the CP
                 # size: undo both so that the backpropagated value is token_sum * scale, as in the DeepSpeed driver.
@@ -138,7 +140,7 @@ class HybridEngine:
 
         chunks = self.chunks
         iterators = [iter(micro_batches) for _ in chunks]
-        first = micro_batches[0]["tokens"]
+        first = self.task.sequence(micro_batches[0])
         self.engine.zero_grad()
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
@@ -183,17 +185,23 @@ class HybridEngine:
 
 
 def sequence_parallel_params(chunks: list) -> list[torch.nn.Parameter]:
-    """Parameters whose gradient each TP rank computes from its own slice of the sequence under sequence
-    parallelism: those marked `sequence_parallel=True` (megatron's rule in `finalize_model_grads`; the marks come
-    from dsmt's `TorchNorm`, Transformer Engine's norms and fused layer-norm linears, apex's norms, megatron's
-    row-parallel biases). Empty for chunks built without sequence parallelism."""
+    """Parameters whose gradient is partial on each TP rank, so it must be summed over the TP group (megatron's rule
+    in `finalize_model_grads`):
+      * under sequence parallelism, those marked `sequence_parallel=True`: each TP rank computes their gradient
+        from its own slice of the sequence (the marks come from dsmt's `TorchNorm`, Transformer Engine's norms and
+        fused layer-norm linears, apex's norms, megatron's row-parallel biases);
+      * with qk_layernorm (Qwen3), the q / k head norms: one weight shared by all heads, and each TP rank holds
+        only its own heads, so each computes the gradient from those heads alone (SP or not).
+    Empty for chunks built with neither."""
     found: dict[int, torch.nn.Parameter] = {}
     for chunk in chunks:
         config = getattr(chunk, "config", None)
-        if not getattr(config, "sequence_parallel", False):
-            continue
-        for param in chunk.parameters():
-            if param.requires_grad and getattr(param, "sequence_parallel", False):
+        sequence_parallel = getattr(config, "sequence_parallel", False)
+        qk_layernorm = getattr(config, "qk_layernorm", False)
+        for name, param in chunk.named_parameters():
+            partial = ((sequence_parallel and getattr(param, "sequence_parallel", False))
+                       or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))
+            if param.requires_grad and partial:
                 found[id(param)] = param
     return list(found.values())
 
@@ -236,13 +244,14 @@ def _sum_over_group(grad: torch.Tensor, *, group) -> torch.Tensor:
     return total.to(grad.dtype)
 
 
-def global_loss_tokens(micro_batches: list[dict], *, device: torch.device) -> int:
+def global_loss_tokens(micro_batches: list[dict], *, device: torch.device, count=None) -> int:
     """Loss tokens of this step summed over this rank's micro-batches and every data-parallel rank (and, with
-    context parallelism, every CP rank's slice of the sequences: the group DeepSpeed reduces over)."""
+    context parallelism, every CP rank's slice of the sequences: the group DeepSpeed reduces over). `count(batch)`:
+    a micro-batch's loss units (the task's; default its `loss_mask` tokens)."""
     import torch.distributed as dist
 
-    count = sum(int(batch["loss_mask"].sum().item()) for batch in micro_batches)
-    total = torch.tensor([count], dtype=torch.int64, device=device)
+    count = count or (lambda batch: int(batch["loss_mask"].sum().item()))
+    total = torch.tensor([sum(count(batch) for batch in micro_batches)], dtype=torch.int64, device=device)
     dist.all_reduce(total, group=MegatronMpu().get_data_parallel_group())
     return int(total.item())
 

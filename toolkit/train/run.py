@@ -96,8 +96,9 @@ def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pa
     import torch.distributed as dist
 
     from toolkit.models import load_model_chunks
-    from toolkit.train.engine import HybridEngine
     from toolkit.spec.layout import spec_attention
+    from toolkit.train.engine import HybridEngine
+    from toolkit.train.tasks import task_for_model
 
     # At ZeRO-3 the chunks are built partitioned (and loaded one parameter at a time): toolkit/train/zero3.py.
     zero3_config = ds_config if spec.parallel.zero_stage == 3 else None
@@ -111,27 +112,62 @@ def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pa
                                          show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
                                          attention=spec_attention(spec), zero3_config=zero3_config)
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
-                          tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp)
-    batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
+                          tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp,
+                          task=task_for_model(settings=info.settings))
+    if info.settings.encoder is not None:  # BERT-style: HF keyword batches of the head's task
+        batches = encoder_batches(spec=spec, layout=layout, hf_dir=hf_dir, hf_config=info.hf_config)
+    else:
+        batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
     return hybrid, batches, lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir), None
 
 
+def encoder_batches(*, spec, layout, hf_dir: Path, hf_config):
+    """Masked-LM or classification batches for an encoder (BERT); real records only."""
+    if spec.data.synthetic:
+        raise DsmtError(f"data.synthetic=true: {hf_config.architectures[0]} trains through megatron-core on real "
+                        "records only; set data.path (text records, with data.label_field for classification)")
+    return task_batches(spec=spec, layout=layout, hf_dir=hf_dir, model_config=hf_config)
+
+
+def task_batches(*, spec, layout, hf_dir: Path, model_config):
+    """Batches of the task of the model's head (toolkit/data/tasks.py: the class in config.architectures[0]). Every
+    rank reads and tokenises the records itself (images: decoded per batch; no dsmt data cache); the ranks of one
+    data-parallel replica (TP / PP) draw the same rows."""
+    from megatron.core import parallel_state
+
+    from toolkit.data.examples import require_data_path
+    from toolkit.data.tasks import TaskBatches, task_examples
+
+    require_data_path(spec.data)
+    examples = task_examples(data=spec.data, model_config=model_config, tokenizer_path=str(hf_dir),
+                             seq_length=layout.seq_length, seed=spec.training.seed)
+    return TaskBatches(examples=examples, micro_batch_size=layout.micro_batch_size,
+                       num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
+                       dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle)
+
+
 def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
-    """An HF model without a megatron-core adapter: DeepSpeed ZeRO data parallelism only, synthetic inputs."""
+    """An HF model without a megatron-core adapter: DeepSpeed ZeRO data parallelism only (toolkit/train/plain.py),
+    on `data.path` read for the model's task (toolkit/data/tasks.py), or synthetic inputs when data.synthetic."""
     from megatron.core import parallel_state
 
     from toolkit.train import plain
 
     model_type = json.loads((hf_dir / "config.json").read_text())["model_type"]
     plain.check_plain_layout(tp=layout.tp, pp=layout.pp, model_type=model_type)
-    if not spec.data.synthetic:
-        raise DsmtError(f"model_type {model_type} has no adapter and trains on synthetic inputs only, but "
-                        f"data.synthetic=false (data.path={spec.data.path!r}); set data.synthetic: true, no data.path")
     model = plain.load_plain_model(hf_dir, dtype=params_dtype(spec.training.precision))
+    if spec.data.synthetic:
+        from toolkit.train.plain_synthetic import PlainBatches
+
+        batches = PlainBatches(model_config=model.config, seq_length=layout.seq_length,
+                               micro_batch_size=layout.micro_batch_size, num_microbatches=layout.grad_accum_steps,
+                               dp_rank=parallel_state.get_data_parallel_rank(), dp_size=layout.dp,
+                               seed=spec.training.seed)
+    else:
+        batches = task_batches(spec=spec, layout=layout, hf_dir=hf_dir, model_config=model.config)
+    if spec.training.sync_batchnorm:
+        model = plain.convert_sync_batchnorm(model, device=spec.cluster.device)
     engine = plain.PlainEngine(model=model, ds_config=ds_config)
-    batches = plain.PlainBatches(model_config=model.config, micro_batch_size=layout.micro_batch_size,
-                                 num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
-                                 dp_size=layout.dp, seed=spec.training.seed, seq_length=layout.seq_length)
     notice = plain.plain_notice(model_type=model_type, zero_stage=spec.parallel.zero_stage)
     return engine, batches, lambda: plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf"), notice
 

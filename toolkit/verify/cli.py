@@ -1,4 +1,5 @@
-"""`dsmt verify CHECKPOINT --tp N --pp M`: exit 0 only when max |Δlogits| is within tolerance."""
+"""`dsmt verify CHECKPOINT --tp N --pp M`: exit 0 only when max |Δlogits| is within tolerance (decoders: next-token
+logits; encoders: MLM logits, or a sequence classifier's outputs)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def run(args) -> int:
         print(json.dumps(result))
     else:
         verdict = "PASS" if result["passed"] else "FAIL"
-        print(f"{verdict}: tp={result['tp']} pp={result['pp']} vpp={result['vpp']} "
-              f"max|Δlogits|={result['max_abs_diff']:.3e} KL={result['kl_divergence']:.3e} "
+        print(f"{verdict}: {result['model_type']} {result['task']} tp={result['tp']} pp={result['pp']} "
+              f"vpp={result['vpp']} max|Δlogits|={result['max_abs_diff']:.3e} KL={result['kl_divergence']:.3e} "
               f"(tolerance {result['tolerance']:.1e}, {result['tokens']} tokens)")
     return 0 if result["passed"] else 1

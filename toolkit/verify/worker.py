@@ -31,17 +31,35 @@ def fixed_tokens(*, batch_size: int, seq_len: int, vocab_size: int, seed: int) -
     return torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
 
 
-def megatron_logits(*, chunks: list, tokens: torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor | None:
-    """Logits [batch, seq, padded_vocab] on the last pipeline stage (None elsewhere), one micro-batch per row;
-    the model runs on `device` (the rank's own), the logits come back on the CPU for the comparison."""
+def fixed_inputs(*, settings, batch_size: int, seq_len: int, seed: int) -> list[dict]:
+    """One micro-batch per row. Decoders: `tokens` and `position_ids`. Encoders (HF keyword inputs): the same
+    random ids, token types 0 then 1 from the middle on (two segments), and row i padded over its last
+    (i % 3) * seq_len // 4 positions, so that the comparison covers the padding mask (padded positions too)."""
+    tokens = fixed_tokens(batch_size=batch_size, seq_len=seq_len, vocab_size=settings.vocab_size, seed=seed)
+    if settings.encoder is None:
+        position_ids = torch.arange(seq_len).unsqueeze(0)
+        return [{"tokens": tokens[i : i + 1], "position_ids": position_ids} for i in range(batch_size)]
+    token_type_ids = (torch.arange(seq_len) >= seq_len // 2).long().unsqueeze(0)
+    batches = []
+    for i in range(batch_size):
+        attention_mask = torch.ones(1, seq_len, dtype=torch.long)
+        attention_mask[:, seq_len - (i % 3) * seq_len // 4 :] = 0
+        batches.append({"input_ids": tokens[i : i + 1], "attention_mask": attention_mask,
+                        "token_type_ids": token_type_ids})
+    return batches
+
+
+def megatron_logits(*, chunks: list, micro_batches: list[dict], forward, seq_len: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """The model's outputs on the last pipeline stage, micro-batches concatenated (None elsewhere): logits
+    [batch, seq, padded_vocab], or a classifier's [batch, num_labels]. `forward(model, micro_batch)` calls the
+    model (`toolkit.train.tasks`); it runs on `device` (the rank's own), the outputs come back on the CPU."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
-    micro_batches = [tokens[i : i + 1].to(device) for i in range(tokens.shape[0])]
+    micro_batches = [{key: value.to(device) for key, value in batch.items()} for batch in micro_batches]
 
     def forward_step(data_iterator, model):
-        micro_batch = next(data_iterator)
-        output = model(micro_batch, position_ids, None)
+        output = forward(model, next(data_iterator))
 
         def keep_logits(output_tensor):
             return output_tensor.sum() * 0.0, {"logits": output_tensor.detach().clone()}
@@ -90,10 +108,10 @@ def main(argv=None) -> None:
 def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -> dict | None:
     """Logit comparison for one checkpoint; the dict on the reporting rank (last stage, TP rank 0), else None."""
     from megatron.core import parallel_state
-    from transformers import AutoModelForCausalLM
 
     from toolkit import backend as backends
     from toolkit.models import load_model_chunks, save_mcore_checkpoint
+    from toolkit.train.tasks import task_for_model
 
     chunks, info = load_model_chunks(checkpoint=checkpoint, layout=layout, params_dtype=torch.float32,
                                      parallel_output=False)
@@ -101,16 +119,21 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
         save_mcore_checkpoint(chunks=chunks, info=info, out_dir=save_as, params_dtype=torch.float32)
     for chunk in chunks:
         chunk.eval()
-    tokens = fixed_tokens(batch_size=args.batch_size, seq_len=args.seq_len, vocab_size=info.settings.vocab_size, seed=args.seed)
-    logits = megatron_logits(chunks=chunks, tokens=tokens, seq_len=args.seq_len, device=backends.current().device)
+    inputs = fixed_inputs(settings=info.settings, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+    task = task_for_model(settings=info.settings)
+    logits = megatron_logits(chunks=chunks, micro_batches=inputs, forward=task.forward, seq_len=args.seq_len,
+                             device=backends.current().device)
     param_devices = _param_devices_by_rank(chunks)  # collective: before the non-reporting ranks return
     if not (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0):
         return None
     hf_dir = args.reference or (info.hf_dir if info.kind == "hf" else None)
-    reference = _reference_model(info, hf_dir, AutoModelForCausalLM)(tokens).logits.float()
-    result = compare(reference=reference, candidate=logits[..., : info.settings.vocab_size].float())
+    reference = hf_outputs(_reference_model(info, hf_dir, task.name), inputs).float()
+    if task.name != "sequence_classification":  # logits over the vocabulary: the padded rows are not HF's
+        logits = logits[..., : info.settings.vocab_size]
+    result = compare(reference=reference, candidate=logits.float())
     result.update(checkpoint=str(checkpoint), tp=layout.tp, pp=layout.pp, vpp=layout.vpp,
-                  model_type=info.settings.family.model_type, checkpoint_kind=info.kind, tokens=int(tokens.numel()),
+                  model_type=info.settings.family.model_type, checkpoint_kind=info.kind, task=task.name,
+                  tokens=args.batch_size * args.seq_len,
                   tied_embeddings=info.settings.tied_embeddings, param_devices=param_devices)
     return result
 
@@ -125,10 +148,22 @@ def _param_devices_by_rank(chunks: list) -> list[str]:
     return gathered
 
 
-def _reference_model(info, hf_dir, auto_class):
+def _reference_model(info, hf_dir, task: str):
     """The HF model the logits are compared with: the checkpoint itself, or for a dsmt megatron checkpoint, the
-    HF checkpoint it was converted from (recorded in its metadata)."""
+    HF checkpoint it was converted from (recorded in its metadata); loaded with the task's Auto class."""
+    import transformers
+
+    auto_class = {"causal_lm": transformers.AutoModelForCausalLM, "masked_lm": transformers.AutoModelForMaskedLM,
+                  "sequence_classification": transformers.AutoModelForSequenceClassification}[task]
     return auto_class.from_pretrained(hf_dir or info.source_checkpoint(), dtype=torch.float32).eval()
+
+
+def hf_outputs(model, inputs: list[dict]) -> torch.Tensor:
+    """The HF model's logits on the same micro-batches (decoders: the tokens; encoders: HF's keyword inputs)."""
+    batch = {key: torch.cat([item[key] for item in inputs]) for key in inputs[0]}
+    if "tokens" in batch:
+        return model(batch["tokens"]).logits
+    return model(**batch).logits
 
 
 if __name__ == "__main__":

@@ -32,8 +32,6 @@ def check_llama_config(hf_config) -> list[str]:
         problems.append("attention_bias=True (biases on q/k/v/o) is not supported by the llama adapter")
     if getattr(hf_config, "mlp_bias", False):
         problems.append("mlp_bias=True is not supported by the llama adapter")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf_config.hidden_act!r}; only 'silu' (SwiGLU) is supported")
     _, _, rope_problem = rope_settings(hf_config)
     if rope_problem:
         problems.append(rope_problem)

@@ -1,6 +1,6 @@
 """Qwen2 (HF `Qwen2ForCausalLM`): the Llama layout plus biases on q, k and v (fused into linear_qkv.bias)."""
 
-from toolkit.adapters.family import ModelFamily, WeightMapping, register
+from toolkit.adapters.family import Architecture, ModelFamily, WeightMapping, register
 from toolkit.adapters.families.llama import LLAMA_WEIGHTS, LM_HEAD, ROTARY_BUFFERS, check_llama_config
 from toolkit.adapters.transforms import Kind
 
@@ -24,6 +24,6 @@ def check_qwen2_config(hf_config) -> list[str]:
 
 QWEN2 = register(ModelFamily(
     model_type="qwen2", hf_architecture="Qwen2ForCausalLM", weights=LLAMA_WEIGHTS + (QKV_BIAS,),
-    untied_output=LM_HEAD, ignored_hf=ROTARY_BUFFERS, config_deltas={"add_qkv_bias": True},
+    untied_output=LM_HEAD, ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qkv_bias=True),
     check_config=check_qwen2_config,
 ))

@@ -1,0 +1,47 @@
+"""Phi-3 (HF `Phi3ForCausalLM`): the Llama computation with q, k, v stored as ONE `qkv_proj` ([q ; k ; v] rows)
+and gate / up as ONE `gate_up_proj` ([gate ; up] rows). Long-RoPE scaling (Phi-3 *-128k) has no megatron-core
+equivalent and is refused by name, as are partial rotary embeddings and a sliding window shorter than the context."""
+
+from toolkit.adapters.family import ModelFamily, WeightMapping, register
+from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS, check_llama_config
+from toolkit.adapters.transforms import Kind
+
+M = WeightMapping
+
+PHI3_WEIGHTS = (
+    M("embedding.word_embeddings.weight", Kind.VOCAB, ("model.embed_tokens.weight",)),
+    M("decoder.layers.*.self_attention.linear_qkv.layer_norm_weight", Kind.REPLICATED,
+      ("model.layers.*.input_layernorm.weight",)),
+    M("decoder.layers.*.self_attention.linear_qkv.weight", Kind.QKV_PACKED, ("model.layers.*.self_attn.qkv_proj.weight",)),
+    M("decoder.layers.*.self_attention.linear_proj.weight", Kind.ROW, ("model.layers.*.self_attn.o_proj.weight",)),
+    M("decoder.layers.*.mlp.linear_fc1.layer_norm_weight", Kind.REPLICATED,
+      ("model.layers.*.post_attention_layernorm.weight",)),
+    M("decoder.layers.*.mlp.linear_fc1.weight", Kind.GATE_UP_PACKED, ("model.layers.*.mlp.gate_up_proj.weight",)),
+    M("decoder.layers.*.mlp.linear_fc2.weight", Kind.ROW, ("model.layers.*.mlp.down_proj.weight",)),
+    M("decoder.final_layernorm.weight", Kind.REPLICATED, ("model.norm.weight",)),
+)
+
+
+def check_phi3_config(hf_config) -> list[str]:
+    problems = [p.replace("rope_type 'longrope'", "rope_type 'longrope' (Phi-3 long-context RoPE scaling, which "
+                          "megatron-core does not implement)") for p in check_llama_config(hf_config)]
+    params = {**(getattr(hf_config, "rope_scaling", None) or {}), **(getattr(hf_config, "rope_parameters", None) or {})}
+    partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        problems.append(f"partial_rotary_factor={partial}: only full rotary embeddings (1.0) are supported")
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and window < hf_config.max_position_embeddings:
+        problems.append(f"sliding_window={window} < max_position_embeddings={hf_config.max_position_embeddings}: "
+                        "megatron-core's attention here is full causal attention. Fix: set max_position_embeddings "
+                        f"<= {window} in config.json (train with seq_length <= {window}), or sliding_window to null")
+    dropouts = {name: getattr(hf_config, name, 0.0) for name in ("resid_pdrop", "embd_pdrop", "attention_dropout")}
+    if any(dropouts.values()):
+        problems.append(f"dropout {dropouts}: the phi3 adapter trains without dropout (Phi-3 releases set 0.0); "
+                        "set them to 0.0 in config.json")
+    return problems
+
+
+PHI3 = register(ModelFamily(
+    model_type="phi3", hf_architecture="Phi3ForCausalLM", weights=PHI3_WEIGHTS, untied_output=LM_HEAD,
+    ignored_hf=ROTARY_BUFFERS, check_config=check_phi3_config,
+))

@@ -1,0 +1,70 @@
+"""dsmt's Python API: what `dsmt check`, `dsmt generate`, `dsmt plan` and `dsmt train` do, for scripts.
+
+    from toolkit import api
+
+    spec = api.job_spec({"model": {"path": "ckpt/"}, "cluster": {...}, "parallel": {"tp": 2}, ...})
+    report = api.check(spec)                    # every problem at once; report.ok, report.to_text()
+    api.generate(spec, out_dir=Path("run/"))    # ds_config.json, megatron.json, launch scripts, hostfile
+    history = api.train(spec)                   # ranks on this machine, as `dsmt train`; per-step metrics
+
+A spec is the same `JobSpec` the YAML files validate into (toolkit/spec/schema.py), so a script that builds specs
+in a loop gets the same checks and the same generated files as the CLI. Errors raise `DsmtError`s (bad specs a
+`SpecError` carrying the whole report); nothing is written for a spec that does not pass its checks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from toolkit.spec.report import Report, SpecError
+from toolkit.spec.schema import JobSpec
+
+
+def job_spec(fields: dict[str, Any], *, overrides: list[str] | tuple[str, ...] = (), source: str = "job spec") -> JobSpec:
+    """A validated spec from a mapping with the YAML's sections; `overrides` as `--set` ("parallel.tp=4")."""
+    from toolkit.spec.load import apply_overrides, validate_spec
+
+    return validate_spec(apply_overrides(fields, overrides=overrides), source=source)
+
+
+def load_job(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """The validated spec of a YAML / JSON file (as `dsmt check FILE` reads it)."""
+    from toolkit.spec.load import load_spec
+
+    return load_spec(path, overrides=overrides)
+
+
+def check(spec: JobSpec, *, source: str = "job spec") -> Report:
+    """`dsmt check`: every cross-section problem of the spec (layout rules, batch arithmetic, memory, data)."""
+    from toolkit.spec.checks import run_checks
+
+    return run_checks(spec=spec, source=source)
+
+
+def generate(spec: JobSpec, *, out_dir: Path, overwrite: bool = False) -> list[Path]:
+    """`dsmt generate`: the run directory (DeepSpeed JSON, megatron settings, deepspeed / torchrun / SLURM scripts,
+    hostfile, resolved spec), written atomically; raises SpecError (nothing written) when the spec has errors."""
+    from toolkit.generate.writer import write_run_dir
+
+    return write_run_dir(spec=spec, out_dir=Path(out_dir), overwrite=overwrite)
+
+
+def train(spec: JobSpec, *, spec_file: Path | None = None) -> list[dict]:
+    """`dsmt train`: check the spec, start its ranks on this machine and wait; returns the per-step metrics
+    (training.output_dir/metrics.jsonl). The spec is written to `spec_file` (default OUTPUT_DIR/job.yaml) for the
+    ranks to read."""
+    from toolkit.spec.load import dump_spec
+    from toolkit.train.cli import launch_training
+
+    report = check(spec)
+    if not report.ok:
+        raise SpecError(report)
+    output_dir = Path(spec.training.output_dir)
+    spec_file = Path(spec_file) if spec_file is not None else output_dir / "job.yaml"
+    spec_file.parent.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(dump_spec(spec))
+    launch_training(path=str(spec_file))
+    metrics = output_dir / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
