@@ -24,9 +24,9 @@ def test_table_covers_every_hf_tensor_of_a_real_hf_model(model_type):
         config = tiny_config(model_type, tie_word_embeddings=tied)
         hf_names = list(AutoModelForCausalLM.from_config(config).state_dict())
         settings = model_settings(config)
-        items = expand_table(settings.family.weight_table(tied_embeddings=tied), num_layers=config.num_hidden_layers)
-        ignored = settings.family.ignored_hf + (("lm_head.weight",) if tied else ())
-        assert check_hf_coverage(items=items, hf_names=hf_names, ignored=ignored) == []
+        assert settings.tied_embeddings == tied
+        items = expand_table(settings.weight_table(), num_layers=config.num_hidden_layers)
+        assert check_hf_coverage(items=items, hf_names=hf_names, ignored=settings.ignored_hf()) == []
 
 
 def test_coverage_check_names_unexpected_and_missing_tensors_together():

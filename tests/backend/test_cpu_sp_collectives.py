@@ -12,15 +12,12 @@ backward. This file is also the per-rank worker: `torchrun --nproc_per_node=2 te
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPE = (4, 3, 5)  # [sequence, batch, hidden]: megatron splits and gathers along the first dimension
 
 
@@ -107,14 +104,9 @@ def worker(out_dir: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend is only active without CUDA")
 def test_sequence_parallel_collectives_on_gloo_equal_the_reference(tmp_path):
-    from toolkit.launch import free_port
+    from ranks import run_on_ranks
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", __file__, str(tmp_path)]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_on_ranks(__file__, tmp_path, nprocs=2, timeout=300)
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         failed = [name for name, ok in report["checks"].items() if not ok]

@@ -10,15 +10,12 @@ This file is also the per-rank worker: `torchrun --nproc_per_node=4 test_context
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
 SEQ = 16  # 2·cp = 4 chunks of 4 tokens
 
 
@@ -30,6 +27,7 @@ def worker(out_dir: str) -> None:
     from toolkit.layout import Layout
     from toolkit.parallel import destroy_process_groups, init_process_groups
     from toolkit.train.engine import context_parallel_slices, global_loss_tokens
+    from toolkit.train.tasks import CausalLM
     from toolkit.train.mpu import MegatronMpu
 
     init_process_groups(layout=Layout(cp=2, dp=2), dist_backend=backends.current().dist_backend)
@@ -43,7 +41,7 @@ def worker(out_dir: str) -> None:
         "mpu_dp_world": MegatronMpu().get_data_parallel_world_size(),
         "positions": sliced["position_ids"][0].tolist(), "tokens_match": torch.equal(sliced["tokens"],
                                                                                    sliced["position_ids"] + 100),
-        "global_tokens": global_loss_tokens([sliced], device=torch.device("cpu")),
+        "global_tokens": global_loss_tokens([sliced], device=torch.device("cpu"), count=CausalLM(vocab_size=0).count),
         "full_tokens_this_dp_rank": int(mask.sum()),
         "deepspeed_batch": deepspeed_batch_as_parsed(),
     }
@@ -74,14 +72,9 @@ def deepspeed_batch_as_parsed() -> list[int]:
 
 @pytest.mark.multiproc
 def test_context_parallel_plumbing_on_four_ranks(tmp_path):
-    from toolkit.launch import free_port
+    from ranks import run_on_ranks
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", __file__, str(tmp_path)]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_on_ranks(__file__, tmp_path, nprocs=4, timeout=300)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     # megatron's rank order tp-cp-dp-pp: ranks 0, 1 are the CP pair of replica 0; 2, 3 of replica 1.
     assert [(r["dp_rank"], r["cp_rank"]) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -25,9 +25,7 @@ Reproduce: .venv/bin/python -m pytest -s tests/train/test_train_plain.py (one la
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -37,7 +35,6 @@ import pytest
 import torch
 
 from toolkit.errors import DsmtError
-from toolkit.launch import free_port
 from toolkit.train.plain import (PLAIN_NOTICE, SyncBatchNormOnCpuError, check_plain_layout, convert_sync_batchnorm,
                                  is_plain_model, load_plain_model, plain_notice)
 from toolkit.train.plain_synthetic import PlainBatches
@@ -200,6 +197,8 @@ def first_records(source: Path, target: Path, *, count: int) -> Path:
 @pytest.fixture(scope="module")
 def trained(models, tmp_path_factory) -> tuple[dict, Path, dict]:
     """Every scenario, trained in one 2-rank launch; returns (per-scenario results, output root, real job specs)."""
+    from ranks import run_on_ranks
+
     root = tmp_path_factory.mktemp("plain-runs")
     data = {"images": {"path": str(write_image_folder(root / "images"))},
             "text": {"path": str(write_text(root / "text.jsonl")), "label_field": "score"},
@@ -214,14 +213,7 @@ def trained(models, tmp_path_factory) -> tuple[dict, Path, dict]:
             "tests_dir": str(Path(__file__).parent)}
     (root / "spec.json").write_text(json.dumps(spec))
     (root / "worker.py").write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))  # tests/conftest.py sets it too
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={DP}",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(root / "worker.py"),
-               str(root / "spec.json")]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_on_ranks(root / "worker.py", root / "spec.json", nprocs=DP, timeout=600)  # conftest set TORCH_EXTENSIONS_DIR
     return json.loads((root / "results.json").read_text()), root, real
 
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -30,7 +28,6 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
 SEED, MICRO, SEQ, NUM_MICRO = 7, 2, 32, 2
 STEPS = 4  # DeepSpeed's cosine schedule gives step 1 lr 0: 3 steps move the weights
 # 2e-3 cosine to 2e-4; clipping at 0.5 acts on every step (norms ~2-3), so a wrong grad norm moves the weights.
@@ -209,19 +206,14 @@ def write_run_spec(path: Path, *, model_dir: Path, output_dir: Path, pp=1, dp=2,
 
 @pytest.fixture(scope="module")
 def launched(tiny_llama, tmp_path_factory) -> tuple[dict, Path]:
-    from toolkit.launch import free_port
+    from ranks import run_on_ranks
 
     root = tmp_path_factory.mktemp("sp")
     runs = {name: str(write_run_spec(root / f"{name}.yaml", model_dir=tiny_llama, output_dir=root / name, **options))
             for name, options in RUNS.items()}
     plan = {"model_dir": str(tiny_llama), "runs": runs, "results": str(root / "results.json")}
     (root / "plan.json").write_text(json.dumps(plan))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", __file__, str(root / "plan.json")]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    run_on_ranks(__file__, root / "plan.json", nprocs=4, timeout=900)
     return json.loads((root / "results.json").read_text()), root
 
 

@@ -132,20 +132,11 @@ def train_in_one_launch(*, runs: dict[str, Path], root: Path, nprocs: int, timeo
     """`toolkit.train.run.train(spec=...)` for each spec, one after the other, in ONE torchrun launch of `nprocs`
     gloo ranks (imports cost ~6 s per process on 2 cores; the world group stays, megatron's groups are rebuilt per
     run). This file is the per-rank worker. Fails with the launch's output."""
-    import os
-    import subprocess
-    import sys
-
-    from toolkit.launch import free_port
+    from ranks import run_on_ranks
 
     plan = Path(root) / "plan.json"
     plan.write_text(json.dumps({"runs": {name: str(path) for name, path in runs.items()}}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nprocs}",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", __file__, str(plan)]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    run_on_ranks(__file__, plan, nprocs=nprocs, timeout=timeout)
 
 
 def _train_worker(plan_path: str) -> None:

@@ -20,8 +20,8 @@ SHARED_CONFIG_TABLE = (
     ("rms_norm_eps", "layernorm_epsilon"),
 )
 
-# What every supported family shares and HF never states: no dropout in fine-tuning (the families here set none,
-# or it is refused), and no CUDA-only fusions (they would be picked on GPU by megatron defaults but need apex / TE
+# What every supported family shares and HF never states: no dropout unless the family reads its own (GPT-2 and
+# BERT do, in `read_config`; the Llama-like ones have none, or refuse it), and no CUDA-only fusions (they would be picked on GPU by megatron defaults but need apex / TE
 # kernels; correctness first, the engine may switch them on where present). The layer deltas (activation, norm,
 # biases, qk-norm) come from the family's `Architecture`.
 SHARED_CONFIG_CONSTANTS = dict(

@@ -78,8 +78,10 @@ def _image_folder_problems(*, path: Path, spec: JobSpec, config: dict) -> list[P
         return [Problem("error", "image_folder_classes", f"image folder data.path={spec.data.path} has "
                         f"{len(classes)} class sub-folder(s) ({', '.join(classes) or 'none'})",
                         "lay it out as DIR/<class>/<image>, at least two classes")]
+    from toolkit.data.tasks import named_labels
+
     facts, problems = _ConfigFacts(config), []
-    if not facts.label2id or all(name == f"LABEL_{i}" for name, i in facts.label2id.items()):
+    if named_labels(facts) is None:  # classes are the sorted sub-folders, ids 0 .. len - 1
         if len(classes) > facts.num_labels:
             problems.append(Problem("error", "num_labels", f"image folder data.path={spec.data.path} has "
                                     f"{len(classes)} classes ({', '.join(classes)}) but the model has num_labels="
@@ -91,7 +93,6 @@ def _image_folder_problems(*, path: Path, spec: JobSpec, config: dict) -> list[P
     extensions = Image.registered_extensions()  # the files datasets' imagefolder builder would read
     files = sorted(f for c in classes for f in (path / c).iterdir() if f.is_file() and f.suffix.lower() in extensions)
     if len(files) <= CHEAP_SCAN_FILES:
-
         for file in files:  # decoding tiny folders is cheap; larger ones are checked when training starts
             try:
                 decode_image({"path": str(file), "bytes": None})

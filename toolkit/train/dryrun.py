@@ -285,9 +285,9 @@ def data_problems(*, spec) -> list[Problem]:
     data = spec.data
     found = []
     text_data = data.path is not None and not data.synthetic
-    task = _task_of(spec)
-    if text_data and task not in (None, "causal_lm"):
-        return task_data_problems(spec=spec, task=task)
+    task, head_config = _head_task(spec) if text_data else (None, None)
+    if task not in (None, "causal_lm"):
+        return task_data_problems(spec=spec, task=task, model_config=head_config)
     if text_data:
         try:
             records = load_records(data=data)
@@ -302,29 +302,29 @@ def data_problems(*, spec) -> list[Problem]:
     return found
 
 
-def _task_of(spec) -> str | None:
-    """The training task of a checkpoint's head (toolkit/data/tasks.py), None without a readable config.json."""
+def _head_task(spec) -> tuple[str | None, object]:
+    """(training task of the checkpoint's head (toolkit/data/tasks.py), its HF config); (None, None) without a
+    readable config.json or for a head the model checks report."""
     from transformers import AutoConfig
 
     from toolkit.data.tasks import task_of
 
     config_path = Path(spec.model.path or "") / "config.json"
     if spec.model.path is None or not config_path.is_file():
-        return None
+        return None, None
     try:
-        return task_of(AutoConfig.from_pretrained(spec.model.path))
+        config = AutoConfig.from_pretrained(spec.model.path)
+        return task_of(config), config
     except (DsmtError, ValueError, OSError):
-        return None  # the model checks report it
+        return None, None
 
 
-def task_data_problems(*, spec, task: str) -> list[Problem]:
+def task_data_problems(*, spec, task: str, model_config) -> list[Problem]:
     """Build the task's examples as a rank does (labels validated, images listed, tokenizer loaded)."""
-    from transformers import AutoConfig
-
     from toolkit.data.tasks import task_examples
 
     try:
-        examples = task_examples(data=spec.data, model_config=AutoConfig.from_pretrained(spec.model.path),
+        examples = task_examples(data=spec.data, model_config=model_config,
                                  tokenizer_path=spec.data.tokenizer or spec.model.path,
                                  seq_length=spec.training.seq_length, seed=spec.training.seed)
     except DsmtError as err:

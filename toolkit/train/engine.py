@@ -80,7 +80,6 @@ class HybridEngine:
                                                     mpu=MegatronMpu())
         check_driver(self.engine, pp_size=pp_size)
         self._sequence_parallel_hooks = sum_sequence_parallel_grads(self.chunks)
-        self.vocab_size = vocab_size
         self.task = task if task is not None else CausalLM(vocab_size=vocab_size)
         self.pp_size = pp_size
         self.tied_embeddings = tied_embeddings
@@ -244,13 +243,12 @@ def _sum_over_group(grad: torch.Tensor, *, group) -> torch.Tensor:
     return total.to(grad.dtype)
 
 
-def global_loss_tokens(micro_batches: list[dict], *, device: torch.device, count=None) -> int:
-    """Loss tokens of this step summed over this rank's micro-batches and every data-parallel rank (and, with
+def global_loss_tokens(micro_batches: list[dict], *, device: torch.device, count) -> int:
+    """Loss units of this step summed over this rank's micro-batches and every data-parallel rank (and, with
     context parallelism, every CP rank's slice of the sequences: the group DeepSpeed reduces over). `count(batch)`:
-    a micro-batch's loss units (the task's; default its `loss_mask` tokens)."""
+    a micro-batch's loss units (the task's: `toolkit/train/tasks.py`)."""
     import torch.distributed as dist
 
-    count = count or (lambda batch: int(batch["loss_mask"].sum().item()))
     total = torch.tensor([sum(count(batch) for batch in micro_batches)], dtype=torch.int64, device=device)
     dist.all_reduce(total, group=MegatronMpu().get_data_parallel_group())
     return int(total.item())

@@ -1,7 +1,7 @@
 """Models without a megatron-core adapter: DeepSpeed ZeRO data parallelism only (tp = pp = 1).
 
 Any HF model whose `model_type` has no adapter (`toolkit.adapters.family.supported_model_types()`), e.g.
-ResNetForImageClassification or BertForMaskedLM, trains as the plain HF module wrapped by DeepSpeed: no mpu, so
+ResNetForImageClassification or DistilBertForMaskedLM, trains as the plain HF module wrapped by DeepSpeed: no mpu, so
 the whole world is the data-parallel group, and DeepSpeed owns everything (DP reduction, ZeRO 0-3 partitioning,
 clipping, optimizer, LR schedule, checkpoints). The loop is DeepSpeed's own: `engine(**batch)` /
 `engine.backward(loss)` / `engine.step()`. Inputs: `toolkit.data.tasks.TaskBatches` on `data.path`, or
@@ -47,7 +47,7 @@ class SyncBatchNormOnCpuError(DsmtError):
     """training.sync_batchnorm on the CPU backend, where torch's SyncBatchNorm does not run."""
 
 
-def _model_type(hf_dir: Path) -> str:
+def model_type_of(hf_dir: Path) -> str:
     config_path = Path(hf_dir) / "config.json"
     if not config_path.is_file():
         raise DsmtError(f"{config_path} does not exist: an HF model directory needs a config.json")
@@ -61,7 +61,7 @@ def is_plain_model(hf_dir: Path) -> bool:
     """True when config.json's model_type has no megatron-core adapter (it trains with DeepSpeed DP only)."""
     from toolkit.adapters.family import supported_model_types
 
-    return _model_type(hf_dir) not in supported_model_types()
+    return model_type_of(hf_dir) not in supported_model_types()
 
 
 def plain_notice(*, model_type: str, zero_stage: int) -> str:

@@ -4,7 +4,6 @@ Every rank runs this (under torchrun, the deepspeed launcher, SLURM or `dsmt tra
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -153,7 +152,7 @@ def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pat
 
     from toolkit.train import plain
 
-    model_type = json.loads((hf_dir / "config.json").read_text())["model_type"]
+    model_type = plain.model_type_of(hf_dir)
     plain.check_plain_layout(tp=layout.tp, pp=layout.pp, model_type=model_type)
     model = plain.load_plain_model(hf_dir, dtype=params_dtype(spec.training.precision))
     if spec.data.synthetic:

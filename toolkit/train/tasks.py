@@ -45,21 +45,25 @@ class CausalLM:
                                      vocab_size=self.vocab_size)
 
 
+class EncoderInputs:
+    """The encoder models' call (toolkit/adapters/encoder.py) on HF keyword batches."""
+
+    def sequence(self, batch: dict) -> torch.Tensor:
+        return batch["input_ids"]
+
+    def forward(self, model, batch: dict) -> torch.Tensor:
+        return model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
+
+
 @dataclasses.dataclass(frozen=True)
-class MaskedLM:
+class MaskedLM(EncoderInputs):
     """An encoder's MLM head: cross entropy of the tokens whose label is not -100 (HF's collator masks)."""
 
     vocab_size: int
     name = "masked_lm"
 
-    def sequence(self, batch: dict) -> torch.Tensor:
-        return batch["input_ids"]
-
     def count(self, batch: dict) -> int:
         return int((batch["labels"] != IGNORE_INDEX).sum().item())
-
-    def forward(self, model, batch: dict) -> torch.Tensor:
-        return model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
 
     def loss_sum(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
         counted = batch["labels"] != IGNORE_INDEX
@@ -69,21 +73,15 @@ class MaskedLM:
 
 
 @dataclasses.dataclass(frozen=True)
-class SequenceClassification:
+class SequenceClassification(EncoderInputs):
     """An encoder's pooled classifier output [b, num_labels], replicated over TP: squared error summed over the
     samples (num_labels == 1) or cross entropy summed over the samples."""
 
     num_labels: int
     name = "sequence_classification"
 
-    def sequence(self, batch: dict) -> torch.Tensor:
-        return batch["input_ids"]
-
     def count(self, batch: dict) -> int:
         return int(batch["labels"].shape[0])
-
-    def forward(self, model, batch: dict) -> torch.Tensor:
-        return model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
 
     def loss_sum(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
         output = output.float()
