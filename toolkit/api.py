@@ -53,8 +53,8 @@ def generate(spec: JobSpec, *, out_dir: Path, overwrite: bool = False) -> list[P
 
 def train(spec: JobSpec, *, spec_file: Path | None = None) -> list[dict]:
     """`dsmt train`: check the spec, start its ranks on this machine and wait; returns the per-step metrics
-    (training.output_dir/metrics.jsonl). The spec is written to `spec_file` (default OUTPUT_DIR/job.yaml) for the
-    ranks to read."""
+    (the training lines of training.output_dir/metrics.jsonl: `validation_history` has the evaluations). The spec
+    is written to `spec_file` (default OUTPUT_DIR/job.yaml) for the ranks to read."""
     from toolkit.spec.load import dump_spec
     from toolkit.train.cli import launch_training
 
@@ -66,5 +66,15 @@ def train(spec: JobSpec, *, spec_file: Path | None = None) -> list[dict]:
     spec_file.parent.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(dump_spec(spec))
     launch_training(path=str(spec_file))
+    return [record for record in _metrics(output_dir) if "loss" in record]
+
+
+def validation_history(spec: JobSpec) -> list[dict]:
+    """The evaluations of a finished or running `train(spec)`: `{"step", "val_loss", "val_tokens", "eval_time_s"}`
+    per evaluation (step 0 is before the first step); empty without data.validation_path / validation_fraction."""
+    return [record for record in _metrics(Path(spec.training.output_dir)) if "val_loss" in record]
+
+
+def _metrics(output_dir: Path) -> list[dict]:
     metrics = output_dir / "metrics.jsonl"
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []

@@ -1,4 +1,5 @@
-"""tokenize_examples: exact token layouts for text packing, prompt/completion and chat masks."""
+"""tokenize_examples: exact token layouts for text documents, prompt/completion and chat masks (packing itself:
+test_data_packing.py)."""
 
 import pytest
 import torch
@@ -17,19 +18,20 @@ def _examples(write_jsonl, cache_dir, tokenizer, rows, *, seq_length, **fields):
     return tokenize_examples(records=records, data=data, tokenizer=tokenizer, seq_length=seq_length)
 
 
-def test_text_packs_documents_with_eos_between(write_jsonl, cache_dir, tokenizer):
+def test_text_packs_whole_documents_with_eos(write_jsonl, cache_dir, tokenizer):
     a, b, c = (ids_of(tokenizer, t) for t in ("ab", "cde", "f"))
     examples = _examples(write_jsonl, cache_dir, tokenizer, [{"text": t} for t in ("ab", "cde", "f")], seq_length=3)
-    # stream: a b EOS c d e EOS f EOS (9 tokens) -> two chunks of seq_length + 1 = 4; the last EOS is dropped
-    stream = a + [EOS] + b + [EOS] + c + [EOS]
-    assert examples.token_ids.tolist() == [stream[0:4], stream[4:8]]
-    assert examples.loss_mask.tolist() == [[1.0] * 3] * 2 and examples.kind == "text"
-    assert examples.token_ids.dtype == torch.int64 and examples.seq_length == 3
+    # documents a b EOS | c d e EOS | f EOS in rows of seq_length + 1 = 4: the second does not fit after the first,
+    # the third does not fit after the second; padding (EOS) fills each row, whose labels do not count
+    assert examples.token_ids.tolist() == [a + [EOS, EOS], b + [EOS], c + [EOS, EOS, EOS]]
+    assert examples.loss_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]] and examples.kind == "text"
+    assert examples.position_ids.tolist() == [[0, 1, 2], [0, 1, 2], [0, 1, 0]]  # padding: its own segment
+    assert examples.token_ids.dtype == torch.int64 and examples.seq_length == 3 and examples.num_records == 3
 
 
-def test_text_corpus_too_short_says_tokens_and_need(write_jsonl, cache_dir, tokenizer):
-    with pytest.raises(DsmtError, match=r"has 3 tokens \(1 documents, EOS included\).*seq_length \+ 1 = 9"):
-        _examples(write_jsonl, cache_dir, tokenizer, [{"text": "ab"}], seq_length=8)
+def test_text_of_only_eos_has_no_label(write_jsonl, cache_dir, tokenizer):
+    with pytest.raises(DsmtError, match=r"none of the 1 text records has a loss-bearing token.*seq_length \+ 1 = 9"):
+        _examples(write_jsonl, cache_dir, tokenizer, [{"text": ""}], seq_length=8)
 
 
 def test_non_string_text_names_the_record(write_jsonl, cache_dir, tokenizer):
@@ -115,7 +117,7 @@ def test_shipped_examples_tokenize_with_the_tiny_tokenizer(tiny_checkpoint, cach
     for data in specs:
         examples = build_examples(data=data, model_path=str(tiny_checkpoint), seq_length=128, vocab_size=250, seed=0,
                                   cache_dir=cache_dir)
-        assert len(examples) >= 40 and examples.loss_mask.sum() > 0
+        assert examples.num_records >= 40 and examples.loss_mask.sum() > 0
     with pytest.raises(DsmtError, match=r"id \d+ but the model's vocab_size is 20"):
         build_examples(data=specs[0], model_path=str(tiny_checkpoint), seq_length=64, vocab_size=20, seed=0,
                        cache_dir=cache_dir)

@@ -42,9 +42,11 @@ def test_generate_configs_writes_the_layouts_that_pass_and_names_the_rules_of_th
 @pytest.mark.multiproc
 def test_finetune_llama_trains_at_tp2_and_exports_an_hf_model(tmp_path):
     out = tmp_path / "ft"
-    result = run_example("finetune_llama.py", "--output", str(out), "--steps", "4", "--tp", "2")
+    result = run_example("finetune_llama.py", "--output", str(out), "--steps", "4", "--tp", "2", "--lora-rank", "8")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "trained 4 steps: loss" in result.stdout and "loads as LlamaForCausalLM" in result.stdout
+    assert "final-hf-adapter loads with peft onto" in result.stdout
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    steps, evaluations = [m for m in metrics if "loss" in m], [m for m in metrics if "val_loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4] and [m["step"] for m in evaluations] == [0, 4]
+    assert evaluations[-1]["val_loss"] < evaluations[0]["val_loss"]

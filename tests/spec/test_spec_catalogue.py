@@ -83,6 +83,15 @@ CATALOGUE = {
     "synthetic_with_path": (tiny_spec(data={"path": "train.jsonl"}), "synthetic_with_path", "path='train.jsonl'"),
     "builtin_needs_tokenizer": (_llama8b(data={"synthetic": False, "path": "train.jsonl"}), "builtin_needs_tokenizer",
                                 "vocab_size=128256"),
+    "lora_rank": (tiny_spec(training={"lora": {"rank": 0}}), "lora_rank", "rank=0 must be at least 1"),
+    "lora_targets": (tiny_spec(model=_model(model_type="llama"), training={"lora": {"targets": ["query", "v_proj"]}}),
+                     "lora_targets", "available: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+    "lora_needs_weights": (_llama8b(training={"lora": {"rank": 8}}), "lora_needs_weights", "model.builtin=llama3-8b"),
+    "lora_init_adapter": (tiny_spec(model=_model(model_type="llama"),
+                                    training={"lora": {"init_adapter": "/nonexistent/adapter"}}),
+                          "lora_init_adapter", "adapter_config.json"),
+    "validation_both": (tiny_spec(data={"synthetic": False, "path": "t.jsonl", "validation_path": "v.jsonl",
+                                        "validation_fraction": 0.1}), "validation_both", "exclusive"),
 }
 
 

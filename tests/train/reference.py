@@ -3,16 +3,23 @@
 It reads the job spec YAML and the jsonl itself and re-implements, from their written rules, what a dsmt run
 should do, so a parity test against it can catch bugs in dsmt's data pipeline, loss, optimizer and schedule:
 
-  data       toolkit/data/tokenize.py docstring: text records (tokenizer defaults, EOS after each document unless
-             the tokenizer already ended it with EOS) concatenated and cut into `seq_length + 1` windows, the rest
-             dropped, every label counted; prompt/completion records one example each, `prompt (tokenizer's
-             specials) + completion + EOS`, cut at the right or padded with the pad token (EOS without one), loss on
-             the completion and its EOS only, records with no counted label dropped.
+  data       toolkit/data/tokenize.py docstring: a text record is a document (tokenizer defaults, EOS after it
+             unless the tokenizer already ended it with EOS), every label in it counted; one longer than
+             `seq_length + 1` is cut into consecutive pieces of `seq_length + 1`, each its own document (a piece of
+             one token has no label: left out). A prompt/completion record is `prompt (tokenizer's specials) +
+             completion + EOS`, loss on the completion and its EOS only, cut at the right to `seq_length + 1`.
+             Records (pieces) with no counted label are dropped. `data.packing` (default true): records fill rows
+             of `seq_length + 1` greedily in record order (one that does not fit starts the next row); false: one
+             record per row. Rows are padded with the pad token (EOS without one).
+  loss       per document: each record of a row goes through its own HF forward (positions from 0, attending
+             only to itself), its counted labels summed; a row's padding and the label from one record to the
+             next count nothing.
   order      toolkit/data/batches.py docstring: global position `g = step*G + j` is example
              `randperm(N, seed + g // N)[g % N]` (identity without shuffle); row `j` of the global batch is row `i`
              of micro-batch `m` on data-parallel rank `r` with `j = (m*dp + r)*micro + i`.
-  loss       per token over the global batch: the sum of the masked token cross entropies of all `G` rows divided
-             by the number of counted tokens in them (HF's `num_items_in_batch`), whatever the micro-batch split.
+  loss       per token over the global batch: the sum of the documents' token cross entropies of all `G` rows
+             divided by the number of counted tokens in them (HF's `num_items_in_batch`), whatever the micro-batch
+             split.
   optimizer  torch.optim.AdamW, weight decay on parameters with ndim >= 2 only (norms and biases get 0, megatron's
              convention), gradients clipped to `grad_clip` by their global L2 norm (the pre-clip norm is returned).
   schedule   DeepSpeed's WarmupCosineLR with the parameters dsmt writes (toolkit/generate/deepspeed_config.py), as
@@ -54,13 +61,15 @@ class RunSettings:
     grad_clip: float
     train_steps: int
     seed: int
+    packing: bool = True  # data.packing
 
     @classmethod
     def from_yaml(cls, path: Path) -> "RunSettings":
         spec = yaml.safe_load(Path(path).read_text())
         t, d = spec["training"], spec["data"]
         return cls(model_dir=Path(spec["model"]["path"]), data_path=Path(d["path"]),
-                   text_field=d.get("text_field", "text"), prompt_field=d.get("prompt_field"),
+                   text_field=d.get("text_field", "text"), packing=d.get("packing", True),
+                   prompt_field=d.get("prompt_field"),
                    completion_field=d.get("completion_field"), shuffle=d.get("shuffle", True),
                    seq_length=t["seq_length"], global_batch_size=t["global_batch_size"],
                    micro_batch_size=t["micro_batch_size"], lr=t["lr"], min_lr=t["min_lr"],
@@ -83,37 +92,63 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def tokenize_records(*, records: list[dict], tokenizer, settings: RunSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token_ids [N, seq+1] int64, loss_mask [N, seq] float32) by the rules in the module docstring."""
+Record = tuple[list[int], list[int]]  # (ids, counted): counted[t] = 1 when ids[t] is a label that counts
+
+
+def tokenize_records(*, records: list[dict], tokenizer, settings: RunSettings) -> list[list[Record]]:
+    """The rows of the run: each a list of records (ids, counted), by the rules in the module docstring."""
     window, eos = settings.seq_length + 1, tokenizer.eos_token_id
-    if settings.prompt_field is None:
-        stream = []
-        for record in records:
-            ids = tokenizer(record[settings.text_field])["input_ids"]
-            stream += ids if ids and ids[-1] == eos else ids + [eos]
-        count = len(stream) // window
-        token_ids = torch.tensor(stream[: count * window], dtype=torch.int64).view(count, window)
-        return token_ids, torch.ones(count, settings.seq_length)
-    pad = eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-    rows, masks = [], []
+    pieces = []
     for record in records:
-        prompt = tokenizer(record[settings.prompt_field])["input_ids"]
-        completion = tokenizer(record[settings.completion_field], add_special_tokens=False)["input_ids"]
-        ids = (prompt + completion + [eos])[:window]
-        counted = ([0] * len(prompt) + [1] * (len(completion) + 1))[:window]
-        if not any(counted[1:]):  # counted[t] belongs to label t-1; the first token is never a label
-            continue
-        fill = window - len(ids)
-        rows.append(ids + [pad] * fill)
-        masks.append(counted[1:] + [0] * fill)
-    return torch.tensor(rows, dtype=torch.int64), torch.tensor(masks, dtype=torch.float32)
+        if settings.prompt_field is None:
+            ids = tokenizer(record[settings.text_field])["input_ids"]
+            ids = ids if ids and ids[-1] == eos else ids + [eos]
+            pieces += [(ids[i:i + window], [0] + [1] * (len(ids[i:i + window]) - 1))
+                       for i in range(0, len(ids), window)]
+        else:
+            prompt = tokenizer(record[settings.prompt_field])["input_ids"]
+            completion = tokenizer(record[settings.completion_field], add_special_tokens=False)["input_ids"]
+            ids = (prompt + completion + [eos])[:window]
+            counted = ([0] * len(prompt) + [1] * (len(completion) + 1))[:window]
+            pieces.append((ids, [0] + counted[1:]))  # the first token is never a label
+    pieces = [piece for piece in pieces if any(piece[1])]
+    if not settings.packing:
+        return [[piece] for piece in pieces]
+    rows, row, used = [], [], 0
+    for piece in pieces:
+        if row and used + len(piece[0]) > window:
+            rows.append(row)
+            row, used = [], 0
+        row.append(piece)
+        used += len(piece[0])
+    return rows + ([row] if row else [])
 
 
-def load_examples(settings: RunSettings) -> tuple[torch.Tensor, torch.Tensor]:
+def row_arrays(rows: list[list[Record]], *, window: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_ids [N, window] int64, loss_mask [N, window - 1]) of the rows, to compare with dsmt's arrays."""
+    token_ids = torch.full((len(rows), window), pad, dtype=torch.int64)
+    counted = torch.zeros(len(rows), window)
+    for r, row in enumerate(rows):
+        start = 0
+        for ids, flags in row:
+            token_ids[r, start:start + len(ids)] = torch.tensor(ids)
+            counted[r, start:start + len(ids)] = torch.tensor(flags, dtype=torch.float32)
+            start += len(ids)
+    return token_ids, counted[:, 1:]
+
+
+def load_examples(settings: RunSettings) -> list[list[Record]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
     return tokenize_records(records=read_jsonl(settings.data_path), tokenizer=tokenizer, settings=settings)
+
+
+def load_pad_id(settings: RunSettings) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
+    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
 def global_sample_indices(*, step: int, global_batch_size: int, num_examples: int, seed: int,
@@ -181,15 +216,26 @@ def adamw(model: torch.nn.Module, settings: RunSettings) -> torch.optim.AdamW:
                              lr=settings.lr, betas=settings.betas, eps=settings.eps)
 
 
-def global_batch_loss_backward(model, *, token_ids: torch.Tensor, loss_mask: torch.Tensor, chunk_rows: int) -> float:
-    """Backward of the per-token loss of the whole global batch, `chunk_rows` rows per forward; returns the loss."""
-    num_tokens = loss_mask.sum()
+def count_tokens(rows: list[list[Record]]) -> int:
+    return sum(sum(flags) for row in rows for _, flags in row)
+
+
+def document_loss_sum(model, record: Record) -> torch.Tensor:
+    """The summed cross entropy of one record's counted labels, from a forward of that record alone."""
+    ids, flags = record
+    logits = model(input_ids=torch.tensor([ids[:-1]])).logits.float()[0]
+    per_token = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+    return (per_token * torch.tensor(flags[1:], dtype=torch.float32)).sum()
+
+
+def global_batch_loss_backward(model, *, rows: list[list[Record]], chunk_rows: int) -> float:
+    """Backward of the per-token loss of the whole global batch (one forward per document), `chunk_rows` rows per
+    backward; returns the loss."""
+    num_tokens = count_tokens(rows)
     total = 0.0
-    for start in range(0, len(token_ids), chunk_rows):
-        ids, mask = token_ids[start:start + chunk_rows], loss_mask[start:start + chunk_rows]
-        logits = model(input_ids=ids[:, :-1]).logits.float()
-        per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-        loss = (per_token * mask.flatten()).sum() / num_tokens
+    for start in range(0, len(rows), chunk_rows):
+        loss = sum(document_loss_sum(model, record) for row in rows[start:start + chunk_rows] for record in row)
+        loss = loss / num_tokens
         loss.backward()
         total += loss.item()
     return total
@@ -203,10 +249,11 @@ def train_reference(spec_path: Path, *, chunk_rows: int | None = None,
     from transformers import AutoModelForCausalLM
 
     settings = RunSettings.from_yaml(spec_path)
-    token_ids, loss_mask = load_examples(settings)
+    rows = load_examples(settings)
     model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
-    if int(token_ids.max()) >= model.config.vocab_size:
-        raise ValueError(f"token id {int(token_ids.max())} >= vocab_size {model.config.vocab_size}")
+    largest = max(max(ids) for row in rows for ids, _ in row)
+    if largest >= model.config.vocab_size:
+        raise ValueError(f"token id {largest} >= vocab_size {model.config.vocab_size}")
     if start_rounded_to is not None:
         with torch.no_grad():
             for param in model.parameters():
@@ -215,10 +262,10 @@ def train_reference(spec_path: Path, *, chunk_rows: int | None = None,
     params = list(model.parameters())
     losses, norms, lrs = [], [], []
     for step in range(settings.train_steps):
-        rows = global_sample_indices(step=step, global_batch_size=settings.global_batch_size,
-                                     num_examples=len(token_ids), seed=settings.seed, shuffle=settings.shuffle)
+        chosen = global_sample_indices(step=step, global_batch_size=settings.global_batch_size,
+                                       num_examples=len(rows), seed=settings.seed, shuffle=settings.shuffle)
         optimizer.zero_grad(set_to_none=True)
-        losses.append(global_batch_loss_backward(model, token_ids=token_ids[rows], loss_mask=loss_mask[rows],
+        losses.append(global_batch_loss_backward(model, rows=[rows[j] for j in chosen],
                                                  chunk_rows=chunk_rows or settings.micro_batch_size))
         norm, lr = clip_and_step(optimizer, params=params, step=step, settings=settings)
         norms.append(norm)

@@ -4,9 +4,12 @@ test_train_parity.py: warmup + cosine LR, weight decay on matrices only, clippin
 
 The reference starts from the checkpoint rounded to bf16, as dsmt's fp32 master weights do, and trains in fp32, so
 only bf16 compute separates the two runs. Bounds, ~4-8x what was measured on 2 CPU cores (TP2xPP2xDP2 ZeRO-1 /
-DP2 ZeRO-2): per-step loss within 2e-3 absolute (measured 3.6e-4 / 2.5e-4), pre-clip grad norm within 1e-2
-relative (measured 1.3e-3 / 1.2e-3), exported weights within 2e-3 beyond the export's bf16 rounding (measured
-5.3e-4 / 4.7e-4; 6 steps move the weights by up to 4.3e-3).
+DP2 ZeRO-2): per-step loss within 2e-3 absolute (measured 3.1e-4 / 3.2e-4), pre-clip grad norm within 1e-2
+relative (measured 1.8e-3 / 1.7e-3), exported weights within 2e-3 beyond the export's bf16 rounding for 99.9 % of
+the elements (measured 1.0e-4 / 9.5e-5 at the 99.9th percentile; 6 steps move the weights by up to 4.3e-3).
+The largest element is only bounded by twice the distance the weights moved: Adam normalises every element by its
+own gradient history, so an element whose gradient is at bf16's noise level (here one of the embedding row of the
+letter 'D', which occurs once in the six steps) takes full steps whose sign bf16 may flip; measured 3.7e-3 / 3.8e-3.
 lr equal.
 """
 
@@ -38,4 +41,5 @@ def test_bf16_training_tracks_fp32_reference(name, tiny_llama, tmp_path):
     print(f"{name}: grad norm relative difference <= {relative:.2e}")
     assert figures["loss"] < BF16_LOSS_TOLERANCE
     assert relative < BF16_GRAD_NORM_RELATIVE
-    assert figures["weight_beyond_bf16"] < BF16_WEIGHT_BEYOND_ROUNDING
+    assert figures["weight_beyond_bf16_p999"] < BF16_WEIGHT_BEYOND_ROUNDING
+    assert figures["weight_beyond_bf16"] < 2 * figures["moved"]

@@ -6,7 +6,10 @@ clipping that really triggers (grad_clip 0.5, below every step's norm), and the 
 Per step, dsmt's logged loss, lr and pre-clip grad_norm are compared with the reference's, and at the end its exported
 final-hf/model.safetensors with the reference's weights. Tolerances (fp32, CPU, absolute): loss 5e-6, grad norm
 1e-5, exported weights 2e-6 (measured: <= 6.0e-7, 9.6e-7, 1.2e-7), lr 1e-12 relative; `pytest -s` prints the
-measured figures per layout. A step's lr 0 does not move weights but does fill Adam's moments.
+measured figures per layout. A step's lr 0 does not move weights but does fill Adam's moments. Data is packed
+(data.packing, the default); at the default lengths every row holds one record (stories are split into pieces of
+seq_length + 1, prompt/completion records fill a row of 65), so `sft-packed-...` trains at seq_length 128, where
+rows hold several records: the reference runs one HF forward per record.
 
 The cheap tests at the top check the reference itself: its token ids / loss masks equal dsmt's pipeline's for
 every rank and micro-batch, its LR schedule equals DeepSpeed's scheduler class, and its loss and gradients do not
@@ -16,14 +19,19 @@ depend on how the global batch is split into forwards.
 import pytest
 import torch
 
-from reference import (RunSettings, deepspeed_warmup_cosine_lr, global_batch_loss_backward, global_sample_indices,
-                       load_examples, rank_rows)
+from reference import (RunSettings, deepspeed_warmup_cosine_lr, document_loss_sum, global_batch_loss_backward,
+                       global_sample_indices, load_examples, load_pad_id, rank_rows, row_arrays)
 from train_helpers import parity_figures, parity_spec, run_dsmt
 
 # Measured (2 CPU cores, every layout below): loss <= 6.0e-7, grad norm <= 9.6e-7, weights <= 1.2e-7.
 LOSS_TOLERANCE = 5e-6
 GRAD_NORM_TOLERANCE = 1e-5  # norms are 2-4: 2.5e-6 relative at most
 WEIGHT_TOLERANCE = 2e-6
+
+# Lengths at which records share rows: prompt/completion records are 20-88 tokens, stories ~130-190 (split into
+# pieces of seq_length + 1 above that). At the default lengths (32; SFT 64) every row holds one record. (The
+# tiny models have 128 positions; packed text with short documents: test_train_packing.py.)
+PACKED_SFT_SEQ, PACKED_TEXT_SEQ = 128, 256
 
 LAYOUTS = {
     "tp2-pp2-dp2-zero1": dict(tp=2, pp=2, dp=2, zero=1),   # megatron 1F1B schedule + DeepSpeed ZeRO-1, 2 micro-batches
@@ -36,6 +44,8 @@ LAYOUTS = {
     "tied-pp2-dp2-zero1": dict(pp=2, dp=2, zero=1, micro=1, tied=True),  # embedding on both stages
     "sft-dp2-micro1": dict(dp=2, zero=1, micro=1, sft=True),       # uneven completion lengths
     "sft-tp2-pp2-dp2-zero1": dict(tp=2, pp=2, dp=2, zero=1, sft=True),
+    # packed records (several per row: block-diagonal attention, positions restarting per record)
+    "sft-packed-tp2-pp2-dp2-zero1": dict(tp=2, pp=2, dp=2, zero=1, sft=True, seq=PACKED_SFT_SEQ),
     "tp2-dp2-zero1-full-recompute": dict(tp=2, dp=2, zero=1, extra={"training": {"recompute": "full"}}),
     "pp2-dp2-zero1-selective-recompute": dict(pp=2, dp=2, zero=1, extra={"training": {"recompute": "selective"}}),
 }
@@ -43,17 +53,21 @@ LAYOUTS = {
 
 # --- the reference checked on its own (one process, seconds) ----------------------------------------------------
 
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "unpacked"])
 @pytest.mark.parametrize("sft", [False, True], ids=["text", "prompt-completion"])
-def test_reference_batches_equal_dsmt_pipeline(sft, tiny_llama, tmp_path):
-    """Token ids and loss masks of every (rank, micro-batch) of a step that straddles an epoch boundary."""
+def test_reference_batches_equal_dsmt_pipeline(sft, packing, tiny_llama, tmp_path):
+    """Token ids, loss masks and record boundaries of every (rank, micro-batch) of a step that straddles an epoch
+    boundary."""
     from toolkit.data import MicroBatches, build_examples
     from toolkit.spec.load import load_spec
 
     dp, micro, accum = 2, 2, 3
     spec_path = parity_spec(tmp_path / "job.yaml", model_dir=tiny_llama, output_dir=tmp_path / "out", dp=dp,
-                            micro=micro, global_batch=dp * micro * accum, sft=sft)
+                            micro=micro, global_batch=dp * micro * accum, sft=sft, extra={"data": {"packing": packing}},
+                            seq=PACKED_SFT_SEQ if sft else PACKED_TEXT_SEQ)
     settings = RunSettings.from_yaml(spec_path)
-    token_ids, loss_mask = load_examples(settings)
+    records = load_examples(settings)
+    token_ids, loss_mask = row_arrays(records, window=settings.seq_length + 1, pad=load_pad_id(settings))
     spec = load_spec(spec_path)
     examples = build_examples(data=spec.data, model_path=str(tiny_llama), seq_length=settings.seq_length,
                               vocab_size=250, seed=settings.seed)
@@ -70,7 +84,12 @@ def test_reference_batches_equal_dsmt_pipeline(sft, tiny_llama, tmp_path):
             assert torch.equal(batch["tokens"], token_ids[mine, :-1])
             assert torch.equal(batch["labels"], token_ids[mine, 1:])
             assert torch.equal(batch["loss_mask"], loss_mask[mine])
-    if sft:  # uneven completions: what makes a per-token loss differ from a mean of per-sequence means
+            # a record starts where dsmt's positions restart; unpacked rows run 0 .. seq_length - 1
+            starts = [segment_starts(records[j], seq_length=settings.seq_length) for j in mine] if packing else [
+                [0]] * len(mine)
+            assert [torch.nonzero(p == 0).flatten().tolist() for p in batch["position_ids"]] == starts
+    assert packing == any(len(row) > 1 for row in records)  # packing puts several records in some rows
+    if sft and not packing:  # uneven completions: what makes a per-token loss differ from a mean of per-sequence means
         counted = loss_mask.sum(dim=1)
         assert counted.max() >= 2 * counted.min(), counted
 
@@ -105,15 +124,14 @@ def test_reference_loss_and_grads_do_not_depend_on_the_split(tiny_llama, tmp_pat
 
     spec_path = parity_spec(tmp_path / "job.yaml", model_dir=tiny_llama, output_dir=tmp_path / "out", sft=True)
     settings = RunSettings.from_yaml(spec_path)
-    token_ids, loss_mask = load_examples(settings)
-    rows = global_sample_indices(step=0, global_batch_size=8, num_examples=len(token_ids), seed=settings.seed,
+    records = load_examples(settings)
+    rows = global_sample_indices(step=0, global_batch_size=8, num_examples=len(records), seed=settings.seed,
                                  shuffle=True)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     results = []
     for chunk_rows in (8, 1):
         model.zero_grad(set_to_none=True)
-        loss = global_batch_loss_backward(model, token_ids=token_ids[rows], loss_mask=loss_mask[rows],
-                                          chunk_rows=chunk_rows)
+        loss = global_batch_loss_backward(model, rows=[records[j] for j in rows], chunk_rows=chunk_rows)
         results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss_whole, grads_whole), (loss_split, grads_split) = results
     assert loss_whole == pytest.approx(loss_split, abs=1e-6)
@@ -121,10 +139,19 @@ def test_reference_loss_and_grads_do_not_depend_on_the_split(tiny_llama, tmp_pat
     with torch.no_grad():
         means = []
         for j in rows:
-            logits = model(input_ids=token_ids[j:j + 1, :-1]).logits
-            per_token = torch.nn.functional.cross_entropy(logits[0], token_ids[j, 1:], reduction="none")
-            means.append(float((per_token * loss_mask[j]).sum() / loss_mask[j].sum()))
+            row_sum = sum(document_loss_sum(model, record) for record in records[j])
+            means.append(float(row_sum / sum(sum(flags) for _, flags in records[j])))
     assert abs(sum(means) / len(means) - loss_whole) > 1e-3, (means, loss_whole)
+
+
+def segment_starts(row, *, seq_length: int) -> list[int]:
+    """Input columns where a packed row's records start, and its padding when that begins before the last
+    column (padding is a segment of its own)."""
+    starts, offset = [], 0
+    for ids, _ in row:
+        starts.append(offset)
+        offset += len(ids)
+    return starts + ([offset] if offset < seq_length else [])
 
 
 # --- dsmt against the reference (one `dsmt train` launch per layout) --------------------------------------------

@@ -163,18 +163,18 @@ def train_causal_reference(*, spec: dict) -> tuple[list[float], dict]:
         global_batch_size=training["global_batch_size"], micro_batch_size=training["micro_batch_size"],
         lr=training["lr"], min_lr=training["min_lr"], lr_schedule="constant", warmup_steps=0,
         weight_decay=training["weight_decay"], betas=(training["adam_beta1"], training["adam_beta2"]),
-        eps=training["adam_eps"], grad_clip=0.0, train_steps=training["train_steps"], seed=training["seed"])
+        eps=training["adam_eps"], grad_clip=0.0, train_steps=training["train_steps"], seed=training["seed"],
+        packing=False)  # plain models take one record per row (toolkit/data/tasks.py)
     tokenizer = transformers.AutoTokenizer.from_pretrained(settings.model_dir)
-    token_ids, loss_mask = tokenize_records(records=read_jsonl(settings.data_path), tokenizer=tokenizer,
-                                            settings=settings)
+    examples = tokenize_records(records=read_jsonl(settings.data_path), tokenizer=tokenizer, settings=settings)
     model = transformers.AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
     model.train()
     optimizer, losses = adamw(model, training), []
     for step in range(settings.train_steps):
         rows = global_sample_indices(step=step, global_batch_size=settings.global_batch_size,
-                                     num_examples=len(token_ids), seed=settings.seed, shuffle=True)
+                                     num_examples=len(examples), seed=settings.seed, shuffle=True)
         optimizer.zero_grad(set_to_none=True)
-        losses.append(global_batch_loss_backward(model, token_ids=token_ids[rows], loss_mask=loss_mask[rows],
+        losses.append(global_batch_loss_backward(model, rows=[examples[j] for j in rows],
                                                  chunk_rows=settings.global_batch_size))
         optimizer.step()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -34,7 +34,15 @@ def write_spec(path: Path, *, model_dir: Path, output_dir: Path, tp=1, pp=1, vpp
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    """The training-step lines of metrics.jsonl (validation lines have `val_loss` instead of `loss`)."""
+    lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "val_loss" not in line]
+
+
+def read_validation(output_dir: Path) -> list[dict]:
+    """The validation lines of metrics.jsonl: `step`, `val_loss`, `val_tokens`, `eval_time_s`."""
+    lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "val_loss" in line]
 
 
 def run_dsmt(spec_path: Path) -> None:
@@ -75,13 +83,13 @@ def parity_spec(path: Path, *, model_dir: Path, output_dir: Path, sft: bool = Fa
     return write_spec(path, model_dir=model_dir, output_dir=output_dir, steps=PARITY_STEPS, extra=merged, **layout)
 
 
-def beyond_bf16_rounding(exported: torch.Tensor, reference: torch.Tensor) -> float:
-    """Largest |exported - reference| beyond what rounding to bf16 explains: half the bf16 spacing (8 significant
-    bits: spacing 2^(exponent - 7)) at the larger magnitude of the two. What remains is the difference between
-    the trained (master) weights before the export rounded them."""
+def beyond_bf16_rounding(exported: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """|exported - reference| beyond what rounding to bf16 explains, per element: half the bf16 spacing (8
+    significant bits: spacing 2^(exponent - 7)) at the larger magnitude of the two. What remains is the difference
+    between the trained (master) weights before the export rounded them."""
     magnitude = torch.maximum(exported.float().abs(), reference.abs()).clamp(min=1e-30)
     half_spacing = torch.exp2(torch.floor(torch.log2(magnitude)) - 8)
-    return (exported.float() - reference).abs().sub(half_spacing).clamp(min=0).max().item()
+    return (exported.float() - reference).abs().sub(half_spacing).clamp(min=0)
 
 
 def parity_figures(*, name: str, spec_path: Path, output_dir: Path, model_dir: Path,
@@ -114,8 +122,9 @@ def parity_figures(*, name: str, spec_path: Path, output_dir: Path, model_dir: P
         "moved": max((reference.state_dict[k] - start[k]).abs().max().item() for k in exported),
     }
     if bf16:
-        figures["weight_beyond_bf16"] = max(beyond_bf16_rounding(exported[k], reference.state_dict[k])
-                                           for k in exported)
+        excess = torch.cat([beyond_bf16_rounding(exported[k], reference.state_dict[k]).flatten() for k in exported])
+        figures["weight_beyond_bf16"] = excess.max().item()
+        figures["weight_beyond_bf16_p999"] = excess.quantile(0.999).item()
     print(f"\n{name:<34}" + " | ".join(f"{key} {value:.2e}" for key, value in figures.items()))
     print(f"{'':<34}dsmt loss {[round(r['loss'], 5) for r in metrics]} grad_norm "
           f"{[round(r['grad_norm'], 4) for r in metrics]}")
@@ -141,13 +150,20 @@ def train_in_one_launch(*, runs: dict[str, Path], root: Path, nprocs: int, timeo
 
 def _train_worker(plan_path: str) -> None:
     import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    train_runs(json.loads(Path(plan_path).read_text()))
+
+
+def train_runs(plan: dict) -> None:
+    """Every run of a `train_in_one_launch` plan, one after the other, in this (already initialised) process
+    group; megatron's groups are rebuilt for each run's layout."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from toolkit.spec.load import load_spec
     from toolkit.train.run import train
 
-    plan = json.loads(Path(plan_path).read_text())
-    dist.init_process_group("gloo")
     for spec_path in plan["runs"].values():
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()

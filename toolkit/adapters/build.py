@@ -172,6 +172,8 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from toolkit.adapters.packed import use_position_ids_for_rope
+
     architecture = settings.family.architecture
     rope = architecture.position_embedding == "rope"
     for vp_stage in range(vpp_size):
@@ -191,6 +193,8 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
         )
         if architecture.embedding_scale and model.pre_process:
             model.embedding.register_forward_hook(EmbeddingScale(settings.transformer_fields["hidden_size"]))
+        if rope:  # packed records: RoPE at the batch's position ids, which restart per record
+            use_position_ids_for_rope(model)
         yield model
 
 

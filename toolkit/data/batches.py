@@ -93,12 +93,12 @@ class MicroBatches:
 
     def _gather(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         ids = self.examples.token_ids[rows]
-        seq_length = ids.shape[1] - 1
         return {
             "tokens": ids[:, :-1].contiguous(),
             "labels": ids[:, 1:].contiguous(),
             "loss_mask": self.examples.loss_mask[rows].to(torch.float32),
-            "position_ids": torch.arange(seq_length).expand(len(rows), seq_length).contiguous(),
+            # restart at 0 at each packed record: the model masks attention across records (toolkit/data/tokenize.py)
+            "position_ids": self.examples.positions(rows),
         }
 
 

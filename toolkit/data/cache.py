@@ -2,6 +2,7 @@
 
     <cache_root>/<key>/token_ids.npy   int64   [N, seq_length + 1]
     <cache_root>/<key>/loss_mask.npy   float32 [N, seq_length]
+    <cache_root>/<key>/position_ids.npy int32  [N, seq_length]   restarting at 0 at each packed record
     <cache_root>/<key>/meta.json       what the key was made of, the `Examples` counters, the largest token id
 
 `key` is a hash of everything the arrays depend on: `FORMAT_VERSION`, the `DataSpec` fields that shape
@@ -33,13 +34,14 @@ import numpy as np
 import torch
 
 from toolkit.data import examples as uncached
+from toolkit.data import validation
 from toolkit.data.tokenize import Examples, load_tokenizer
 from toolkit.errors import DsmtError
 from toolkit.spec.schema import DataSpec
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # bump when the arrays or the tokenisation rules change meaning
+FORMAT_VERSION = 2  # bump when the arrays or the tokenisation rules change meaning (2: data.packing, position_ids)
 META = "meta.json"
 # DataSpec fields that do not change the tokens: the order of use, where the cache lives, and `tokenizer`, whose
 # location matters less than its content (`tokenizer_identity`).
@@ -51,10 +53,11 @@ def cache_root_for(*, data: DataSpec, output_dir: str | Path) -> Path:
 
 
 def shared_examples(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, seed: int,
-                    cache_root: Path, status_file: Path) -> Examples:
+                    cache_root: Path, status_file: Path, part: str = "train") -> Examples:
     """Collective over the default process group: rank 0 tokenises (or reuses the cache), every rank memory-maps
     the result; the others wait on `status_file` (this job's own, on a shared filesystem), and a failure on rank 0
-    raises on every rank. Synthetic examples are generated on each rank (cheap, a pure function of the seed)."""
+    raises on every rank. Synthetic examples are generated on each rank (cheap, a pure function of the seed).
+    `part`: "train" or "validation" (toolkit/data/validation.py: which records; `seed` also draws a held-out share)."""
     from toolkit.convert.checkpoint import run_on_rank0
 
     if data.synthetic:
@@ -63,37 +66,41 @@ def shared_examples(*, data: DataSpec, model_path: str | None, seq_length: int, 
 
     def prepare(progress) -> str:
         return str(prepare_cache(data=data, model_path=model_path, seq_length=seq_length, vocab_size=vocab_size,
-                                 cache_root=cache_root))
+                                 cache_root=cache_root, part=part, split_seed=seed))
 
     directory = run_on_rank0(prepare, status_file=status_file, what="preparing the training data")
     return open_cache(Path(directory))
 
 
 def prepare_cache(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, cache_root: Path,
-                  datasets_cache_dir: str | None = None) -> Path:
+                  datasets_cache_dir: str | None = None, part: str = "train", split_seed: int = 0) -> Path:
     """The cache directory for these inputs, tokenising and writing it first when it does not exist yet.
     `datasets_cache_dir` is where `datasets` keeps its own files (None: its default)."""
     uncached.require_data_path(data)
     tokenizer = load_tokenizer(data=data, model_path=model_path)
-    key, inputs = cache_key(data=data, tokenizer=tokenizer, seq_length=seq_length)
+    key, inputs = cache_key(data=data, tokenizer=tokenizer, seq_length=seq_length, part=part, split_seed=split_seed)
     directory = Path(cache_root) / key
     if (directory / META).is_file():
         meta = json.loads((directory / META).read_text())
         log.info("data cache: reusing %s (%d examples)", directory, meta["num_examples"])
     else:
-        examples = uncached.tokenize_path(data=data, tokenizer=tokenizer, seq_length=seq_length,
-                                          cache_dir=datasets_cache_dir)
+        examples = validation.tokenize_part(data=data, part=part, seed=split_seed, tokenizer=tokenizer,
+                                            seq_length=seq_length, cache_dir=datasets_cache_dir)
         meta = write_cache(directory=directory, examples=examples, inputs=inputs)
         log.info("data cache: tokenised %d examples into %s", meta["num_examples"], directory)
     uncached.check_vocab(largest_id=meta["max_token_id"], vocab_size=vocab_size, data=data)
     return directory
 
 
-def cache_key(*, data: DataSpec, tokenizer, seq_length: int) -> tuple[str, dict]:
-    """(hex key, the JSON-able inputs it hashes); see the module docstring."""
-    fields = data.model_dump(exclude=KEY_EXCLUDED_FIELDS)
+def cache_key(*, data: DataSpec, tokenizer, seq_length: int, part: str = "train",
+              split_seed: int = 0) -> tuple[str, dict]:
+    """(hex key, the JSON-able inputs it hashes); see the module docstring. `part` / `split_seed`: which records
+    (toolkit/data/validation.py `key_inputs`)."""
+    # the validation file shapes only the validation part, whose key has its identity (validation.key_inputs)
+    fields = data.model_dump(exclude=KEY_EXCLUDED_FIELDS | {"validation_path"})
     inputs = {"format_version": FORMAT_VERSION, "data": fields, "seq_length": seq_length,
-              "tokenizer": tokenizer_identity(tokenizer), "source": source_identity(data.path)}
+              "tokenizer": tokenizer_identity(tokenizer), "source": source_identity(data.path),
+              **validation.key_inputs(data=data, part=part, seed=split_seed)}
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     return digest[:24], inputs
 
@@ -131,6 +138,7 @@ def write_cache(*, directory: Path, examples: Examples, inputs: dict) -> dict:
     """Write `examples` to `directory` atomically (temp dir + rename); returns the metadata written."""
     meta = {"inputs": inputs, "kind": examples.kind, "used_chat_template": examples.used_chat_template,
             "num_dropped": examples.num_dropped, "num_truncated": examples.num_truncated,
+            "num_records": examples.num_records, "num_split": examples.num_split,
             "num_examples": len(examples), "seq_length": examples.seq_length,
             "max_token_id": int(examples.token_ids.max())}
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -138,6 +146,7 @@ def write_cache(*, directory: Path, examples: Examples, inputs: dict) -> dict:
     try:
         np.save(temp / "token_ids.npy", examples.token_ids.numpy())
         np.save(temp / "loss_mask.npy", examples.loss_mask.numpy())
+        np.save(temp / "position_ids.npy", examples.positions(torch.arange(len(examples))).to(torch.int32).numpy())
         (temp / META).write_text(json.dumps(meta, indent=1))
         try:
             os.rename(temp, directory)
@@ -160,10 +169,14 @@ def open_cache(directory: Path) -> Examples:
     meta = json.loads((directory / META).read_text())
     token_ids = torch.from_numpy(np.load(directory / "token_ids.npy", mmap_mode="c"))
     loss_mask = torch.from_numpy(np.load(directory / "loss_mask.npy", mmap_mode="c"))
+    position_ids = torch.from_numpy(np.load(directory / "position_ids.npy", mmap_mode="c"))
     expected = (meta["num_examples"], meta["seq_length"])
-    if tuple(token_ids.shape) != (expected[0], expected[1] + 1) or tuple(loss_mask.shape) != expected:
+    if (tuple(token_ids.shape) != (expected[0], expected[1] + 1) or tuple(loss_mask.shape) != expected
+            or tuple(position_ids.shape) != expected):
         raise DsmtError(f"the data cache {directory} is damaged (token_ids {tuple(token_ids.shape)}, loss_mask "
-                        f"{tuple(loss_mask.shape)}, meta says {expected[0]} examples of {expected[1]}); delete it")
-    return Examples(token_ids=token_ids, loss_mask=loss_mask, kind=meta["kind"],
+                        f"{tuple(loss_mask.shape)}, position_ids {tuple(position_ids.shape)}, meta says "
+                        f"{expected[0]} examples of {expected[1]}); delete it")
+    return Examples(token_ids=token_ids, loss_mask=loss_mask, position_ids=position_ids, kind=meta["kind"],
                     used_chat_template=meta["used_chat_template"], num_dropped=meta["num_dropped"],
-                    num_truncated=meta["num_truncated"])
+                    num_truncated=meta["num_truncated"], num_records=meta["num_records"],
+                    num_split=meta["num_split"])

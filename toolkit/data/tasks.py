@@ -20,6 +20,12 @@ there, -100 elsewhere; (2) `bernoulli(0.8)` over the row: selected ones become t
 over the row: selected, not yet replaced ones become (4) `randint(len(tokenizer))` drawn over the row; the rest stay
 unchanged. So the masks are a pure function of (seed, g): the same whatever the DP split, reproducible by an
 independent reference, and different in each epoch (g grows).
+
+Validation (`data.validation_path` / `validation_fraction`, toolkit/data/validation.py): `task_examples(part=...)`
+reads the records of one side (`validation.part_records`: the held-out share is left out of training; images: the
+validation folder, or the same `split_records` share of the sorted images) by the same rules. Validation row `v`
+(its index in the validation records) is masked as above with g = v: `mlm_row_seed(seed, v)`, the same masks
+whatever the layout or micro-batch size (toolkit/train/evaluate.py).
 """
 
 from __future__ import annotations
@@ -136,35 +142,59 @@ class TextExamples(TaskExamples):
 
 
 def task_examples(*, data, model_config, tokenizer_path: str, seq_length: int, seed: int,
-                  cache_dir: str | None = None) -> TaskExamples:
+                  cache_dir: str | None = None, part: str = "train") -> TaskExamples:
     """The examples of `data` (a `DataSpec` with `path` set) for the task of `model_config`; see the module
     docstring. `tokenizer_path`: the checkpoint directory (its tokenizer, or its image processor for images;
-    `data.tokenizer` wins for text). `cache_dir`: the `datasets` cache (None: its default)."""
+    `data.tokenizer` wins for text). `cache_dir`: the `datasets` cache (None: its default). `part`: "train" (all
+    of data.path but a held-out `validation_fraction`) or "validation" (toolkit/data/validation.py)."""
+    from toolkit.data.validation import VALIDATION, part_records, validation_spec
+
     task = task_of(model_config)
     if data.path is None:
         raise DsmtError(f"data.path is unset: task {task} needs records to train on; set data.path, or "
                         f"data.synthetic: true for synthetic inputs")
     if task == "image_classification":
-        from toolkit.data.images import image_examples
-
-        examples = image_examples(data=data, model_config=model_config, processor_path=tokenizer_path,
-                                  cache_dir=cache_dir)
+        examples = _image_part(data=data, part=part, model_config=model_config, processor_path=tokenizer_path,
+                               seed=seed, cache_dir=cache_dir)
         _print_on_rank0(examples.description)
         return examples
     from toolkit.data.tokenize import load_tokenizer
 
     tokenizer = load_tokenizer(data=data, model_path=tokenizer_path)
     if task == "causal_lm":
-        return _causal_examples(data=data, tokenizer=tokenizer, seq_length=seq_length, cache_dir=cache_dir)
-    from toolkit.data.sources import load_records
-
-    records = load_records(data=data, cache_dir=cache_dir)
-    encoded = _encode(records=records, data=data, tokenizer=tokenizer, seq_length=seq_length)
+        return _causal_examples(data=data, tokenizer=tokenizer, seq_length=seq_length, cache_dir=cache_dir,
+                                part=part, seed=seed)
+    records = part_records(data=data, part=part, seed=seed, cache_dir=cache_dir)
+    source = validation_spec(data) if part == VALIDATION and data.validation_path is not None else data
+    encoded = _encode(records=records, data=source, tokenizer=tokenizer, seq_length=seq_length)  # errors name it
     if task == "masked_lm":
         return _masked_lm_examples(encoded=encoded, tokenizer=tokenizer, seed=seed)
     labels = class_labels(values=list(records[data.label_field]) if data.label_field in records.column_names
-                          else None, model_config=model_config, data=data, fields=records.column_names)
+                          else None, model_config=model_config, data=source, fields=records.column_names)
     return TextExamples(task=task, labels=labels, **encoded)
+
+
+def _image_part(*, data, part: str, model_config, processor_path: str, seed: int, cache_dir: str | None):
+    """The images of one side: the validation folder (`validation_path`), or the `split_records` share of the
+    images of data.path in their listed order (`validation_fraction`)."""
+    import dataclasses
+
+    from toolkit.data.images import image_examples
+    from toolkit.data.validation import PARTS, VALIDATION, split_records, validation_spec
+
+    if part not in PARTS:
+        raise DsmtError(f"data part {part!r} is not one of {', '.join(PARTS)}")
+    if part == VALIDATION and data.validation_path is None and data.validation_fraction is None:
+        raise DsmtError("there is no validation data: set data.validation_path or data.validation_fraction")
+    source = validation_spec(data) if part == VALIDATION and data.validation_path is not None else data
+    examples = image_examples(data=source, model_config=model_config, processor_path=processor_path,
+                              cache_dir=cache_dir)
+    if data.validation_fraction is None:
+        return examples
+    split = split_records(num_records=len(examples), fraction=data.validation_fraction, seed=seed)
+    kept = split.validation if part == VALIDATION else split.train
+    return dataclasses.replace(examples, sources=[examples.sources[i] for i in kept],
+                               labels=examples.labels[torch.tensor(kept, dtype=torch.int64)])
 
 
 def _print_on_rank0(message: str) -> None:
@@ -204,14 +234,17 @@ def _masked_lm_examples(*, encoded: dict, tokenizer, seed: int) -> TextExamples:
     return TextExamples(task="masked_lm", collator=collator, seed=seed, **encoded)
 
 
-def _causal_examples(*, data, tokenizer, seq_length: int, cache_dir: str | None) -> TextExamples:
-    """`toolkit.data.tokenize` windows of `seq_length` tokens (its `seq_length - 1` + the shifted label): HF
-    shifts `labels` itself, so labels = input_ids with -100 where the window's loss_mask says no loss."""
-    from toolkit.data.examples import tokenize_path
+def _causal_examples(*, data, tokenizer, seq_length: int, cache_dir: str | None, part: str = "train",
+                     seed: int = 0) -> TextExamples:
+    """`toolkit.data.tokenize` rows of `seq_length` tokens (its `seq_length - 1` + the shifted label), one record
+    per row whatever data.packing says: a plain HF model has no per-record attention. HF shifts `labels` itself,
+    so labels = input_ids with -100 where the row's loss_mask says no loss."""
+    from toolkit.data.validation import tokenize_part
 
     if seq_length < 2:
         raise DsmtError(f"seq_length={seq_length}: causal LM needs at least 2 tokens (one input, one label)")
-    examples = tokenize_path(data=data, tokenizer=tokenizer, seq_length=seq_length - 1, cache_dir=cache_dir)
+    examples = tokenize_part(data=data.model_copy(update={"packing": False}), part=part, seed=seed,
+                             tokenizer=tokenizer, seq_length=seq_length - 1, cache_dir=cache_dir)
     ids = examples.token_ids
     labels = ids.clone()
     labels[:, 1:] = torch.where(examples.loss_mask.bool(), ids[:, 1:], -100)  # label 0 is never predicted

@@ -57,6 +57,8 @@ def register(subparsers) -> None:
                    help="fused: Transformer Engine / flash (no s x s scores stored, needed for cp > 1); local: "
                         "megatron's unfused attention (stores the s x s scores; what runs without TE)")
     p.add_argument("--dropout", action="store_true", help="count dropout masks (GPT-style models)")
+    p.add_argument("--lora-rank", type=int, metavar="R", help="LoRA fine-tuning with adapters of rank R on every "
+                   "attention and MLP projection: optimizer state for the adapters only (toolkit/plan/lora.py)")
     for flag in ("--gpu-mem-gb", "--peak-tflops", "--nvlink-gbps", "--ib-gbps", "--hbm-gbps"):
         p.add_argument(flag, type=float, help="override the GPU preset's figure (GB, TFLOPS, GB/s per direction)")
     for flag, (_, text) in OVERRIDES.items():
@@ -84,6 +86,16 @@ def _assumptions(args):
     return dataclasses.replace(Assumptions(), **values)
 
 
+def _lora(args):
+    from toolkit.plan.lora import LoraShape
+
+    if args.lora_rank is None:
+        return None
+    if args.lora_rank < 1:
+        raise DsmtError(f"--lora-rank={args.lora_rank} must be at least 1 (typical: 8 to 64)")
+    return LoraShape(rank=args.lora_rank)
+
+
 def _cluster(args):
     from toolkit.plan.hardware import custom_gpu, get_gpu
     from toolkit.plan.layout import Cluster
@@ -106,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
     shape = load_model_shape(args.model)
     cluster = _cluster(args)
-    training = TrainingShape(seq_length=args.seq_len, global_batch_size=args.global_batch)
+    training = TrainingShape(seq_length=args.seq_len, global_batch_size=args.global_batch, lora=_lora(args))
     result = plan(shape=shape, training=training, cluster=cluster, assumptions=_assumptions(args),
                   allow_offload=args.allow_offload, max_micro_batch_size=args.max_mbs)
     if args.explain:

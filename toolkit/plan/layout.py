@@ -6,6 +6,7 @@ import dataclasses
 
 from toolkit.layout import Layout
 from toolkit.plan.hardware import GpuSpec
+from toolkit.plan.lora import LoraShape  # noqa: F401  (TrainingShape.lora)
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
@@ -37,6 +38,7 @@ class PlanLayout(Layout):
 class TrainingShape:
     seq_length: int
     global_batch_size: int
+    lora: "LoraShape | None" = None  # toolkit/plan/lora.py; None: full fine-tuning
 
 
 @dataclasses.dataclass(frozen=True)

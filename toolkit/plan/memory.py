@@ -210,9 +210,13 @@ def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingSha
     persistent = persistent_params(shape=shape, layout=layout, stage=stage, threshold=a.zero3_persistence_threshold)
     overlap = (partition_overlap_params(shape=shape, layout=layout, stage=stage, dp_rank=dp_rank)
                if a.precision == "fp32" and layout.zero_stage in (1, 2) else None)  # only these lists hold it
-    states = model_state_bytes(num_params=params, dp=layout.zero_size, zero_stage=layout.zero_stage,
-                               offload_optimizer=layout.offload_optimizer, persistent_params=persistent,
-                               overlap_params=overlap, assumptions=a)
+    if training.lora is None:
+        states = model_state_bytes(num_params=params, dp=layout.zero_size, zero_stage=layout.zero_stage,
+                                   offload_optimizer=layout.offload_optimizer, persistent_params=persistent,
+                                   overlap_params=overlap, assumptions=a)
+    else:
+        states, params = lora_model_states(shape=shape, layout=layout, lora=training.lora, base_params=params,
+                                           persistent=persistent, assumptions=a)
     in_flight = micro_batches_in_flight(layout=layout, num_micro=num_micro_batches(layout=layout, training=training),
                                         stage=stage)
     activations = int(stage_activation_bytes(shape=shape, layout=layout, training=training, assumptions=a) * in_flight)
@@ -231,6 +235,22 @@ def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingSha
     return StageMemory(stage=stage, activations=activations, buffers=buffers, overhead=overhead,
                        params_per_gpu=params, micro_batches_in_flight=in_flight,
                        build_peak=build_peak_bytes(shape=shape, layout=layout, stage=stage, assumptions=a), **states)
+
+
+def lora_model_states(*, shape: ModelShape, layout: PlanLayout, lora, base_params: int, persistent: int,
+                      assumptions: Assumptions) -> tuple[dict[str, int], int]:
+    """(model-state bytes, parameters per GPU) with LoRA (toolkit/plan/lora.py): DeepSpeed's buffers for the
+    adapter matrices only, plus the frozen base weights at their working width (ZeRO-3: this rank's partition and
+    the persistent norms). At ZeRO-3 the adapters are counted partitioned; DeepSpeed keeps those below its
+    persistence threshold whole (rank × hidden elements each: megabytes, not counted)."""
+    from toolkit.plan.lora import lora_params
+
+    adapters = lora_params(shape=shape, lora=lora, num_layers=shape.num_layers // layout.pp)
+    states = model_state_bytes(num_params=adapters, dp=layout.zero_size, zero_stage=layout.zero_stage,
+                               offload_optimizer=layout.offload_optimizer, assumptions=assumptions)
+    held = -(-base_params // layout.zero_size) + persistent if layout.zero_stage >= 3 else base_params
+    states["parameters"] += assumptions.param_bytes * held
+    return states, base_params + adapters
 
 
 def _layer_bytes(*, shape, layout, training, recompute, assumptions) -> int:

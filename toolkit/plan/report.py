@@ -64,7 +64,8 @@ def plan_dict(result: Plan, *, top: int) -> dict:
         "cluster": {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu": c.gpu.name,
                     "gpu_memory_gb": round(c.gpu.memory_gb, 2)},
         "training": {"seq_length": result.training.seq_length,
-                     "global_batch_size": result.training.global_batch_size},
+                     "global_batch_size": result.training.global_batch_size,
+                     "lora_rank": None if result.training.lora is None else result.training.lora.rank},
         "evaluated": result.evaluated,
         "choice": {"preferred_for_simplicity": result.preferred_for_simplicity,
                    "time_uncertainty": result.assumptions.time_uncertainty,
@@ -81,6 +82,17 @@ def _layout_cells(lay: PlanLayout) -> str:
             f"{lay.micro_batch_size:>3} {rec:>5}")
 
 
+def _lora_line(*, shape, training) -> list[str]:
+    from toolkit.plan.lora import lora_params
+
+    if training.lora is None:
+        return []
+    adapters = lora_params(shape=shape, lora=training.lora)
+    return [f"LoRA rank {training.lora.rank} on {', '.join(sorted(training.lora.projections))}: {adapters / 1e6:.1f} M "
+            f"trainable parameters ({adapters / shape.num_params():.2%}); gradients and optimizer state for those "
+            "only (the step time still counts full backward FLOPs)"]
+
+
 def format_table(result: Plan, *, top: int) -> str:
     c, shape, tr = result.cluster, result.shape, result.training
     lines = [
@@ -89,6 +101,7 @@ def format_table(result: Plan, *, top: int) -> str:
         f"cluster {c.nodes} x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gb:.1f} GB, "
         f"{c.gpu.peak_bf16_tflops:.0f} TF bf16); seq {tr.seq_length}, global batch {tr.global_batch_size}; "
         f"{result.evaluated} layouts evaluated, {len(result.fitting)} fit",
+        *_lora_line(shape=shape, training=tr),
         "",
         f"{'#':>3}  {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'zero':<7} {'mbs':>3} {'recmp':>5} | "
         f"{'mem GB':>6} = {' + '.join(SHORT[k] for k in CATEGORIES)} | {'step s':>7} {'tok/s':>9} {'MFU':>5} "
@@ -198,7 +211,7 @@ def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, trainin
     """The job spec `dsmt generate` reads, with exactly the agreed keys (the attention kind the plan assumed)."""
     lay = candidate.layout
     model = {"builtin": model_ref} if model_ref in BUILTIN_SHAPES else {"path": model_ref}
-    return {
+    spec = {
         "model": model,
         "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name},
         "parallel": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "sequence_parallel": lay.sp,
@@ -207,6 +220,9 @@ def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, trainin
                      "seq_length": training.seq_length, "precision": "bf16", "recompute": lay.recompute,
                      "attention": attention},
     }
+    if training.lora is not None:  # the plan counted adapters on every projection (PEFT's default targets: None)
+        spec["training"]["lora"] = {"rank": training.lora.rank}
+    return spec
 
 
 def write_spec_atomic(*, path: Path, spec: dict) -> None:

@@ -124,6 +124,27 @@ def check_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     return []
 
 
+def check_validation_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """data.validation_path present (an error where data.path is: the spec is meant for this machine); validation
+    needs real records. The held-out share's record counts need the records: `dsmt train --dry-run`."""
+    data = spec.data
+    if data.validation_path is None and data.validation_fraction is None:
+        return []
+    if data.synthetic:
+        return [Problem("error", "validation_synthetic", "data.synthetic=true has no records to validate on, but "
+                        "data.validation_path / validation_fraction is set",
+                        "unset data.validation_path and data.validation_fraction, or train on data.path")]
+    path = data.validation_path
+    if path is None or Path(path).expanduser().exists():
+        return []
+    data_here = data.path is not None and Path(data.path).expanduser().exists()
+    return [Problem("error" if data_here else "warning", "validation_path_missing",
+                    f"data.validation_path={path} does not exist on this machine"
+                    + (f" (data.path={data.path} does)" if data_here else ""),
+                    "give a file of the same kind and fields as data.path, or data.validation_fraction to hold out "
+                    "a share of data.path" + ("" if data_here else "; fine if both exist on the cluster"))]
+
+
 def check_builtin_tokenizer(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     """A built-in shape has no tokenizer files: text data needs data.tokenizer (whose size `dsmt train --dry-run`
     checks against vocab_size; loading it here would make `dsmt check` slow)."""
@@ -149,7 +170,8 @@ def _planner_inputs(spec: JobSpec):
     plan_layout = PlanLayout(**layout.parallel_fields(), zero_stage=parallel.zero_stage,
                              micro_batch_size=layout.micro_batch_size, recompute=spec.training.recompute,
                              offload_optimizer=parallel.offload_optimizer)
-    training = TrainingShape(seq_length=layout.seq_length, global_batch_size=layout.global_batch_size)
+    training = TrainingShape(seq_length=layout.seq_length, global_batch_size=layout.global_batch_size,
+                             lora=_lora_shape(spec))
     device = spec.cluster.device
     attention = spec_attention(spec)
     assumptions = Assumptions.for_precision(
@@ -161,6 +183,20 @@ def _planner_inputs(spec: JobSpec):
         attention=attention, layer_spec="te" if attention == "fused" else "local")
     gpu = None if device == "cpu" else get_gpu(spec.cluster.gpu)
     return plan_layout, training, gpu, assumptions
+
+
+def _lora_shape(spec: JobSpec):
+    """training.lora as the planner counts it; None without LoRA (or when its targets are wrong: check_lora says)."""
+    from toolkit.plan.lora import LoraShape, projections_of
+
+    if spec.training.lora is None:
+        return None
+    try:
+        modules = spec_lora_modules(spec)
+    except DsmtError:
+        return None
+    projections = {p for m in modules for p in projections_of(linear=m.linear, kind=m.kind.value, slot=m.slot)}
+    return LoraShape(rank=spec.training.lora.rank, projections=frozenset(projections))
 
 
 def _memory_fixes(spec: JobSpec, *, global_batch_size: int) -> str:
@@ -233,6 +269,67 @@ def check_encoder_model(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     return problems
 
 
+def spec_lora_modules(spec: JobSpec):
+    """The HF modules `training.lora` adapts (toolkit/train/lora.py); raises LoraError / AdapterError."""
+    from toolkit.adapters.family import get_family
+    from toolkit.train.lora import resolve_targets
+
+    model_type = spec_model_type(spec)
+    if model_type is None:
+        raise DsmtError("training.lora: the model's config names no model_type, so its modules are unknown; set "
+                        "model.config.model_type (e.g. llama) or use a checkpoint directory")
+    return resolve_targets(get_family(model_type), spec.training.lora.targets)
+
+
+def check_lora(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """training.lora needs pretrained weights of an adapter family whose linears it can split, and targets that
+    name its modules; an init_adapter must exist (its shapes are compared when the run loads it)."""
+    from toolkit.adapters.family import AdapterError
+
+    lora = spec.training.lora
+    if lora is None:
+        return []
+    if spec.model.builtin is not None:
+        return [Problem("error", "lora_needs_weights", f"training.lora with model.builtin={spec.model.builtin}: the "
+                        "base weights would be megatron-core's random initialisation, frozen",
+                        "fine-tune a checkpoint (model.path) with LoRA, or pretrain without training.lora")]
+    try:
+        modules = spec_lora_modules(spec)
+    except (AdapterError, DsmtError) as err:
+        return [Problem("error", "lora_targets", str(err), "set training.lora.targets to names listed above, or "
+                        "leave it unset for every attention and MLP projection")]
+    problems = [Problem("info", "lora", f"LoRA rank {lora.rank} on {len(modules)} modules per layer "
+                        f"({', '.join(dict.fromkeys(m.name for m in modules))}); base weights frozen")]
+    if lora.init_adapter is not None and not (Path(lora.init_adapter).expanduser() / "adapter_config.json").is_file():
+        problems.append(Problem("error", "lora_init_adapter", f"training.lora.init_adapter={lora.init_adapter} holds "
+                                "no adapter_config.json", "give a PEFT adapter directory (saved with "
+                                "save_pretrained: adapter_config.json + adapter_model.safetensors), or unset it"))
+    return problems
+
+
+def check_packing(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+    """data.packing (causal LM on real data): packed records are not cut for context parallelism, and Transformer
+    Engine takes them as one THD row per micro-batch, which the pipeline's activation shapes do not allow at PP > 1
+    (toolkit/train/tasks.py, toolkit/adapters/packed.py)."""
+    from toolkit.spec.layout import spec_is_encoder
+
+    data, parallel, micro = spec.data, spec.parallel, spec.training.micro_batch_size
+    if not data.packing or data.synthetic or data.path is None or spec_is_encoder(spec):
+        return []
+    problems = []
+    if parallel.cp > 1:
+        problems.append(Problem("error", "packing_context_parallel", f"data.packing=true with parallel.cp="
+                                f"{parallel.cp}: packed records are not supported under context parallelism",
+                                "set data.packing: false (one record per sequence) or parallel.cp: 1"))
+    if spec_attention(spec) == "fused" and parallel.pp > 1 and micro > 1:
+        problems.append(Problem("error", "packing_fused_micro_batch", f"data.packing=true with training.attention="
+                                f"fused, pp={parallel.pp} and micro_batch_size={micro}: Transformer Engine takes "
+                                "packed records as one THD row per micro-batch, and pipeline activations are "
+                                "micro_batch_size x seq_length", "set training.micro_batch_size: 1 (more gradient "
+                                "accumulation keeps the batch), or data.packing: false"))
+    return problems
+
+
 def check_sync_batchnorm(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     """training.sync_batchnorm acts on BatchNorm layers (ResNet); a transformer has none."""
     if not spec.training.sync_batchnorm:
@@ -243,8 +340,8 @@ def check_sync_batchnorm(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
 
 CHECKS: tuple[Check, ...] = (
     check_layout, check_vocab_padding, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node,
-    check_lengths_and_intervals, check_data, check_builtin_tokenizer, check_memory_fit, check_encoder_model,
-    check_sync_batchnorm,
+    check_lengths_and_intervals, check_data, check_validation_data, check_builtin_tokenizer, check_memory_fit,
+    check_encoder_model, check_sync_batchnorm, check_lora, check_packing,
 )
 
 
@@ -263,6 +360,11 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
                                 f"{parallel.sequence_parallel}: model_type {model_type} has no megatron-core adapter",
                                 "set parallel.tp: 1, pp: 1, cp: 1 and sequence_parallel: false"))
     problems += run_problems(layout=parallel_layout(spec), run=spec_run_facts(spec))
+    if spec.training.lora is not None:
+        problems.append(Problem("error", "lora_needs_adapter", f"training.lora on model_type {model_type}: LoRA "
+                                "adapts the megatron-core linears of a transformer family", "remove training.lora "
+                                "(full fine-tuning of this model), or fine-tune a supported transformer family"))
+    problems += check_validation_data(spec=spec, shape=None)  # evaluated by PlainEngine.evaluate
     from toolkit.spec.plain_checks import check_plain_model_data  # imports the data package, which imports this
 
     problems += check_plain_model_data(spec=spec, model_type=model_type)

@@ -30,7 +30,7 @@ GPU_MEMORY_GIB: dict[str, float | None] = {
 SCHEMA_RULES = frozenset({
     "bad_path", "batch_both", "batch_tokens_vs_seq", "duplicate_host", "env_name",
     "env_value", "gpu_device_mismatch", "host_name", "hosts_count", "hosts_required",
-    "job_name", "messages_vs_prompt", "min_lr_above_lr", "model_source", "network_interface",
+    "job_name", "lora_rank", "messages_vs_prompt", "validation_both", "min_lr_above_lr", "model_source", "network_interface",
     "offload_optimizer_needs_zero", "offload_params_needs_zero3", "prompt_completion_pair", "synthetic_with_path", "unknown_gpu",
     "warmup_vs_steps",
 })
@@ -174,6 +174,33 @@ class ParallelSpec(Section):
         return self
 
 
+class LoraSpec(Section):
+    """LoRA adapters on the attention and MLP linears (toolkit/train/lora.py); the base weights stay frozen.
+
+    `targets` are HF module names as PEFT matches them (the last name component, e.g. q_proj, v_proj, down_proj;
+    GPT-2: c_attn, c_proj, c_fc); None: every linear of attention and MLP. `init_adapter`: a PEFT adapter
+    directory (adapter_config.json + adapter_model.safetensors) to start from instead of PEFT's initialisation."""
+
+    rank: int = 8
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[str] | None = None
+    init_adapter: str | None = None
+
+    @field_validator("rank")
+    @classmethod
+    def _rank_positive(cls, value):
+        if value < 1:
+            raise PydanticCustomError("lora_rank", "training.lora.rank={rank} must be at least 1 (typical: 8 to 64)",
+                                      {"rank": value})
+        return value
+
+    @field_validator("init_adapter")
+    @classmethod
+    def _adapter_path_ok(cls, value):
+        return _safe_path(value, what="training.lora.init_adapter")
+
+
 class TrainingSpec(Section):
     global_batch_size: int | None = Field(None, ge=1)  # sequences per optimizer step
     global_batch_tokens: int | None = Field(None, ge=1)  # alternative: tokens per step (a multiple of seq_length)
@@ -201,6 +228,10 @@ class TrainingSpec(Section):
     output_dir: str = "runs/dsmt"
     tensorboard: bool = False
     sync_batchnorm: bool = False  # models without an adapter: BatchNorm -> torch.nn.SyncBatchNorm (stats over DP)
+    lora: LoraSpec | None = None  # None: full fine-tuning
+    # Validation (data.validation_path / validation_fraction): before step 1 (logged as step 0), every
+    # eval_interval steps and after the last step; None: at the start and the end only.
+    eval_interval: int | None = Field(None, ge=1)
 
     @field_validator("output_dir")
     @classmethod
@@ -244,8 +275,13 @@ class DataSpec(Section):
     tokenizer: str | None = None  # None: the model's path
     split: str = "train"
     shuffle: bool = True
+    # Causal LM records: true packs whole records into each sequence, each attending only to itself with positions
+    # restarting at 0 (per-document attention); false gives each record its own sequence, padded.
+    packing: bool = True
+    validation_path: str | None = None  # a file of the same kind and fields as data.path
+    validation_fraction: float | None = Field(None, gt=0, lt=1)  # or: hold out this share of data.path's records
 
-    @field_validator("path", "tokenizer", "cache_dir")
+    @field_validator("path", "tokenizer", "cache_dir", "validation_path")
     @classmethod
     def _path_ok(cls, value):
         return _safe_path(value, what="data path")
@@ -260,6 +296,12 @@ class DataSpec(Section):
         if (self.prompt_field is None) != (self.completion_field is None):
             raise PydanticCustomError(
                 "prompt_completion_pair", "prompt_field and completion_field go together (got only one)", {}
+            )
+        if self.validation_path is not None and self.validation_fraction is not None:
+            raise PydanticCustomError(
+                "validation_both", "data.validation_path={path} and data.validation_fraction={fraction} are "
+                "exclusive; give a validation file or the share of data.path to hold out",
+                {"path": repr(self.validation_path), "fraction": self.validation_fraction},
             )
         if self.messages_field is not None and self.prompt_field is not None:
             raise PydanticCustomError(

@@ -36,7 +36,10 @@ def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (), ru
     settings, model_found = model_settings_of(spec=spec)
     problems += model_found
     if settings is not None:
+        from toolkit.train.lora_export import init_adapter_problems
+
         problems += layout_and_build_problems(spec=spec, settings=settings, spec_errors=report.rules("error"))
+        problems += init_adapter_problems(spec=spec, settings=settings)
     ds_config, files_found = run_files_problems(spec=spec, run_dir=run_dir, spec_ref=str(path))
     problems += files_found
     problems += deepspeed_problems(spec=spec, ds_config=ds_config)
@@ -287,12 +290,14 @@ def data_problems(*, spec) -> list[Problem]:
     text_data = data.path is not None and not data.synthetic
     task, head_config = _head_task(spec) if text_data else (None, None)
     if task not in (None, "causal_lm"):
-        return task_data_problems(spec=spec, task=task, model_config=head_config)
+        return task_data_problems(spec=spec, task=task, model_config=head_config) + validation_problems(
+            spec=spec, num_records=None, task=task, model_config=head_config)
     if text_data:
         try:
             records = load_records(data=data)
             found.append(Problem("info", "data", f"data.path={data.path}: {len(records)} records, fields "
                                  f"{', '.join(records.column_names)}"))
+            found += validation_problems(spec=spec, num_records=len(records), task=task)
         except DsmtError as err:
             found.append(Problem("error", "data_unreadable", str(err), "fix data.path, or data.synthetic: true"))
     elif data.synthetic:
@@ -300,6 +305,35 @@ def data_problems(*, spec) -> list[Problem]:
     if text_data or data.tokenizer is not None:
         found += tokenizer_problems(spec=spec)
     return found
+
+
+def validation_problems(*, spec, num_records: int | None, task: str | None, model_config=None) -> list[Problem]:
+    """The validation records as training reads them (toolkit/data/validation.py): the file and its fields, or
+    the held-out share's record counts; for heads other than a causal LM the task's validation examples, built
+    as training builds them (toolkit/data/tasks.py)."""
+    from toolkit.data import validation
+
+    data = spec.data
+    if not validation.has_validation(data) or data.synthetic:
+        return []  # synthetic: `dsmt check` reports validation_synthetic
+    if data.validation_path is not None and not Path(data.validation_path).expanduser().exists():
+        return []  # `dsmt check` reports validation_path_missing
+    if task not in (None, "causal_lm"):
+        return task_validation_problems(spec=spec, task=task, model_config=model_config)
+    try:
+        if data.validation_path is not None:
+            records = validation.load_validation_file(data=data)
+            text = f"data.validation_path={data.validation_path}: {len(records)} validation records"
+        elif num_records is None:
+            return []
+        else:
+            split = validation.split_records(num_records=num_records, fraction=data.validation_fraction,
+                                             seed=spec.training.seed)
+            text = split.describe(fraction=data.validation_fraction, seed=spec.training.seed)
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "validation_data"), str(err),
+                        "fix data.validation_path / data.validation_fraction")]
+    return [Problem("info", "validation", text)]
 
 
 def _head_task(spec) -> tuple[str | None, object]:
@@ -330,6 +364,22 @@ def task_data_problems(*, spec, task: str, model_config) -> list[Problem]:
     except DsmtError as err:
         return [Problem("error", getattr(err, "rule", "data_unreadable"), str(err), "fix data.path or its records")]
     return [Problem("info", "data", f"data.path={spec.data.path}: {len(examples)} examples for {task}")]
+
+
+def task_validation_problems(*, spec, task: str, model_config) -> list[Problem]:
+    """The task's validation examples built as a rank builds them (`task_examples(part="validation")`)."""
+    from toolkit.data.tasks import task_examples
+    from toolkit.data.validation import VALIDATION, describe_source
+
+    try:
+        examples = task_examples(data=spec.data, model_config=model_config,
+                                 tokenizer_path=spec.data.tokenizer or spec.model.path,
+                                 seq_length=spec.training.seq_length, seed=spec.training.seed, part=VALIDATION)
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "validation_data"), f"{describe_source(spec.data)}: {err}",
+                        "fix data.validation_path / data.validation_fraction or the validation records")]
+    return [Problem("info", "validation", f"{describe_source(spec.data)}: {len(examples)} validation examples for "
+                    f"{task}")]
 
 
 def tokenizer_problems(*, spec) -> list[Problem]:

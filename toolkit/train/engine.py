@@ -48,6 +48,19 @@ class StepStats:
     step_time_s: float
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalSums:
+    """A forward-only pass over every rank's micro-batches: loss summed over all of them, and the loss units
+    (counted tokens; samples for classification) that sum is over. The same on every rank."""
+
+    loss_sum: float
+    units: int
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.units, 1)
+
+
 def engine_config(ds_config: dict, *, pp_size: int) -> dict:
     """The generated DeepSpeed config, adjusted for the driver the layout uses."""
     config = {**ds_config, "zero_optimization": dict(ds_config.get("zero_optimization", {}))}
@@ -105,6 +118,63 @@ class HybridEngine:
         return StepStats(loss=self._global_loss(local_sum, global_tokens=global_tokens),
                          grad_norm=None if norm is None else float(norm), lr=float(lr),
                          step_time_s=time.perf_counter() - start)
+
+    def evaluate(self, micro_batches: list[dict]) -> EvalSums:
+        """Forward only, no gradient, dropout off (eval mode, restored after): the task's loss summed over this
+        rank's micro-batches and every data-parallel rank's. Collective over the model- and data-parallel groups:
+        every rank passes the same number of micro-batches (zero-loss rows pad the short ones,
+        toolkit/train/evaluate.py). Micro-batches move to the device one at a time."""
+        if not micro_batches:
+            raise DsmtError("evaluate() got no micro-batches: every rank needs at least one (pad with loss 0 rows)")
+        sums = torch.zeros(2, dtype=torch.float64)  # loss sum, units; on the CPU until the reduction
+        training = self.engine.training
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                forward = self._pipeline_forward if self.pp_size > 1 else self._module_forward
+                forward(micro_batches, sums=sums)
+        finally:
+            self.engine.train(training)
+        loss_sum, units = self._reduce_last_stage(sums).tolist()
+        return EvalSums(loss_sum=loss_sum, units=int(round(units)))
+
+    def _eval_inputs(self, micro_batches: list[dict]):
+        device = backends.current().device
+        for index, batch in enumerate(micro_batches):
+            (batch,) = context_parallel_slices([{key: value.to(device) for key, value in batch.items()}])
+            if index == 0:
+                check_sequence_split(seq_length=self.task.sequence(batch).shape[1], chunks=self.chunks)
+            yield batch
+
+    def _add_sums(self, output, batch: dict, *, sums: torch.Tensor) -> torch.Tensor:
+        loss_sum = self.task.loss_sum(output, batch).detach()
+        sums[0] += float(loss_sum)
+        sums[1] += self.task.count(batch)
+        return loss_sum
+
+    def _module_forward(self, micro_batches: list[dict], *, sums: torch.Tensor) -> None:
+        for batch in self._eval_inputs(micro_batches):
+            self._add_sums(self.task.forward(self.engine, batch), batch, sums=sums)
+
+    def _pipeline_forward(self, micro_batches: list[dict], *, sums: torch.Tensor) -> None:
+        """megatron's schedule with forward_only=True; the loss function runs on the last stage only."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = self.task.forward(model, batch)
+            # a new tensor: megatron divides the returned loss in place by the number of micro-batches
+            return output, lambda out: (self._add_sums(out, batch, sums=sums).clone(), {})
+
+        chunks = self.chunks
+        iterators = [self._eval_inputs(micro_batches) for _ in chunks]
+        first = self.task.sequence(micro_batches[0])
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro_batches),
+            # the full length (these are the micro-batches before the CP cut): megatron divides it for the p2p tensors
+            seq_length=first.shape[1], micro_batch_size=first.shape[0], forward_only=True,
+        )
 
     def _deepspeed_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
         local_sum = torch.zeros((), dtype=torch.float32, device=self.task.sequence(micro_batches[0]).device)
@@ -172,15 +242,21 @@ class HybridEngine:
     def _global_loss(self, local_sum: torch.Tensor, *, global_tokens: int) -> float:
         """The step's per-token loss on every rank: token-loss sums of the last pipeline stage, summed over
         data-parallel ranks, divided by the global number of loss tokens."""
+        return self._reduce_last_stage(local_sum.detach().float().reshape(1))[0].item() / max(global_tokens, 1)
+
+    @staticmethod
+    def _reduce_last_stage(local: torch.Tensor) -> torch.Tensor:
+        """`local` (1-D) of the last pipeline stage summed over the data-parallel ranks (and the CP ranks'
+        slices), on every rank."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        value = local_sum.detach().float().reshape(1).clone()
+        value = local.to(backends.current().device, copy=True)
         if not parallel_state.is_pipeline_last_stage():
             value.zero_()
         dist.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
         dist.all_reduce(value, group=MegatronMpu().get_data_parallel_group())  # the CP ranks' slices too
-        return value.item() / max(global_tokens, 1)
+        return value.cpu()
 
 
 def sequence_parallel_params(chunks: list) -> list[torch.nn.Parameter]:
@@ -190,8 +266,10 @@ def sequence_parallel_params(chunks: list) -> list[torch.nn.Parameter]:
         from its own slice of the sequence (the marks come from dsmt's `TorchNorm`, Transformer Engine's norms and
         fused layer-norm linears, apex's norms, megatron's row-parallel biases);
       * with qk_layernorm (Qwen3), the q / k head norms: one weight shared by all heads, and each TP rank holds
-        only its own heads, so each computes the gradient from those heads alone (SP or not).
-    Empty for chunks built with neither."""
+        only its own heads, so each computes the gradient from those heads alone (SP or not);
+      * parameters marked `tensor_parallel_partial_grad=True` (LoRA matrices replicated over TP whose gradient
+        each rank computes from its own shard of the base layer: toolkit/train/lora.py).
+    Empty for chunks built with none of these."""
     found: dict[int, torch.nn.Parameter] = {}
     for chunk in chunks:
         config = getattr(chunk, "config", None)
@@ -199,7 +277,8 @@ def sequence_parallel_params(chunks: list) -> list[torch.nn.Parameter]:
         qk_layernorm = getattr(config, "qk_layernorm", False)
         for name, param in chunk.named_parameters():
             partial = ((sequence_parallel and getattr(param, "sequence_parallel", False))
-                       or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))
+                       or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+                       or getattr(param, "tensor_parallel_partial_grad", False))
             if param.requires_grad and partial:
                 found[id(param)] = param
     return list(found.values())

@@ -19,6 +19,12 @@ The loss, by task (`toolkit.data.tasks.task_of`):
     scaling and DP averaging make it the mean over the global batch.
 The logged loss is that global value (the sum over micro-batches and ranks of each micro-batch's share).
 
+Validation (`PlainEngine.evaluate`, rows from toolkit/train/evaluate.py): forward only in eval mode (dropout off,
+BatchNorm on its running statistics; train mode restored after), the task's loss SUMMED over every rank's rows and
+divided by its units over the whole validation set: per counted token (masked / causal LM, HF's shift for causal
+LM), per sample for classification (cross entropy) and regression (num_labels == 1: squared error). Padding rows
+(`sample_mask` 0, labels -100) add nothing. Under ZeRO-3 DeepSpeed's forward gathers the partitioned weights.
+
 BatchNorm (ResNet): statistics are computed per rank over the local micro-batch, as in torch DDP without
 SyncBatchNorm. `training.sync_batchnorm: true` converts BatchNorm to `torch.nn.SyncBatchNorm` before DeepSpeed
 wraps the model; torch (2.13) runs SyncBatchNorm on GPU/XPU only (its forward raises ValueError for CPU tensors),
@@ -166,6 +172,61 @@ class PlainEngine:
             self._engine.step()
             total += loss.detach().float()
         return total
+
+
+    def evaluate(self, micro_batches: list[dict]):
+        """(loss sum, units) of the validation rows of every rank (`EvalSums`); see the module docstring.
+        Collective: every rank passes the same number of micro-batches."""
+        import torch.distributed as dist
+
+        from toolkit import backend as backends
+        from toolkit.train.engine import EvalSums
+
+        sums = torch.zeros(2, dtype=torch.float64)
+        device = backends.current().device
+        dtype = next(self._engine.module.parameters()).dtype
+        training = self._engine.training
+        self._engine.eval()
+        try:
+            with torch.no_grad():
+                for batch in micro_batches:
+                    batch = {k: (v.to(dtype) if v.is_floating_point() and k == "pixel_values" else v).to(device)
+                             for k, v in batch.items()}
+                    inputs = {k: v for k, v in batch.items() if k not in ("labels", "sample_mask")}
+                    logits = self._engine(**inputs).logits.float()
+                    loss_sum, units = self._loss_sum(logits, batch)
+                    sums += torch.tensor([float(loss_sum), float(units)], dtype=torch.float64)
+        finally:
+            self._engine.train(training)
+        sums = sums.to(device)
+        dist.all_reduce(sums)
+        loss_sum, units = sums.cpu().tolist()
+        return EvalSums(loss_sum=loss_sum, units=int(round(units)))
+
+    def _loss_sum(self, logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The task's loss summed over the micro-batch's counted units, and their number."""
+        import torch.nn.functional as F
+
+        labels = batch["labels"]
+        if self.task in TOKEN_LOSSES:
+            if self.task == "causal_lm":  # HF's shift: token t predicts label t + 1
+                logits, labels = logits[:, :-1], labels[:, 1:]
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                                   reduction="sum")
+            return loss, labels.ne(-100).sum()
+        mask = batch["sample_mask"].to(logits.dtype)
+        config = self._engine.module.config
+        problem = getattr(config, "problem_type", None) or (
+            "regression" if config.num_labels == 1 else "single_label_classification")
+        if problem == "regression":
+            losses = (logits.view(labels.shape[0], -1) - labels.float().view(labels.shape[0], -1)).pow(2).sum(-1)
+        elif problem == "single_label_classification":
+            losses = F.cross_entropy(logits.view(-1, config.num_labels), labels.view(-1), reduction="none")
+        else:
+            raise DsmtError(f"problem_type {problem!r} of {type(self._engine.module).__name__}: dsmt's validation "
+                            "loss covers regression and single-label classification; unset data.validation_path "
+                            "and data.validation_fraction, or save the model with problem_type unset")
+        return (losses * mask).sum(), mask.sum()
 
 
 def _counted_labels(labels: torch.Tensor, *, task: str) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """What a user sees of a run: one line per step on rank 0, metrics.jsonl, DeepSpeed's monitors (CSV /
-TensorBoard, switched on in the job spec), the resolved configuration next to the checkpoints, a loss PNG."""
+TensorBoard, switched on in the job spec), the resolved configuration next to the checkpoints, a loss PNG.
+
+metrics.jsonl holds one JSON line per training step (`step`, `loss`, `lr`, ...) and, with validation data, one
+per evaluation: `{"step": s, "val_loss": ..., "val_tokens": ..., "eval_time_s": ...}`, `s` the number of steps
+trained before it (0: the starting weights). Readers tell them apart by the `loss` / `val_loss` key."""
 
 from __future__ import annotations
 
@@ -27,7 +31,10 @@ class RunLog:
         self.is_writer = is_writer
         self.layout = layout
         self.log_interval = spec.training.log_interval
-        self.history: list[dict] = []
+        self.eval_interval = spec.training.eval_interval
+        self.history: list[dict] = []  # training steps of this run
+        self.validation_history: list[dict] = []  # evaluations of this run
+        self.global_batch_size = layout.global_batch_size
         if is_writer:
             self._write_resolved(spec=spec, ds_config=ds_config)
 
@@ -40,7 +47,7 @@ class RunLog:
         (resolved / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
         (resolved / "layout.json").write_text(json.dumps(self.layout.__dict__, indent=2) + "\n")
 
-    def started(self, *, start_step: int, total_steps: int) -> None:
+    def started(self, *, start_step: int, total_steps: int, validation=None) -> None:
         if not self.is_writer:
             return
         layout = self.layout
@@ -49,14 +56,21 @@ class RunLog:
               f"global batch {layout.global_batch_size} x {layout.seq_length} tokens, "
               f"{layout.grad_accum_steps} micro-batches of {layout.micro_batch_size} per rank, {total_steps} steps{resumed}",
               flush=True)
+        if validation is not None:
+            unit = getattr(validation, "unit_name", "counted tokens")
+            print(f"dsmt train: validation loss over {validation.num_examples} rows ({validation.counted_tokens} "
+                  f"{unit}) at the start, every {self.eval_interval or total_steps} steps and at the end",
+                  flush=True)
         self._truncate_metrics(after_step=start_step)
 
     def _truncate_metrics(self, *, after_step: int) -> None:
-        """A resumed run redoes the steps after its checkpoint: drop the killed run's lines for them."""
+        """A resumed run redoes the steps after its checkpoint: drop the killed run's lines for them, and keep the
+        earlier ones (its step-0 validation included; a run that starts from step 0 keeps none)."""
         path = self.output_dir / "metrics.jsonl"
         if not path.is_file():
             return
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= after_step]
+        kept = [line for line in path.read_text().splitlines()
+                if line and after_step > 0 and json.loads(line)["step"] <= after_step]
         path.write_text("".join(line + "\n" for line in kept))
 
     def step(self, *, step: int, stats, engine) -> None:
@@ -64,18 +78,36 @@ class RunLog:
         record = {"step": step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                   "step_time_s": stats.step_time_s, "tokens_per_s": tokens_per_s, "memory_gib": memory_in_use_gib()}
         self.history.append(record)
-        if not self.is_writer:
+        if not self._record(record, event=("Train/Samples/train_loss", stats.loss, step * self.global_batch_size),
+                            engine=engine):
             return
-        with (self.output_dir / "metrics.jsonl").open("a") as file:
-            file.write(json.dumps(record) + "\n")
-        if getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
-            samples = step * self.layout.global_batch_size
-            engine.monitor.write_events([("Train/Samples/train_loss", stats.loss, samples)])
         if step % self.log_interval == 0 or step == 1:
             norm = "n/a" if stats.grad_norm is None else f"{stats.grad_norm:.3f}"
             memory = "n/a" if record["memory_gib"] is None else f"{record['memory_gib']:.2f} GiB"
             print(f"step {step:5d} | loss {stats.loss:.4f} | lr {stats.lr:.3e} | grad norm {norm} | "
                   f"{tokens_per_s:,.0f} tok/s | {stats.step_time_s:.2f} s | mem {memory}", flush=True)
+
+    def validation(self, *, step: int, result, engine) -> None:
+        """One evaluation after `step` training steps (0: before the first)."""
+        record = {"step": step, "val_loss": result.loss, "val_tokens": result.units,
+                  "eval_time_s": result.eval_time_s}
+        self.validation_history.append(record)
+        if not self._record(record, event=("Validation/val_loss", result.loss, step * self.global_batch_size),
+                            engine=engine):
+            return
+        print(f"step {step:5d} | val_loss {result.loss:.4f} | {result.units} tokens | {result.eval_time_s:.2f} s",
+              flush=True)
+
+    def _record(self, record: dict, *, event: tuple[str, float, int], engine) -> bool:
+        """Append `record` to metrics.jsonl and `event` (name, value, samples seen) to DeepSpeed's monitors; only
+        the writer (rank 0) does, and only it gets True."""
+        if not self.is_writer:
+            return False
+        with (self.output_dir / "metrics.jsonl").open("a") as file:
+            file.write(json.dumps(record) + "\n")
+        if getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
+            engine.monitor.write_events([event])
+        return True
 
     def finished(self) -> None:
         if not self.is_writer or not self.history:
@@ -91,10 +123,24 @@ class RunLog:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        train, validation = self._metrics_lines()
         figure, axis = plt.subplots(figsize=(6, 3.5))
-        axis.plot([r["step"] for r in self.history], [r["loss"] for r in self.history], marker="o", markersize=3)
+        axis.plot([r["step"] for r in train], [r["loss"] for r in train], marker="o", markersize=3, label="train")
+        if validation:
+            axis.plot([r["step"] for r in validation], [r["val_loss"] for r in validation], marker="s",
+                      markersize=4, label="validation")
+            axis.legend()
         axis.set(xlabel="step", ylabel="loss", title=f"dsmt train (tp={self.layout.tp} pp={self.layout.pp} dp={self.layout.dp})")
         axis.grid(alpha=0.3)
         figure.tight_layout()
         figure.savefig(self.output_dir / "loss_curve.png", dpi=120)
         plt.close(figure)
+
+    def _metrics_lines(self) -> tuple[list[dict], list[dict]]:
+        """(training, validation) lines of the whole run, the steps before a resume included; this run's own
+        history when metrics.jsonl is gone."""
+        path = self.output_dir / "metrics.jsonl"
+        if not path.is_file():
+            return self.history, self.validation_history
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line]
+        return [r for r in lines if "loss" in r], [r for r in lines if "val_loss" in r]

@@ -87,7 +87,7 @@ def train(*, spec, ds_config: dict | None = None) -> list[dict]:
     trainer, batches, export, notice = build(spec=spec, layout=layout, hf_dir=hf_dir,
                                              ds_config=ds_config, output_dir=output_dir)
     return _run(trainer=trainer, batches=batches, export=export, notice=notice, spec=spec, layout=layout,
-                ds_config=ds_config, output_dir=output_dir)
+                ds_config=ds_config, output_dir=output_dir, hf_dir=hf_dir)
 
 
 def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
@@ -110,6 +110,10 @@ def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pa
         chunks, info = load_model_chunks(checkpoint=hf_dir, layout=layout, params_dtype=params_dtype(spec.training.precision),
                                          show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
                                          attention=spec_attention(spec), zero3_config=zero3_config)
+    if spec.training.lora is not None:  # freeze the base, attach the adapters (toolkit/train/lora.py)
+        from toolkit.train.lora import apply_lora
+
+        apply_lora(chunks, settings=info.settings, lora=spec.training.lora, seed=spec.training.seed)
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
                           tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp,
                           task=task_for_model(settings=info.settings))
@@ -153,6 +157,10 @@ def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pat
     from toolkit.train import plain
 
     model_type = plain.model_type_of(hf_dir)
+    if spec.training.lora is not None:
+        raise DsmtError(f"training.lora: model_type {model_type!r} has no megatron-core adapter, and dsmt's LoRA "
+                        "acts on the adapters' megatron layers; remove training.lora (full fine-tuning) or use a "
+                        "supported family (`dsmt check` lists them)")
     plain.check_plain_layout(tp=layout.tp, pp=layout.pp, model_type=model_type)
     model = plain.load_plain_model(hf_dir, dtype=params_dtype(spec.training.precision))
     if spec.data.synthetic:
@@ -171,30 +179,48 @@ def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pat
     return engine, batches, lambda: plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf"), notice
 
 
-def _run(*, trainer, batches, export, notice: str | None, spec, layout, ds_config: dict, output_dir: Path) -> list[dict]:
-    """Resume, train to train_steps with checkpoints, export, report: the same for every kind of trainer."""
+def _run(*, trainer, batches, export, notice: str | None, spec, layout, ds_config: dict, output_dir: Path,
+         hf_dir: Path | None = None) -> list[dict]:
+    """Resume, train to train_steps with checkpoints and validation, export, report: the same for every kind of
+    trainer."""
     import torch.distributed as dist
+
+    from toolkit.train.evaluate import build_validation
 
     log = RunLog(output_dir=output_dir, is_writer=dist.get_rank() == 0, layout=layout, spec=spec, ds_config=ds_config)
     if notice and dist.get_rank() == 0:
         print(notice, flush=True)
+    validation = build_validation(spec=spec, layout=layout, trainer=trainer, hf_dir=hf_dir)
     start = checkpoints.resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints")
-    log.started(start_step=start, total_steps=spec.training.train_steps)
-    _loop(trainer=trainer, batches=batches, spec=spec, log=log, start=start, output_dir=output_dir)
+    log.started(start_step=start, total_steps=spec.training.train_steps, validation=validation)
+    _loop(trainer=trainer, batches=batches, spec=spec, log=log, start=start, output_dir=output_dir,
+          validation=validation)
     export()
     log.finished()
     return log.history
 
 
-def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path) -> None:
+def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path, validation=None) -> None:
+    """Train steps start+1 .. train_steps. With validation: the validation loss before the first step (step 0),
+    after every eval_interval steps and after the last, measured before that step's checkpoint is saved, so a run
+    resumed from a checkpoint already has the validation loss of its step."""
     import torch.distributed as dist
 
+    from toolkit.train.evaluate import eval_steps, evaluate
+
     total = spec.training.train_steps
+    evaluated = set(eval_steps(eval_interval=spec.training.eval_interval, start=start, total=total)
+                    if validation is not None else ())
+    if start in evaluated:
+        log.validation(step=start, result=evaluate(trainer=trainer, validation=validation), engine=trainer.engine)
     with tqdm(total=total, initial=start, desc="training", disable=dist.get_rank() != 0, leave=False) as bar:
         for step in range(start, total):
             stats = trainer.train_step(batches.batches_for_step(step))
             log.step(step=step + 1, stats=stats, engine=trainer.engine)
             bar.update(1)
+            if step + 1 in evaluated:
+                log.validation(step=step + 1, result=evaluate(trainer=trainer, validation=validation),
+                               engine=trainer.engine)
             if (step + 1) % spec.training.checkpoint_interval == 0 or step + 1 == total:
                 checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1,
                                  keep_checkpoints=spec.training.keep_checkpoints)
@@ -204,16 +230,26 @@ def _export(*, hybrid, info, spec, output_dir: Path) -> None:
     """Trained weights -> dsmt megatron checkpoint, saved collectively (every rank writes its own shards; ZeRO-3
     parameters are gathered one at a time into CPU copies) -> HF directory, streamed tensor by tensor from that
     checkpoint by rank 0 while the other ranks wait on its status file: liveness-checked, no collective timeout a
-    long export could outlast, and a failure on rank 0 raises on every rank."""
+    long export could outlast, and a failure on rank 0 raises on every rank. With LoRA, the merge and the adapter
+    files also read the gathered CPU copies (base weights and adapters are partitioned at ZeRO-3)."""
+    import contextlib
+
     from toolkit.convert.checkpoint import run_on_rank0
     from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
     from toolkit.models import save_mcore_checkpoint
+    from toolkit.train.lora_export import merged_lora, save_peft_adapter
     from toolkit.train.zero3 import params_on_cpu
 
     mcore_dir, hf_dir = output_dir / "final-mcore", output_dir / "final-hf"
+    lora = spec.training.lora
     with params_on_cpu(hybrid.engine.module):
-        save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
-                              params_dtype=params_dtype(spec.training.precision), overwrite=True)
+        # LoRA: final-mcore / final-hf get W + scaling * B A (merged into copies: the engine keeps the adapters)
+        with merged_lora(hybrid.chunks) if lora is not None else contextlib.nullcontext():
+            save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
+                                  params_dtype=params_dtype(spec.training.precision), overwrite=True)
+        if lora is not None:  # PEFT's files, for PeftModel.from_pretrained(original model, final-hf-adapter)
+            save_peft_adapter(hybrid.chunks, settings=info.settings, lora=lora,
+                              out_dir=output_dir / "final-hf-adapter", base_model=info.source_checkpoint())
     run_on_rank0(lambda progress: convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True,
                                                       progress=progress),
                  status_file=output_dir / ".final-hf.status.json", what=f"export of {hf_dir}")

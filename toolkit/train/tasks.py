@@ -7,9 +7,10 @@ sum by the units of the whole GLOBAL batch, in both of its drivers, so that
   sequence_classification  loss per sample over the global batch: mean squared error when num_labels == 1
                            (regression, HF's MSELoss), cross entropy otherwise (HF's CrossEntropyLoss).
 
-Batches: causal LM reads dsmt's token windows (`tokens`, `position_ids`, `labels`, `loss_mask`,
-toolkit/data/batches.py); the encoder tasks read HF keyword inputs (`input_ids`, `attention_mask`,
-`token_type_ids`, `labels`, toolkit/data/tasks.py). The task comes from the HF architecture (`task_for_model`).
+Batches: causal LM reads dsmt's token rows (`tokens`, `position_ids`, `labels`, `loss_mask`,
+toolkit/data/batches.py), whose position ids restart at each packed record (toolkit/adapters/packed.py); the
+encoder tasks read HF keyword inputs (`input_ids`, `attention_mask`, `token_type_ids`, `labels`,
+toolkit/data/tasks.py). The task comes from the HF architecture (`task_for_model`).
 """
 
 from __future__ import annotations
@@ -38,11 +39,55 @@ class CausalLM:
         return int(batch["loss_mask"].sum().item())
 
     def forward(self, model, batch: dict) -> torch.Tensor:
-        return model(batch["tokens"], batch["position_ids"], None)
+        """Packed records (position ids restarting inside a row, toolkit/adapters/packed.py) attend only to
+        themselves: a block-diagonal causal mask on megatron's local attention, THD `PackedSeqParams` on Transformer
+        Engine's. Rows of one record each take megatron's plain causal path."""
+        from toolkit.adapters import packed
+
+        tokens, position_ids = batch["tokens"], batch["position_ids"]
+        if not packed.has_packed_boundary(position_ids):
+            return model(tokens, position_ids, None)
+        check_packing_layout()
+        if not packed.uses_thd(model):
+            return model(tokens, position_ids, packed.packed_attention_mask(position_ids))
+        return thd_forward(model, tokens=tokens, position_ids=position_ids)
 
     def loss_sum(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
         return masked_token_loss_sum(output, labels=batch["labels"], loss_mask=batch["loss_mask"],
                                      vocab_size=self.vocab_size)
+
+
+def check_packing_layout() -> None:
+    """Packed records are not cut for context parallelism (megatron's CP slicing of THD needs padded cu_seqlens,
+    and the local attention has no CP). `dsmt check` says so first (rule packing_context_parallel)."""
+    from megatron.core import parallel_state
+
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size > 1:
+        raise DsmtError(f"data.packing=true with parallel.cp={cp_size}: packed records are not supported under "
+                        "context parallelism; set data.packing: false (one record per row) or parallel.cp: 1")
+
+
+def thd_forward(model, *, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """TE attention on packed rows: the micro-batch [b, s] as one THD row [1, b*s] (megatron expects micro-batch 1
+    for THD) with cu_seqlens at every record; the logits come back as [b, s, vocab/tp], so labels and loss mask
+    stay as they are. Inner pipeline stages return hidden states, sent on unchanged."""
+    from megatron.core import parallel_state
+
+    from toolkit.adapters import packed
+
+    rows, length = tokens.shape
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if rows > 1 and pp_size > 1:  # `dsmt check` says so first (rule packing_fused_micro_batch)
+        raise DsmtError(f"data.packing=true with training.attention=fused, pp={pp_size} and micro_batch_size={rows}: "
+                        "Transformer Engine takes packed records as one THD row per micro-batch, and the pipeline's "
+                        "activation shapes are micro_batch_size x seq_length; set training.micro_batch_size: 1 "
+                        "(raise gradient accumulation instead), or data.packing: false")
+    params = packed.thd_packed_seq_params(position_ids)
+    output = model(tokens.reshape(1, rows * length), position_ids.reshape(1, rows * length), None,
+                   packed_seq_params=params)
+    is_logits = output.dim() == 3 and output.shape[0] == 1 and output.shape[1] == rows * length
+    return output.reshape(rows, length, output.shape[-1]) if is_logits and rows > 1 else output
 
 
 class EncoderInputs:
@@ -81,14 +126,18 @@ class SequenceClassification(EncoderInputs):
     name = "sequence_classification"
 
     def count(self, batch: dict) -> int:
-        return int(batch["labels"].shape[0])
+        mask = batch.get("sample_mask")  # validation: 0 on padding rows (toolkit/train/evaluate.py)
+        return int(batch["labels"].shape[0] if mask is None else mask.sum().item())
 
     def loss_sum(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
         output = output.float()
+        mask = batch.get("sample_mask")
         if self.num_labels == 1:
-            return (output.view(-1) - batch["labels"].float().view(-1)).pow(2).sum()
-        return torch.nn.functional.cross_entropy(output.view(-1, self.num_labels), batch["labels"].view(-1),
-                                                 reduction="sum")
+            losses = (output.view(-1) - batch["labels"].float().view(-1)).pow(2)
+        else:
+            losses = torch.nn.functional.cross_entropy(output.view(-1, self.num_labels), batch["labels"].view(-1),
+                                                       reduction="none")
+        return losses.sum() if mask is None else (losses * mask.to(losses.dtype)).sum()
 
 
 def task_for_model(*, settings) -> CausalLM | MaskedLM | SequenceClassification:

@@ -1,0 +1,52 @@
+"""An independent one-process LoRA reference for `dsmt train` with training.lora: HF transformers + peft + torch,
+nothing from toolkit/. The data, order, loss and schedule rules are reference.py's (imported, not changed); the
+model is `PeftModel.from_pretrained(model, training.lora.init_adapter, is_trainable=True)`, the base frozen, and
+torch.optim.AdamW over the LoRA matrices (all 2-D: weight decay on every one, as PEFT + AdamW would), gradients
+clipped by their global L2 norm. fp32 throughout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from reference import RunSettings, clip_and_step, global_batch_loss_backward, global_sample_indices, load_examples
+
+
+@dataclass(frozen=True)
+class LoraReferenceRun:
+    losses: list[float]
+    grad_norms: list[float]  # before clipping
+    lrs: list[float]
+    adapter: dict[str, torch.Tensor]  # PEFT's saved key names (base_model.model.<module>.lora_A.weight)
+
+
+def train_lora_reference(spec_path: Path) -> LoraReferenceRun:
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    settings = RunSettings.from_yaml(spec_path)
+    lora = yaml.safe_load(Path(spec_path).read_text())["training"]["lora"]
+    examples = load_examples(settings)  # rows of records (reference.py)
+    base = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, lora["init_adapter"], is_trainable=True)
+    config = model.peft_config["default"]
+    assert (config.r, float(config.lora_alpha)) == (lora["rank"], float(lora["alpha"])), (config, lora)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert params and all(p.ndim == 2 for p in params)
+    optimizer = torch.optim.AdamW([{"params": params, "weight_decay": settings.weight_decay}], lr=settings.lr,
+                                  betas=settings.betas, eps=settings.eps)
+    losses, norms, lrs = [], [], []
+    for step in range(settings.train_steps):
+        rows = global_sample_indices(step=step, global_batch_size=settings.global_batch_size,
+                                     num_examples=len(examples), seed=settings.seed, shuffle=settings.shuffle)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(global_batch_loss_backward(model, rows=[examples[j] for j in rows],
+                                                 chunk_rows=settings.micro_batch_size))
+        norm, lr = clip_and_step(optimizer, params=params, step=step, settings=settings)
+        norms.append(norm)
+        lrs.append(lr)
+    adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    return LoraReferenceRun(losses=losses, grad_norms=norms, lrs=lrs, adapter=adapter)

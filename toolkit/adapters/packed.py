@@ -1,0 +1,119 @@
+"""Packed sequences on megatron-core's GPTModel: several records in one row, each attending only to itself.
+
+The data (toolkit/data/tokenize.py, `data.packing`) marks the records of a row by their `position_ids`, which
+restart at 0 at each record: a 0 after column 0 is a boundary. Two things must then follow the records:
+
+* attention. megatron's local attention (`DotProductAttention`, torch softmax) takes an explicit boolean mask
+  [b, 1, s, s], True = masked (`attention_mask_func` fills -10000 there), and with an explicit mask it does not
+  add its own causal one: `packed_attention_mask` is block-diagonal AND causal. Transformer Engine's attention
+  ("fused", GPU) takes the THD layout instead: `thd_packed_seq_params` gives megatron's `PackedSeqParams`
+  (cu_seqlens over the micro-batch flattened to one row; TE switches to padding_causal itself).
+* RoPE. GPTModel computes rotary frequencies for positions 0 .. s-1 and ignores `position_ids` for them (learned
+  absolute embeddings do read them). `use_position_ids_for_rope` replaces `model.rotary_pos_emb` by
+  `PositionRotary`, which returns per-token frequencies [s, b, 1, d] gathered by the batch's position ids; megatron's
+  unfused `apply_rotary_pos_emb` broadcasts them over the heads. A forward pre-hook on the GPTModel hands it the
+  call's `position_ids`, so every pipeline stage (each is called with the batch) rotates by the record positions.
+  Under THD megatron's own per-sequence RoPE applies and the wrapper steps aside.
+
+A micro-batch without a boundary (every row one record: unpacked data, synthetic data) takes the plain path: no
+mask, megatron's own causal attention and RoPE, bit for bit as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.errors import DsmtError
+
+
+def has_packed_boundary(position_ids: torch.Tensor) -> bool:
+    """True when some row holds more than one record (a position 0 after column 0)."""
+    return bool((position_ids[:, 1:] == 0).any())
+
+
+def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] int: the record each token belongs to, counted from 1 in each row (a record starts at position 0)."""
+    return torch.cumsum((position_ids == 0).to(torch.int32), dim=1)
+
+
+def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """bool [b, 1, s, s], True where query t must NOT see key k: k in another record, or k after t."""
+    segments = segment_ids(position_ids)
+    same_record = segments[:, :, None] == segments[:, None, :]
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ~(same_record & causal)[:, None, :, :]
+
+
+def thd_packed_seq_params(position_ids: torch.Tensor):
+    """megatron's `PackedSeqParams` for the micro-batch flattened to one row of b*s tokens: cu_seqlens (int32) at
+    every record start (each row starts one) and at the end, max_seqlen the longest record."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).flatten()
+    if len(starts) == 0 or int(starts[0]) != 0:
+        raise DsmtError("packed rows must start at position 0 (each row starts a record); got position_ids "
+                        f"{position_ids[:, :4].tolist()} ...: the data is not dsmt's (toolkit/data/tokenize.py)")
+    cu_seqlens = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+class PositionRotary(torch.nn.Module):
+    """megatron's RotaryEmbedding, but at the call's position ids when they restart (packed records).
+
+    `position_ids` is set per forward by the GPTModel pre-hook (None: no boundary, megatron's own positions). It
+    holds no parameters or buffers (megatron's `inv_freq` is a plain attribute), so state dicts are unchanged."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.position_ids: torch.Tensor | None = None
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+        positions = self.position_ids
+        if positions is None or packed_seq or offset != 0 or positions.shape[1] != max_seq_len:
+            return self.inner(max_seq_len, offset, packed_seq=packed_seq, cp_group=cp_group)
+        table = self.inner(int(positions.max()) + 1)  # [m, 1, 1, d] for positions 0 .. m-1
+        if table.shape[0] != int(positions.max()) + 1:  # megatron cut it for a CP rank: packing refuses CP
+            raise DsmtError("packed records under context parallelism: set data.packing: false or parallel.cp: 1")
+        return table[:, 0, 0, :][positions.to(table.device)].transpose(0, 1).unsqueeze(2)  # [s, b, 1, d]
+
+
+def use_position_ids_for_rope(model: torch.nn.Module) -> None:
+    """Make a RoPE GPTModel rotate by its call's `position_ids` when they hold packed records (see the module
+    docstring); models without rotary embeddings are left as they are."""
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None or isinstance(rotary, PositionRotary):
+        return
+    model.rotary_pos_emb = wrapper = PositionRotary(rotary)
+
+    def take_positions(module, args, kwargs):
+        positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+        packed = kwargs.get("packed_seq_params")
+        wrapper.position_ids = (positions if positions is not None and packed is None
+                                and has_packed_boundary(positions) else None)
+
+    model.register_forward_pre_hook(take_positions, with_kwargs=True)
+
+
+def uses_thd(model: torch.nn.Module) -> bool:
+    """True when the GPTModel behind `model` (a chunk, or DeepSpeed's engine around one or a ModuleList of them)
+    runs Transformer Engine's attention, which takes packed records as THD instead of a mask."""
+    module = getattr(model, "module", model)
+    cached = getattr(module, "_dsmt_uses_thd", None)
+    if cached is None:
+        cached = any(type(m).__name__ == "TEDotProductAttention" for m in module.modules())
+        module._dsmt_uses_thd = cached
+    return cached
