@@ -158,22 +158,30 @@ class HybridEngine:
 
     def _pipeline_forward(self, micro_batches: list[dict], *, sums: torch.Tensor) -> None:
         """megatron's schedule with forward_only=True; the loss function runs on the last stage only."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
             output = self.task.forward(model, batch)
             # a new tensor: megatron divides the returned loss in place by the number of micro-batches
             return output, lambda out: (self._add_sums(out, batch, sums=sums).clone(), {})
 
-        chunks = self.chunks
-        iterators = [self._eval_inputs(micro_batches) for _ in chunks]
         first = self.task.sequence(micro_batches[0])
+        # the full length (these are the micro-batches before the CP cut): megatron divides it for the p2p tensors
+        self._run_schedule(forward_step, iterators=lambda: self._eval_inputs(micro_batches),
+                           num_microbatches=len(micro_batches), seq_length=first.shape[1],
+                           micro_batch_size=first.shape[0], forward_only=True)
+
+    def _run_schedule(self, forward_step, *, iterators, num_microbatches: int, seq_length: int,
+                      micro_batch_size: int, forward_only: bool) -> None:
+        """megatron's pipeline schedule over this rank's chunks (one data iterator per virtual stage, made by
+        `iterators()`); the interleaved schedule takes lists, the plain 1F1B one a single model and iterator."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        chunks = self.chunks
+        data = [iterators() for _ in chunks]
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro_batches),
-            # the full length (these are the micro-batches before the CP cut): megatron divides it for the p2p tensors
-            seq_length=first.shape[1], micro_batch_size=first.shape[0], forward_only=True,
+            forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
+            seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
         )
 
     def _deepspeed_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
@@ -188,7 +196,6 @@ class HybridEngine:
 
     def _pipeline_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         sums: list[torch.Tensor] = []
         num_microbatches = len(micro_batches)
@@ -207,17 +214,11 @@ class HybridEngine:
 
             return logits, loss_func
 
-        chunks = self.chunks
-        iterators = [iter(micro_batches) for _ in chunks]
         first = self.task.sequence(micro_batches[0])
         self.engine.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
-            # the full length: megatron divides it by cp (and by tp under SP) for the p2p tensors
-            seq_length=first.shape[1] * cp_size,
-            micro_batch_size=first.shape[0], forward_only=False,
-        )
+        # the full length: megatron divides it by cp (and by tp under SP) for the p2p tensors
+        self._run_schedule(forward_step, iterators=lambda: iter(micro_batches), num_microbatches=num_microbatches,
+                           seq_length=first.shape[1] * cp_size, micro_batch_size=first.shape[0], forward_only=False)
         self._allreduce_tied_embedding_grads()
         # DeepSpeed counts samples by its backward calls, which megatron's schedule bypasses; without this its
         # CSV / TensorBoard monitors plot every PP > 1 step at x = 0 samples.
