@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "toolkit.demo",            # dsmt demo
     "toolkit.spec.cli",        # dsmt check, dsmt generate
     "toolkit.plan.cli",        # dsmt plan
+    "toolkit.preflight",       # dsmt preflight
 ]
 
 

@@ -20,6 +20,7 @@ def init_process_groups(*, layout: Layout, dist_backend: str, timeout_s: float =
 
     from toolkit import backend as backends
 
+    adopt_mpi_ranks()
     device = backends.use_rank_device()  # before the group: NCCL and megatron's buffers use the current device
     if not dist.is_initialized():
         # device_id binds the NCCL communicators to this rank's GPU (gloo takes no device).
@@ -37,6 +38,24 @@ def init_process_groups(*, layout: Layout, dist_backend: str, timeout_s: float =
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
     )
+
+
+# Open MPI's names for what torchrun and the deepspeed launcher export (mpirun starts the ranks itself).
+_OMPI_RANK_ENV = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+                  "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK"}
+
+
+def adopt_mpi_ranks(*, environ=None) -> None:
+    """Under mpirun (launch_deepspeed.sh with cluster.launcher: openmpi) set RANK / WORLD_SIZE / LOCAL_RANK from
+    OMPI_COMM_WORLD_*, as DeepSpeed's MPI discovery does without mpi4py; the script forwards MASTER_ADDR/PORT.
+    A launcher that set RANK itself wins."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    if "RANK" in environ or "OMPI_COMM_WORLD_RANK" not in environ:
+        return
+    for name, ompi_name in _OMPI_RANK_ENV.items():
+        environ[name] = environ[ompi_name]
 
 
 def destroy_process_groups() -> None:

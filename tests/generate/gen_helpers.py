@@ -36,6 +36,14 @@ VARIANTS: dict[str, dict] = {
         parallel={"tp": 2, "zero_stage": 3, "offload_optimizer": True, "offload_params": True},
         training={"precision": "fp16", "lr_schedule": "linear", "warmup_steps": 0},
         communication={"extra_env": {"NCCL_ALGO": "Ring"}, "communication_data_type": "fp32"}),
+    # One node through mpirun (tests/launch/test_mpi_real.py trains it): DeepSpeed's OpenMPI runner, no ssh.
+    "openmpi-1x2-cpu": {**_TINY, "cluster": {**_TINY["cluster"], "launcher": "openmpi"}},
+    # Every cluster.slurm extra, with the characters sbatch's directive parser treats specially (blanks, '#', '&').
+    "slurm-site-extras": _gpu_variant(parallel={"tp": 8}, cluster={"hosts": "slurm", "slurm": {
+        "account": "ml research", "partition": "gpu,gpu-long", "time": "2-12:00:00", "qos": "high",
+        "extra_sbatch": ["--exclusive", "--constraint=a100&ib", "--comment=dsmt run #1"],
+        "setup": ["module load cuda/12.4", "source /opt/venv/bin/activate", 'echo "setup done on $(hostname)"'],
+        "srun_args": ["--container-image=nvcr.io#nvidia/pytorch:24.05-py3", "--container-mounts=/data:/data"]}}),
 }
 
 

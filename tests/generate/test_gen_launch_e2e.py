@@ -1,10 +1,10 @@
-"""End to end on this machine: the generated launch scripts really start ranks (and, once it exists, train).
+"""End to end on this machine: the generated launch scripts really start every rank (one node).
 
-The probe run swaps `toolkit.train` for `launch_probe` (gloo all-reduce) so the launchers, rendezvous and
-environment are exercised now; the training run needs `toolkit.train` and is skipped until it is importable.
+The probe run swaps `toolkit.train` for `launch_probe` (gloo all-reduce), so the launchers, rendezvous and
+environment are checked in seconds. Real training through the generated scripts runs on two nodes (pdsh over a
+local sshd, torchrun once per node) in tests/launch/test_two_nodes.py.
 """
 
-import importlib.util
 import json
 import os
 import socket
@@ -59,16 +59,3 @@ def test_generated_script_starts_every_rank(script, tmp_path):
     assert [r["local_rank"] for r in reports] == [0, 1]
     assert all(r["env"] == {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"} for r in reports)
     assert all(r["run_dir_files"] == ["ds_config.json", "megatron.json"] for r in reports)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("toolkit.train") is None,
-                    reason="toolkit.train does not exist yet (next issue); the launch path is covered by the probe run")
-@pytest.mark.parametrize("script", ["launch_torchrun.sh", "launch_deepspeed.sh"])
-def test_generated_script_trains_tiny_cpu_spec(script, tmp_path):
-    run = _tiny_run_dir(tmp_path, train_module="toolkit.train", train_steps=3, checkpoint_interval=3)
-    result = _launch(run / script, timeout_s=480)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["loss"] > 0 for m in metrics)
-    assert (tmp_path / "out" / "checkpoints" / "step_000003" / "dsmt_complete.json").is_file()
-    assert (tmp_path / "out" / "final-hf" / "model.safetensors").is_file()

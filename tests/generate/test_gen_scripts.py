@@ -85,6 +85,21 @@ def test_launch_deepspeed_passes_the_right_arguments(name, args, expected, tmp_p
     assert f"DS_ENV_FILE={run}/.deepspeed_env" in words
 
 
+def test_one_node_openmpi_runs_mpirun_without_ssh(tmp_path):
+    """launcher openmpi on one node: DeepSpeed's multi-node runner (mpirun forks locally), not --no_ssh."""
+    run = tmp_path / "run"
+    write_run_dir(spec=spec_of("openmpi-1x2-cpu"), out_dir=run)
+    _fake_launchers(tmp_path / "bin")
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+    out = subprocess.run(["bash", str(run / "launch_deepspeed.sh")], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for item in ("--force_multi", "--no_ssh_check", "-x MASTER_ADDR -x MASTER_PORT --mca btl_tcp_if_include lo"):
+        assert item in lines, (item, out.stdout)
+    assert lines[lines.index("--launcher") + 1] == "openmpi" and "--no_ssh" not in lines
+    assert "--allow-run-as-root" not in out.stdout  # running as root is the caller's decision
+
+
 def test_per_node_script_demands_a_node_rank(tmp_path):
     write_run_dir(spec=spec_of("no-ssh-2x8-tcp"), out_dir=tmp_path / "run")
     _fake_launchers(tmp_path / "bin")

@@ -47,7 +47,7 @@ def test_resume_repeats_the_draws_after_the_save(process_group, tmp_path):
     checkpoints.save(engine=FakeEngine(), checkpoint_dir=tmp_path, step=3)
     after_save = _draws()
     torch.manual_seed(999), random.seed(999), np.random.seed(999)
-    assert checkpoints.resume(engine=FakeEngine(), checkpoint_dir=tmp_path) == 3
+    assert checkpoints.resume(engine=FakeEngine(), checkpoint_dir=tmp_path).step == 3
     assert _draws() == after_save
     saved = torch.load(tmp_path / "step_000003" / "dsmt_rng_rank0.pt")
     assert set(saved) == {"torch", "cuda", "megatron_tracker", "python", "numpy"}

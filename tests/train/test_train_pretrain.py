@@ -1,6 +1,7 @@
 """Pretraining a built-in shape (`model.builtin`): megatron-core's init, `data.tokenizer`, no init weights on disk."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,11 +30,25 @@ def write(path, raw) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def pretrained(tiny_llama, tmp_path_factory):
+    """One 2-rank launch for every pretraining run of this file: 8 steps at ZeRO-1, and 4 steps at ZeRO-1 and 3."""
+    from train_helpers import train_in_one_launch
+
+    root = tmp_path_factory.mktemp("pretrain")
+    runs = {"zero1-8": write(root / "job.yaml", builtin_spec(tokenizer=tiny_llama, output_dir=root / "out"))}
+    for zero in (1, 3):
+        raw = builtin_spec(tokenizer=tiny_llama, output_dir=root / f"zero{zero}", steps=4)
+        raw["parallel"]["zero_stage"] = zero
+        raw["communication"] = {"param_persistence_threshold_elements": 0}
+        runs[f"zero{zero}"] = write(root / f"zero{zero}.yaml", raw)
+    train_in_one_launch(runs={name: Path(path) for name, path in runs.items()}, root=root, nprocs=2)
+    return root
+
+
 @pytest.mark.multiproc
-def test_builtin_shape_pretrains_from_megatron_init_and_exports(tiny_llama, tmp_path):
-    out = tmp_path / "out"
-    spec = write(tmp_path / "job.yaml", builtin_spec(tokenizer=tiny_llama, output_dir=out))
-    assert dsmt(["train", spec]) == 0
+def test_builtin_shape_pretrains_from_megatron_init_and_exports(pretrained):
+    out = pretrained / "out"
     losses = [m["loss"] for m in read_metrics(out)]
     assert len(losses) == 8
     assert abs(losses[0] - math.log(250)) < 0.3, losses  # a std-0.02 init predicts about uniformly
@@ -150,13 +165,7 @@ def test_zero3_pretraining_builds_partitioned_with_the_same_init(tiny_llama, tmp
 
 
 @pytest.mark.multiproc
-def test_builtin_shape_at_zero3_dp2_trains_like_zero1(tiny_llama, tmp_path):
-    losses = {}
-    for zero in (1, 3):
-        raw = builtin_spec(tokenizer=tiny_llama, output_dir=tmp_path / f"zero{zero}", steps=4)
-        raw["parallel"]["zero_stage"] = zero
-        raw["communication"] = {"param_persistence_threshold_elements": 0}
-        assert dsmt(["train", write(tmp_path / f"zero{zero}.yaml", raw)]) == 0
-        losses[zero] = [m["loss"] for m in read_metrics(tmp_path / f"zero{zero}")]
+def test_builtin_shape_at_zero3_dp2_trains_like_zero1(pretrained):
+    losses = {zero: [m["loss"] for m in read_metrics(pretrained / f"zero{zero}")] for zero in (1, 3)}
     print("zero1", losses[1], "zero3", losses[3])
     assert len(losses[3]) == 4 and losses[3] == pytest.approx(losses[1], abs=1e-5)

@@ -15,6 +15,7 @@ from toolkit.shapes import ModelShape, ModelShapeError
 from toolkit.layout_rules import ModelFacts, RunFacts, layout_problems, run_problems
 from toolkit.spec.layout import (derive_layout, padded_vocab_size, parallel_layout, requested_global_batch,
                                  spec_attention, spec_model_type, world_size_of)
+from toolkit.spec.loopback import loopback_problems
 from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
 from toolkit.spec.report import Problem, Report, SpecError
 from toolkit.spec.schema import JobSpec
@@ -82,15 +83,9 @@ def check_mixed_precision(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
 
 
 def check_hosts_for_multi_node(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    hosts = spec.cluster.hosts
-    loopback = {"localhost", "127.0.0.1"}
-    if spec.cluster.nodes > 1 and isinstance(hosts, list) and loopback & set(hosts):
-        return [Problem("error", "loopback_multi_node", f"nodes={spec.cluster.nodes} but hosts include a loopback name: {hosts}",
-                        "list each node's reachable host name")]
-    if spec.cluster.nodes > 1 and spec.cluster.master_addr in loopback:
-        return [Problem("error", "loopback_multi_node", f"master_addr={spec.cluster.master_addr} with nodes={spec.cluster.nodes}",
-                        "use the first node's reachable address, or leave master_addr unset")]
-    return []
+    """Loopback hosts with nodes > 1 (toolkit/spec/loopback.py): distinct 127.x addresses simulate nodes (a warning)."""
+    hosts = spec.cluster.hosts if isinstance(spec.cluster.hosts, list) else None
+    return loopback_problems(nodes=spec.cluster.nodes, hosts=hosts, master_addr=spec.cluster.master_addr)
 
 
 def check_lengths_and_intervals(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:

@@ -19,6 +19,8 @@ INTERFACE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}(,[A-Za-z0-9_.:-]{1,15})*$")  
 ENV_NAME_RE = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")
 ENV_VALUE_RE = re.compile(r"^[A-Za-z0-9_.,:/=^+-]{0,256}$")  # .deepspeed_env is exported unquoted by pdsh
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# sbatch --time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (or UNLIMITED / INFINITE).
+SLURM_TIME_RE = re.compile(r"^(?:\d+(?::[0-5]?\d){0,2}|\d+-\d{1,2}(?::[0-5]?\d){0,2}|UNLIMITED|INFINITE)$")
 
 # GPU presets the spec accepts (memory in GiB; the planner owns the performance figures).
 GPU_MEMORY_GIB: dict[str, float | None] = {
@@ -30,7 +32,7 @@ GPU_MEMORY_GIB: dict[str, float | None] = {
 SCHEMA_RULES = frozenset({
     "bad_path", "batch_both", "batch_tokens_vs_seq", "duplicate_host", "env_name",
     "env_value", "gpu_device_mismatch", "host_name", "hosts_count", "hosts_required",
-    "job_name", "lora_rank", "messages_vs_prompt", "validation_both", "min_lr_above_lr", "model_source", "network_interface",
+    "job_name", "lora_rank", "messages_vs_prompt", "sbatch_option", "slurm_line", "slurm_time", "slurm_value", "validation_both", "min_lr_above_lr", "model_source", "network_interface",
     "offload_optimizer_needs_zero", "offload_params_needs_zero3", "prompt_completion_pair", "synthetic_with_path", "unknown_gpu",
     "warmup_vs_steps",
 })
@@ -68,6 +70,69 @@ class ModelSpec(Section):
         return self
 
 
+class SlurmSpec(Section):
+    """Site settings for job.sbatch. Values are shell-quoted there (sbatch parses #SBATCH lines with the same
+    quotes, so `--account='a b'` stays one option); `setup` lines run verbatim before srun."""
+
+    account: str | None = None
+    partition: str | None = None
+    time: str | None = None  # walltime in SLURM's format, e.g. 30, 4:00:00, 2-12:00:00
+    qos: str | None = None
+    extra_sbatch: list[str] = Field(default_factory=list)  # more #SBATCH options: --exclusive, --constraint=a100
+    setup: list[str] = Field(default_factory=list)  # shell lines before srun: module load cuda/12.4, source venv
+    srun_args: list[str] = Field(default_factory=list)  # srun words before torchrun: --container-image=...
+
+    @field_validator("account", "partition", "qos")
+    @classmethod
+    def _value_safe(cls, value, info):
+        if value is not None and (not value.strip() or any(ch in value for ch in "\n\r\0")):
+            raise PydanticCustomError("slurm_value", "cluster.slurm.{field}={value} must be a non-empty single line",
+                                      {"field": info.field_name, "value": repr(value)})
+        return value
+
+    @field_validator("time")
+    @classmethod
+    def _time_format(cls, value):
+        if value is not None and not SLURM_TIME_RE.match(value):
+            raise PydanticCustomError(
+                "slurm_time", "cluster.slurm.time={value} is not a SLURM time; use MM, MM:SS, HH:MM:SS, D-HH, "
+                "D-HH:MM or D-HH:MM:SS (e.g. 4:00:00, 2-12:00:00)", {"value": repr(value)})
+        return value
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _options_safe(cls, value):
+        for option in value:
+            owner = SBATCH_OWNED.get(option.split("=", 1)[0])
+            if not option.startswith("-") or any(ch in option for ch in "\n\r\0") or owner:
+                fix = (f"set {owner} instead" if owner else "give one sbatch option per item, starting with '-', "
+                       "e.g. --exclusive or --constraint=a100")
+                raise PydanticCustomError("sbatch_option", "cluster.slurm.extra_sbatch item {option}: {fix}",
+                                          {"option": repr(option), "fix": fix})
+        return value
+
+    @field_validator("setup", "srun_args")
+    @classmethod
+    def _lines_safe(cls, value, info):
+        for line in value:
+            if not line.strip() or any(ch in line for ch in "\n\r\0"):
+                raise PydanticCustomError(
+                    "slurm_line", "cluster.slurm.{field} item {line} must be non-empty with no newline or NUL; "
+                    "give one item per line / word", {"field": info.field_name, "line": repr(line)})
+        return value
+
+
+# sbatch options the spec already decides: an extra_sbatch copy would silently override them.
+SBATCH_OWNED = {
+    "--job-name": "cluster.job_name", "-J": "cluster.job_name", "--nodes": "cluster.nodes", "-N": "cluster.nodes",
+    "--ntasks-per-node": "cluster.gpus_per_node (job.sbatch runs one torchrun task per node)",
+    "--gpus-per-node": "cluster.gpus_per_node",
+    "--account": "cluster.slurm.account", "-A": "cluster.slurm.account", "--partition": "cluster.slurm.partition",
+    "-p": "cluster.slurm.partition", "--time": "cluster.slurm.time", "-t": "cluster.slurm.time",
+    "--qos": "cluster.slurm.qos", "-q": "cluster.slurm.qos",
+}
+
+
 class ClusterSpec(Section):
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(8, ge=1)  # processes per node (CPU: ranks per machine)
@@ -80,6 +145,7 @@ class ClusterSpec(Section):
     launcher: Literal["pdsh", "openmpi", "no_ssh"] = "pdsh"
     device: Literal["cuda", "cpu"] = "cuda"
     job_name: str = "dsmt"
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec)  # account, partition, time, ... for job.sbatch
 
     @field_validator("gpu")
     @classmethod

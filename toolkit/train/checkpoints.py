@@ -3,8 +3,13 @@ what makes a resumed run identical (step, per-rank RNG), and a completion marker
 
     <output_dir>/checkpoints/step_000010/        DeepSpeed's files for tag step_000010
     <output_dir>/checkpoints/step_000010/dsmt_rng_rank{r}.pt
+    <output_dir>/checkpoints/step_000010/layout-free/, dsmt_layout.json   the same state for any other layout
     <output_dir>/checkpoints/step_000010/dsmt_complete.json   written by rank 0 after every rank has saved
     <output_dir>/checkpoints/latest_complete     the newest complete tag (replaced atomically)
+
+A run resumes through DeepSpeed when its layout (TP, PP, VPP, CP, DP, ZeRO stage) is the one in the completion
+marker, and from the layout-free copy when it differs (toolkit/train/reshard.py); either way nothing in the
+checkpoint is modified.
 
 A run killed while saving leaves a tag without `dsmt_complete.json`; resume never takes it. With
 `training.keep_checkpoints: K`, rank 0 deletes the oldest complete tags beyond the newest K after each save.
@@ -17,6 +22,7 @@ numpy's global generator (dsmt draws from neither; libraries might)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -34,16 +40,22 @@ def tag_for(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | None = None) -> None:
+def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | None = None, layout: dict | None = None,
+         layout_free=None) -> None:
+    """Collective. `layout`: `reshard.layout_record` of this run (kept in the marker); `layout_free`: a
+    `reshard.LayoutFreeState` that writes the copy other layouts resume from (None: plain HF models)."""
     import torch.distributed as dist
 
     tag = tag_for(step)
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"dsmt_step": step}, save_latest=False)
     rank = dist.get_rank()
     torch.save(rng_states(), Path(checkpoint_dir) / tag / f"dsmt_rng_rank{rank}.pt")
+    if layout_free is not None:
+        layout_free.save(Path(checkpoint_dir) / tag)
     dist.barrier()
     if rank == 0:
-        (Path(checkpoint_dir) / tag / COMPLETE_MARKER).write_text(json.dumps({"step": step, "world_size": dist.get_world_size()}))
+        marker = {"step": step, "world_size": dist.get_world_size(), "layout": layout}
+        (Path(checkpoint_dir) / tag / COMPLETE_MARKER).write_text(json.dumps(marker))
         temp = Path(checkpoint_dir) / f".{LATEST}.tmp"
         temp.write_text(tag)
         os.replace(temp, Path(checkpoint_dir) / LATEST)
@@ -126,22 +138,40 @@ def latest_complete(checkpoint_dir: Path) -> str | None:
     return tags[-1] if tags else None
 
 
-def resume(*, engine, checkpoint_dir: Path) -> int:
-    """Load the newest complete checkpoint; returns the number of steps already done (0 when none)."""
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    step: int  # steps already done (0: a fresh start)
+    resharded: str | None = None  # "from LAYOUT to LAYOUT" when the state came from the layout-free copy
+
+
+def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_free=None) -> Resumed:
+    """Load the newest complete checkpoint: through DeepSpeed at the layout that wrote it, else from its
+    layout-free copy (`layout_free`, see `save`). Every rank takes the same branch (they read the same marker)."""
     import torch.distributed as dist
+
+    from toolkit.errors import DsmtError
+    from toolkit.train.reshard import describe
 
     tag = latest_complete(checkpoint_dir)
     if tag is None:
-        return 0
-    marker = json.loads((Path(checkpoint_dir) / tag / COMPLETE_MARKER).read_text())
-    if marker["world_size"] != dist.get_world_size():
-        from toolkit.errors import DsmtError
-
-        raise DsmtError(
-            f"checkpoint {tag} was written by {marker['world_size']} ranks, this run has {dist.get_world_size()}; "
-            "DeepSpeed engine checkpoints are tied to the layout: resume with the same layout, or start from the "
-            "exported HF / dsmt megatron checkpoint"
-        )
+        return Resumed(step=0)
+    tag_dir = Path(checkpoint_dir) / tag
+    marker = json.loads((tag_dir / COMPLETE_MARKER).read_text())
+    saved_layout = marker.get("layout")
+    same = saved_layout == layout if saved_layout is not None else marker["world_size"] == dist.get_world_size()
+    if not same:
+        if layout_free is None:
+            written = describe(saved_layout) if saved_layout else f"{marker['world_size']} ranks"
+            this_run = describe(layout) if layout else f"{dist.get_world_size()} ranks"
+            raise DsmtError(
+                f"checkpoint {tag} was written at {written}, this run is {this_run}; this model "
+                "trains as a plain HF model (no megatron-core adapter), whose checkpoints resume only at the layout "
+                "that wrote them: resume with that layout, or start a new output_dir from the exported final-hf")
+        record = layout_free.load(tag_dir)
+        return Resumed(step=int(marker["step"]),
+                       resharded=f"from {describe(record['layout'])} to {describe(layout)}")
+    if layout_free is not None and (tag_dir / "dsmt_layout.json").is_file():
+        layout_free.check(tag_dir)  # the same layout, another model: a named error before DeepSpeed's own
     _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
-    restore_rng_states(torch.load(Path(checkpoint_dir) / tag / f"dsmt_rng_rank{dist.get_rank()}.pt"))
-    return int(client_state["dsmt_step"])
+    restore_rng_states(torch.load(tag_dir / f"dsmt_rng_rank{dist.get_rank()}.pt"))
+    return Resumed(step=int(client_state["dsmt_step"]))

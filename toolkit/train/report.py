@@ -47,11 +47,14 @@ class RunLog:
         (resolved / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
         (resolved / "layout.json").write_text(json.dumps(self.layout.__dict__, indent=2) + "\n")
 
-    def started(self, *, start_step: int, total_steps: int, validation=None) -> None:
+    def started(self, *, start_step: int, total_steps: int, validation=None, resharded: str | None = None) -> None:
         if not self.is_writer:
             return
         layout = self.layout
         resumed = f", resuming after step {start_step}" if start_step else ""
+        if resharded:
+            resumed += (f" (resharded {resharded}: model, fp32 master weights, Adam moments and step, LR schedule "
+                        "and data position; RNG streams reseeded from training.seed and the step)")
         print(f"dsmt train: tp={layout.tp} pp={layout.pp} vpp={layout.vpp} dp={layout.dp} world={layout.world_size}, "
               f"global batch {layout.global_batch_size} x {layout.seq_length} tokens, "
               f"{layout.grad_accum_steps} micro-batches of {layout.micro_batch_size} per rank, {total_steps} steps{resumed}",

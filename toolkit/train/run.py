@@ -78,6 +78,7 @@ def train(*, spec, ds_config: dict | None = None) -> list[dict]:
     backend = backends.select(device=spec.cluster.device)  # the spec's device or an error, never a silent CPU run
     layout = derive_layout(spec)
     init_process_groups(layout=layout, dist_backend=backend.dist_backend)
+    _node_joined(layout=layout)
     backend.seed(spec.training.seed)
     output_dir = Path(spec.training.output_dir)
     hf_dir = model_checkpoint(spec=spec, output_dir=output_dir)
@@ -88,6 +89,20 @@ def train(*, spec, ds_config: dict | None = None) -> list[dict]:
                                              ds_config=ds_config, output_dir=output_dir)
     return _run(trainer=trainer, batches=batches, export=export, notice=notice, spec=spec, layout=layout,
                 ds_config=ds_config, output_dir=output_dir, hf_dir=hf_dir)
+
+
+def _node_joined(*, layout) -> None:
+    """One line per node (its first local rank): which ranks run there, so a multi-node log shows every node
+    joined. Launchers give consecutive ranks to a node's processes (torchrun, deepspeed, srun, mpirun by slot)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
+    per_node, rank = layout.gpus_per_node, dist.get_rank()
+    print(f"dsmt train: node {rank // per_node} of {layout.nodes}: ranks {rank}..{rank + per_node - 1} on "
+          f"{socket.gethostname()}", flush=True)
 
 
 def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
@@ -191,16 +206,35 @@ def _run(*, trainer, batches, export, notice: str | None, spec, layout, ds_confi
     if notice and dist.get_rank() == 0:
         print(notice, flush=True)
     validation = build_validation(spec=spec, layout=layout, trainer=trainer, hf_dir=hf_dir)
-    start = checkpoints.resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints")
-    log.started(start_step=start, total_steps=spec.training.train_steps, validation=validation)
-    _loop(trainer=trainer, batches=batches, spec=spec, log=log, start=start, output_dir=output_dir,
-          validation=validation)
+    saving = _checkpoint_settings(trainer=trainer, spec=spec, layout=layout)
+    resumed = checkpoints.resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", **saving)
+    if resumed.resharded:  # the per-rank RNG streams of another layout do not map onto this one's ranks
+        from toolkit import backend as backends
+
+        backends.current().seed(spec.training.seed + resumed.step)
+    log.started(start_step=resumed.step, total_steps=spec.training.train_steps, validation=validation,
+                resharded=resumed.resharded)
+    _loop(trainer=trainer, batches=batches, spec=spec, log=log, start=resumed.step, output_dir=output_dir,
+          validation=validation, saving=saving)
     export()
     log.finished()
     return log.history
 
 
-def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path, validation=None) -> None:
+def _checkpoint_settings(*, trainer, spec, layout) -> dict:
+    """This run's layout record, and for megatron-core models the layout-free state other layouts resume from."""
+    from toolkit.train.engine import HybridEngine
+    from toolkit.train.reshard import LayoutFreeState, layout_record
+
+    record = layout_record(layout=layout, zero_stage=spec.parallel.zero_stage)
+    layout_free = None
+    if isinstance(trainer, HybridEngine):
+        layout_free = LayoutFreeState(engine=trainer.engine, chunks=trainer.chunks, layout=record,
+                                      global_batch_size=layout.global_batch_size)
+    return {"layout": record, "layout_free": layout_free}
+
+
+def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path, validation=None, saving=None) -> None:
     """Train steps start+1 .. train_steps. With validation: the validation loss before the first step (step 0),
     after every eval_interval steps and after the last, measured before that step's checkpoint is saved, so a run
     resumed from a checkpoint already has the validation loss of its step."""
@@ -223,7 +257,7 @@ def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path, validati
                                engine=trainer.engine)
             if (step + 1) % spec.training.checkpoint_interval == 0 or step + 1 == total:
                 checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1,
-                                 keep_checkpoints=spec.training.keep_checkpoints)
+                                 keep_checkpoints=spec.training.keep_checkpoints, **(saving or {}))
 
 
 def _export(*, hybrid, info, spec, output_dir: Path) -> None:
@@ -265,7 +299,10 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = parser.parse_args(argv)
+    from toolkit.parallel import adopt_mpi_ranks
     from toolkit.spec.checks import check_file
+
+    adopt_mpi_ranks()  # under mpirun: RANK & co. from OMPI_COMM_WORLD_*, before anything reads them
     from toolkit.train.run_files import spec_path_for
 
     config = spec_path_for(config=args.config, run_dir=args.run_dir, overrides=args.set)

@@ -15,11 +15,13 @@ command -v deepspeed >/dev/null || { echo 'deepspeed not found on PATH: pip inst
 HOSTFILE="$HERE/hostfile"
 MASTER_ADDR=10.0.0.1
 command -v mpirun >/dev/null || { echo 'mpirun not found on PATH: install openmpi-bin, or regenerate with --set cluster.launcher=no_ssh' >&2; exit 127; }
+export MASTER_ADDR MASTER_PORT=29500  # mpirun starts the ranks: toolkit.train reads these
 exec deepspeed \
   --hostfile "$HOSTFILE" \
   --master_addr "$MASTER_ADDR" \
   --master_port 29500 \
   --launcher openmpi \
+  --launcher_args '-x MASTER_ADDR -x MASTER_PORT' \
   --no_local_rank \
   --module toolkit.train \
   --config "$HERE/job.resolved.yaml" \

@@ -15,7 +15,9 @@ if [[ -z "${SLURM_JOB_NODELIST:-}" ]]; then
   echo "$(basename "$0"): cluster.hosts is 'slurm': run inside an allocation (salloc / sbatch)" >&2
   exit 2
 fi
-MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+FIRST_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+MASTER_ADDR="$(scontrol show node "$FIRST_NODE" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')"
+MASTER_ADDR="${MASTER_ADDR:-$FIRST_NODE}"
 exec torchrun \
   --nnodes 2 \
   --nproc_per_node 8 \
