@@ -7,7 +7,6 @@ local sshd, torchrun once per node) in tests/launch/test_two_nodes.py.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from gen_helpers import VARIANTS
 from toolkit.generate.writer import write_run_dir
+from toolkit.launch import free_port
 from toolkit.spec.load import validate_spec
 
 pytestmark = pytest.mark.multiproc
@@ -23,15 +23,9 @@ HERE = Path(__file__).parent
 REPO = HERE.parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _tiny_run_dir(tmp_path: Path, *, train_module: str, **training) -> Path:
     raw = {**VARIANTS["tiny-cpu"]}
-    raw["cluster"] = {**raw["cluster"], "master_port": _free_port()}
+    raw["cluster"] = {**raw["cluster"], "master_port": free_port()}
     raw["training"] = {**raw["training"], "output_dir": str(tmp_path / "out"), **training}
     run = tmp_path / "run"
     write_run_dir(spec=validate_spec(raw, source="tiny-cpu"), out_dir=run, train_module=train_module)

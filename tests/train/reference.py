@@ -258,17 +258,23 @@ def train_reference(spec_path: Path, *, chunk_rows: int | None = None,
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(param.to(start_rounded_to).float())
-    optimizer = adamw(model, settings)
-    params = list(model.parameters())
+    losses, norms, lrs = run_steps(model, optimizer=adamw(model, settings), params=list(model.parameters()),
+                                     rows=rows, settings=settings, chunk_rows=chunk_rows or settings.micro_batch_size)
+    return ReferenceRun(losses=losses, grad_norms=norms, lrs=lrs,
+                        state_dict={k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def run_steps(model, *, optimizer, params: list, rows: list[list[Record]], settings: RunSettings,
+                chunk_rows: int) -> tuple[list[float], list[float], list[float]]:
+    """The spec's train_steps over `rows`: each step's global batch, its loss backward, clipping and the optimizer
+    step. Returns the losses, the grad norms before clipping and the step LRs."""
     losses, norms, lrs = [], [], []
     for step in range(settings.train_steps):
         chosen = global_sample_indices(step=step, global_batch_size=settings.global_batch_size,
                                        num_examples=len(rows), seed=settings.seed, shuffle=settings.shuffle)
         optimizer.zero_grad(set_to_none=True)
-        losses.append(global_batch_loss_backward(model, rows=[rows[j] for j in chosen],
-                                                 chunk_rows=chunk_rows or settings.micro_batch_size))
+        losses.append(global_batch_loss_backward(model, rows=[rows[j] for j in chosen], chunk_rows=chunk_rows))
         norm, lr = clip_and_step(optimizer, params=params, step=step, settings=settings)
         norms.append(norm)
         lrs.append(lr)
-    return ReferenceRun(losses=losses, grad_norms=norms, lrs=lrs,
-                        state_dict={k: v.detach().clone() for k, v in model.state_dict().items()})
+    return losses, norms, lrs

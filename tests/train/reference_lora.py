@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from reference import RunSettings, clip_and_step, global_batch_loss_backward, global_sample_indices, load_examples
+from reference import RunSettings, load_examples, run_steps
 
 
 @dataclass(frozen=True)
@@ -38,15 +38,7 @@ def train_lora_reference(spec_path: Path) -> LoraReferenceRun:
     assert params and all(p.ndim == 2 for p in params)
     optimizer = torch.optim.AdamW([{"params": params, "weight_decay": settings.weight_decay}], lr=settings.lr,
                                   betas=settings.betas, eps=settings.eps)
-    losses, norms, lrs = [], [], []
-    for step in range(settings.train_steps):
-        rows = global_sample_indices(step=step, global_batch_size=settings.global_batch_size,
-                                     num_examples=len(examples), seed=settings.seed, shuffle=settings.shuffle)
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(global_batch_loss_backward(model, rows=[examples[j] for j in rows],
-                                                 chunk_rows=settings.micro_batch_size))
-        norm, lr = clip_and_step(optimizer, params=params, step=step, settings=settings)
-        norms.append(norm)
-        lrs.append(lr)
+    losses, norms, lrs = run_steps(model, optimizer=optimizer, params=params, rows=examples, settings=settings,
+                                     chunk_rows=settings.micro_batch_size)
     adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
     return LoraReferenceRun(losses=losses, grad_norms=norms, lrs=lrs, adapter=adapter)

@@ -51,7 +51,7 @@ def canonical_tensors(chunks: list) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _full_shape_standins(params: list[torch.Tensor]):
+def full_shape_standins(params: list[torch.Tensor]):
     """megatron's `sharded_state_dict()` checks shapes, and a ZeRO-3 parameter's data is empty: inside, each such
     parameter holds a one-element, zero-stride stand-in of its full shape, with storage of its own so that a state
     dict tensor is traced back to its parameter by data pointer. The empty data comes back on exit."""
@@ -70,7 +70,7 @@ def _full_shape_standins(params: list[torch.Tensor]):
 def canonical_parameters(chunks: list) -> dict[str, torch.nn.Parameter]:
     """Canonical megatron name -> this rank's parameter object (also when ZeRO-3 has partitioned it)."""
     params = [p for chunk in chunks for p in chunk.parameters()]
-    with _full_shape_standins(params):
+    with full_shape_standins(params):
         by_pointer = {p.data_ptr(): p for p in params}
         return {name: by_pointer[tensor.data_ptr()] for name, tensor in canonical_tensors(chunks).items()}
 

@@ -87,13 +87,15 @@ class LayoutFreeState:
                 "global_samples": self.engine.global_samples,
                 "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
 
-    def check(self, tag_dir: Path) -> dict:
-        """The saved record, after checking that this run can take it (the same on every rank: all raise or none)."""
+    def check(self, tag_dir: Path, *, shards: dict | None = None) -> dict:
+        """The saved record, after checking that this run can take it (the same on every rank: all raise or none).
+        `shards`: `trainable_shards(self.chunks)` when the caller has them already."""
         if not (tag_dir / RECORD).is_file() or not (tag_dir / LAYOUT_FREE / "metadata.json").is_file():
             raise DsmtError(f"checkpoint {tag_dir.name} has no layout-free state ({RECORD}, {LAYOUT_FREE}/): it was "
                             "written before dsmt saved one, so it resumes only at the layout that wrote it")
         record = json.loads((tag_dir / RECORD).read_text())
-        problems = shape_problems(saved=record["parameters"], current=global_shapes(trainable_shards(self.chunks)))
+        shards = trainable_shards(self.chunks) if shards is None else shards
+        problems = shape_problems(saved=record["parameters"], current=global_shapes(shards))
         if record["global_batch_size"] != self.global_batch_size:
             problems.append(f"global batch {record['global_batch_size']} -> {self.global_batch_size}: the data "
                             "position and the LR schedule count steps of the global batch; keep "
@@ -113,8 +115,8 @@ class LayoutFreeState:
 
         from toolkit.adapters.load import full_shape
 
-        record = self.check(tag_dir)
         shards = trainable_shards(self.chunks)
+        record = self.check(tag_dir, shards=shards)
         template = {f"{name}/{key}": make_sharded_optimizer_tensor(
                         item, torch.empty(full_shape(param), dtype=torch.float32), name)
                     for key, (param, item, _) in shards.items() for name in ("master", *MOMENTS)}
@@ -140,12 +142,12 @@ def trainable_shards(chunks: list) -> dict:
     parameter that trains on this rank. The item's key is layout-free (the layers share one stacked key, each
     layer a slice of it); the name (`chunk index/local key`) only tells this rank's entries apart. ZeRO-3
     parameters are matched through full-shape stand-ins (toolkit/adapters/load.py)."""
-    from toolkit.adapters.load import _full_shape_standins
+    from toolkit.adapters.load import full_shape_standins
 
     every = [p for chunk in chunks for p in chunk.parameters()]  # frozen ones too: megatron reads every shape
     params = [p for p in every if p.requires_grad]
     found: dict = {}
-    with _full_shape_standins(every):
+    with full_shape_standins(every):
         by_pointer = {p.data_ptr(): p for p in params}
         for index, chunk in enumerate(chunks):
             for local_key, item in chunk.sharded_state_dict().items():
@@ -198,12 +200,18 @@ def base_optimizer(engine):
     return getattr(optimizer, "optimizer", optimizer)
 
 
+def held_by_deepspeed(param) -> bool:
+    """Whether DeepSpeed keeps `param`'s fp32 master and Adam state apart from it (ZeRO-3: `ds_id`; ZeRO-1/2 and
+    the bf16 optimizer: `_hp_mapping`), reached through its `safe_*` accessors."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
 def full_value(engine, param, *, state_key: str | None) -> torch.Tensor:
     """The whole (this TP shard's) fp32 master weight, or Adam state `state_key`, of `param`; collective over the
     DP group under ZeRO."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):
+    if held_by_deepspeed(param):
         if state_key is None:
             return safe_get_full_fp32_param(param)
         return safe_get_full_optimizer_state(param, state_key)
@@ -217,7 +225,7 @@ def set_master(param, value: torch.Tensor) -> None:
 
     from toolkit.train.zero3 import is_partitioned, load_partitioned
 
-    if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):
+    if held_by_deepspeed(param):
         safe_set_full_fp32_param(param, value)
     if is_partitioned(param):
         load_partitioned(param, lambda: value.to(param.dtype))
@@ -228,7 +236,7 @@ def set_master(param, value: torch.Tensor) -> None:
 def set_state(engine, param, value: torch.Tensor, *, state_key: str) -> None:
     from deepspeed.utils import safe_set_full_optimizer_state
 
-    if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):
+    if held_by_deepspeed(param):
         safe_set_full_optimizer_state(param, value, state_key)
     else:
         base_optimizer(engine).state[param][state_key].copy_(value)
