@@ -70,14 +70,14 @@ def run_demo(*, workdir: Path, tp: int, pp: int, train_steps: int = 40) -> int:
     start = _step(f"building a tiny random Llama (GQA 8/2 heads, vocab 250) in {hf_dir}")
     make_tiny_checkpoint(hf_dir)
     _step("dsmt convert hf-to-mcore")
-    print(convert_hf_to_mcore(hf_dir=hf_dir, out_dir=mcore_dir, overwrite=True))
+    print(convert_hf_to_mcore(hf_dir=hf_dir, out_dir=mcore_dir, overwrite=True, show_progress=False).line())
     _step(f"dsmt verify at tp={tp} pp={pp} ({tp * pp} processes), HF checkpoint and megatron checkpoint")
     results = run_verify_many(checkpoints=[hf_dir, mcore_dir], tp=tp, pp=pp)
     for result in results:
         print(f"  {result['checkpoint_kind']:5s} max|Δlogits|={result['max_abs_diff']:.2e} "
               f"KL={result['kl_divergence']:.2e} {'PASS' if result['passed'] else 'FAIL'}")
     _step("dsmt convert mcore-to-hf")
-    print(convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=export_dir, overwrite=True))
+    print(convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=export_dir, overwrite=True).line())
     exact = _round_trip_exact(hf_dir, export_dir)
     print(f"  round trip bit-exact: {exact}")
     history = _fine_tune(workdir=workdir, model_dir=hf_dir, train_steps=train_steps)

@@ -134,27 +134,28 @@ def test_non_default_vocab_padding_is_recorded_and_round_trips(tiny_checkpoints,
 
 
 def test_export_streams_tensor_by_tensor_without_a_model(tiny_checkpoints, tmp_path, monkeypatch):
-    """mcore-to-hf reads the torch_dist files one tensor (one layer of a stacked key) at a time: no model is built
-    and no process group started, and no read returns more than the largest single tensor."""
+    """mcore-to-hf reads the torch_dist files block of rows by block of rows, straight into the HF tensor being
+    made: no model is built, no process group started, no stored chunk loaded whole through torch, and no read
+    is larger than the largest HF tensor."""
     import torch.distributed as dist
 
-    from toolkit.convert import mcore_to_hf
+    from toolkit.convert.mcore_reader import McoreReader
 
     assert dsmt(["convert", "hf-to-mcore", str(tiny_checkpoints["qwen2"]), str(tmp_path / "mcore")]) == 0
     monkeypatch.setattr("toolkit.adapters.build.build_model_chunks", lambda **_: pytest.fail("built a model"))
-    largest, get = [0], mcore_to_hf.McoreTensorReader.get
+    monkeypatch.setattr(McoreReader, "_load_chunk", lambda *_: pytest.fail("loaded a whole chunk"))
+    largest, read_rows = [0], McoreReader.read_rows
 
-    def tracked_get(reader, name):
-        tensor = get(reader, name)
-        largest[0] = max(largest[0], tensor.numel())
-        return tensor
+    def tracked_read_rows(reader, name, *, start, into):
+        largest[0] = max(largest[0], into.numel())
+        return read_rows(reader, name, start=start, into=into)
 
-    monkeypatch.setattr(mcore_to_hf.McoreTensorReader, "get", tracked_get)
+    monkeypatch.setattr(McoreReader, "read_rows", tracked_read_rows)
     assert dsmt(["convert", "mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "back")]) == 0
     assert not dist.is_initialized()
     original, exported = hf_state(tiny_checkpoints["qwen2"]), hf_state(tmp_path / "back")
     assert all(torch.equal(original[k], exported[k]) for k in original)
-    assert largest[0] == max(t.numel() for t in original.values()) + 6 * 64  # the vocab-padded embedding (250 -> 256)
+    assert largest[0] == max(t.numel() for t in original.values())  # the embedding's 250 rows, not the padded 256
 
 
 def test_checkpoint_tensors_missing_from_the_table_are_named(tiny_checkpoints, tmp_path, capsys):

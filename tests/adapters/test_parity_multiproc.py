@@ -44,6 +44,21 @@ def saved_at_tp2pp2(tiny_checkpoints, tmp_path_factory):
     return saved, results
 
 
+# Written by `dsmt convert hf-to-mcore` (streamed, toolkit/convert/dcp_writer.py) and loaded at every layout below:
+# transposed Conv1D (gpt2), packed qkv / gate_up (phi3), q/k norms (qwen3), zero-centred norms (gemma), tied heads.
+CONVERTED_VARIANTS = ["gpt2", "phi3", "qwen3_tied", "gemma", "llama"]
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_checkpoints, tmp_path_factory):
+    from toolkit.convert.hf_to_mcore import convert_hf_to_mcore
+
+    root = tmp_path_factory.mktemp("converted")
+    for variant in CONVERTED_VARIANTS:
+        convert_hf_to_mcore(hf_dir=tiny_checkpoints[variant], out_dir=root / variant, show_progress=False)
+    return [root / variant for variant in CONVERTED_VARIANTS]
+
+
 def assert_all_pass(results, expected_count):
     assert len(results) == expected_count
     failures = [r for r in results if not r["passed"]]
@@ -69,13 +84,15 @@ def test_tp2_pp2_every_bert_head_and_save(bert_saved_at_tp2pp2):
 
 @pytest.mark.parametrize("tp,pp,vpp", [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (4, 2, 1), (1, 2, 2)])
 def test_layout_all_families_and_resharded_checkpoint(tp, pp, vpp, tiny_checkpoints, saved_at_tp2pp2, berts,
-                                                      bert_saved_at_tp2pp2):
+                                                      bert_saved_at_tp2pp2, converted):
     saved, _ = saved_at_tp2pp2
     bert_saved, _ = bert_saved_at_tp2pp2
-    checkpoints = [tiny_checkpoints[v] for v in FAMILY_VARIANTS] + [saved] + berts + [bert_saved]
+    checkpoints = converted + [tiny_checkpoints[v] for v in FAMILY_VARIANTS] + [saved] + berts + [bert_saved]
     results = run_verify_many(checkpoints=checkpoints, tp=tp, pp=pp, vpp=vpp, tolerance=TOLERANCE,
                               reference=None)
     assert_all_pass(results, len(checkpoints))
+    assert all(r["checkpoint_kind"] == "mcore" for r in results[:len(converted)])
+    results = results[len(converted):]
     decoder_saved, bert_reloaded = results[len(FAMILY_VARIANTS)], results[-1]
     assert decoder_saved["checkpoint_kind"] == "mcore" and decoder_saved["tied_embeddings"]
     assert bert_reloaded["checkpoint_kind"] == "mcore" and bert_reloaded["task"] == "masked_lm"

@@ -62,6 +62,9 @@ class SafetensorsSource:
     def names(self) -> list[str]:
         return sorted(self._file_of)
 
+    def file_of(self, name: str) -> Path:
+        return self._file_of[name]
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
 

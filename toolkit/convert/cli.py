@@ -14,21 +14,42 @@ def register(subparsers) -> None:
     to_mcore.add_argument("--overwrite", action="store_true", help="replace an existing target directory")
     to_mcore.add_argument("--vocab-pad-multiple", type=int, default=128,
                           help="pad the vocabulary to a multiple of this (megatron's make_vocab_size_divisible_by)")
+    _common_flags(to_mcore)
     to_mcore.set_defaults(func=run_hf_to_mcore)
     to_hf = directions.add_parser("mcore-to-hf", help="dsmt megatron checkpoint -> HF checkpoint")
     to_hf.add_argument("source", type=Path)
     to_hf.add_argument("target", type=Path)
     to_hf.add_argument("--overwrite", action="store_true", help="replace an existing target directory")
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
+    _common_flags(to_hf)
     to_hf.set_defaults(func=run_mcore_to_hf)
+
+
+def _common_flags(parser) -> None:
+    parser.add_argument("--workers", type=_positive_int, default=1,
+                        help="tensors read and written in parallel (threads); memory grows by one tensor per worker")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, only the summary line")
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--workers must be a whole number >= 1, got {text!r}")
+    return value
 
 
 def run_hf_to_mcore(args) -> int:
     from toolkit.convert.hf_to_mcore import convert_hf_to_mcore
 
     summary = convert_hf_to_mcore(hf_dir=args.source, out_dir=args.target, overwrite=args.overwrite,
-                                  vocab_pad_multiple=args.vocab_pad_multiple)
-    print(f"wrote {args.target}: {summary['tensors']} HF tensors, {summary['bytes'] / 2**20:.1f} MiB, {summary['dtype']}")
+                                  vocab_pad_multiple=args.vocab_pad_multiple, workers=args.workers,
+                                  show_progress=not args.quiet)
+    print(summary.line())
     return 0
 
 
@@ -36,6 +57,7 @@ def run_mcore_to_hf(args) -> int:
     from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
 
     summary = convert_mcore_to_hf(mcore_dir=args.source, out_dir=args.target, overwrite=args.overwrite,
-                                  max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"wrote {args.target}: {summary['shards']} safetensors shard(s), {summary['dtype']}")
+                                  max_shard_bytes=int(args.max_shard_gb * 2**30), workers=args.workers,
+                                  show_progress=not args.quiet)
+    print(summary.line())
     return 0

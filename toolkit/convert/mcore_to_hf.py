@@ -1,19 +1,20 @@
 """dsmt megatron checkpoint -> HF checkpoint directory that `transformers` loads (bit-exact round trip).
 
-Streamed tensor by tensor, in one process and without a process group or a model: megatron's torch_dist format
-is torch.distributed.checkpoint underneath, so each canonical megatron tensor (one layer of a stacked
-`decoder.layers.*` key) is read into a preallocated tensor, turned into its HF tensor(s) by the family table's
-inverse transforms and appended to a safetensors shard whose header was written from the shapes up front. Peak
-memory is a few copies of the largest single tensor, whatever the model size and the layout it was saved from.
+Streamed tensor by tensor, in one process and without a process group or a model. Every safetensors header is
+written first, from the shapes the weight table gives; then each HF tensor is allocated once and its rows are read
+straight from the torch_dist files into it (`rows.py` says which megatron rows make which HF rows, e.g. the q rows
+of every query group of a fused QKV), and it is written at its offset. Peak memory is one HF tensor per writer
+thread (`workers`), whatever the model size and the layout the checkpoint was saved from.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
+import os
+import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -23,99 +24,17 @@ from toolkit.adapters.hf_config import ModelSettings
 from toolkit.adapters.hf_source import _SAFETENSORS_DTYPES
 from toolkit.adapters.load import LoadItem, expand_table
 from toolkit.convert import checkpoint as ckpt
+from toolkit.convert.mcore_reader import McoreReader
+from toolkit.convert.progress import ConversionSummary, byte_progress, peak_rss_bytes
+from toolkit.convert.raw_io import pwrite_from
+from toolkit.convert.rows import hf_blocks, megatron_blocks
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
 SAFETENSORS_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
-_LAYER_NAME = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")  # GPTModel's stack, or an encoder's
 HfEntry = tuple[str, tuple[int, ...], torch.dtype]  # HF name, shape, dtype of one exported tensor
 
 
-class McoreTensorReader:
-    """Canonical megatron name (`decoder.layers.7.mlp.linear_fc1.weight`) -> its layout-free tensor, read from a
-    torch_dist directory one tensor at a time. megatron stacks the layers of a key on a leading axis
-    (`decoder.layers.mlp.linear_fc1.weight` [num_layers, ...]), one stored chunk per layer and TP shard."""
-
-    def __init__(self, model_dir: Path):
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        self.model_dir = Path(model_dir)
-        self._reader = FileSystemReader(str(model_dir))
-        metadata = self._reader.read_metadata()
-        self._reader.set_up_storage_reader(metadata, True)
-        self._stored = {key: md for key, md in metadata.state_dict_metadata.items()
-                        if isinstance(md, TensorStorageMetadata)}  # drops the `_extra_state` byte blobs
-
-    def stored_keys(self) -> list[str]:
-        return list(self._stored)
-
-    def locate(self, name: str) -> tuple[str, int | None]:
-        """(stored key, layer index or None)."""
-        match = _LAYER_NAME.match(name)
-        return (f"{match.group(1)}.layers.{match.group(3)}", int(match.group(2))) if match else (name, None)
-
-    def has(self, name: str) -> bool:
-        key, layer = self.locate(name)
-        return key in self._stored and (layer is None or layer < self._stored[key].size[0])
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        key, layer = self.locate(name)
-        size = tuple(self._stored[key].size)
-        return size if layer is None else size[1:]
-
-    def stacked_layers(self, key: str) -> int:
-        return self._stored[key].size[0]
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._stored[self.locate(name)[0]].properties.dtype
-
-    def get(self, name: str) -> torch.Tensor:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-        from torch.futures import Future
-
-        key, layer = self.locate(name)
-        stored = self._stored[key]
-        size = tuple(stored.size)
-        offsets = [0] * len(size)
-        if layer is not None:
-            offsets[0], size = layer, (1, *size[1:])
-        target = torch.empty(size, dtype=stored.properties.dtype)
-        wanted = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(size))
-        plan = _Plan(create_read_items_for_chunk_list(key, stored, [wanted]))
-        result = self._reader.read_data(plan, _Into(target))
-        if isinstance(result, Future):
-            result.wait()
-        return target[0] if layer is not None else target
-
-
-class _Plan:
-    """The part of torch's LoadPlan that `FileSystemReader.read_data` reads."""
-
-    def __init__(self, items):
-        self.items = items
-
-
-class _Into:
-    """The part of torch's LoadPlanner that `read_data` calls: every read lands in a slice of one tensor."""
-
-    def __init__(self, target: torch.Tensor):
-        self.target = target
-
-    def resolve_tensor(self, read_item) -> torch.Tensor:
-        view = self.target
-        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            view = view.narrow(dim, offset, length)
-        return view
-
-    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
-        pass  # `tensor` is the view of `target` that `resolve_tensor` returned, already filled
-
-    def load_bytes(self, read_item, value) -> None:
-        raise AdapterError(f"unexpected byte item {read_item.dest_index.fqn!r} while reading tensors")
-
-
-def export_plan(*, reader: McoreTensorReader, settings: ModelSettings,
+def export_plan(*, reader: McoreReader, settings: ModelSettings,
                 dtypes: dict[str, torch.dtype]) -> list[tuple[LoadItem, list[HfEntry]]]:
     """Per table row, the HF tensors it becomes (name, shape, dtype), after checking the checkpoint's tensors
     against the table both ways; one AdapterError lists every problem."""
@@ -140,15 +59,6 @@ def export_plan(*, reader: McoreTensorReader, settings: ModelSettings,
         plan.append((item, [(hf_name, tuple(shape), dtypes.get(hf_name, stored_dtype))
                             for hf_name, shape in zip(item.hf, shapes)]))
     return plan
-
-
-def hf_tensors(*, reader: McoreTensorReader, settings: ModelSettings, plan) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor in its original dtype), one megatron tensor read at a time, in the plan's order."""
-    ctx = settings.shape_context()
-    for item, outputs in plan:
-        tensors = transforms.to_hf(item.kind, reader.get(item.megatron), ctx=ctx)
-        for (hf_name, _, dtype), tensor in zip(outputs, tensors):
-            yield hf_name, transforms.to_hf_storage(tensor, transposed=item.transposed).to(dtype).contiguous()
 
 
 def plan_shards(entries: list[HfEntry], *, max_shard_bytes: int) -> list[list[int]]:
@@ -181,26 +91,69 @@ def safetensors_header(entries: list[HfEntry]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], *, entries, out_dir: Path, max_shard_bytes: int,
+def tensor_maker(*, item: LoadItem, hf_index: int, entry: HfEntry, reader: McoreReader, ctx):
+    """A function making HF tensor `entry` (name, shape, dtype), number `hf_index` of the table row `item`."""
+    _, shape, dtype = entry
+
+    def make() -> torch.Tensor:
+        if item.transposed:  # GPT-2's Conv1D [in, out]: the whole megatron tensor, split, transposed
+            tensor = transforms.to_hf(item.kind, reader.get(item.megatron), ctx=ctx)[hf_index]
+            return transforms.to_hf_storage(tensor, transposed=True).to(dtype).contiguous()
+        out = torch.empty(shape, dtype=dtype)
+        hf_rows = [s[0] for s in transforms.expected_hf_shapes(item.kind, reader.shape(item.megatron), ctx=ctx)]
+        for block in hf_blocks(megatron_blocks(item.kind, hf_rows=hf_rows, ctx=ctx), hf_index=hf_index):
+            reader.read_rows(item.megatron, start=block.megatron_start,
+                             into=out[block.hf_start:block.hf_start + block.num_rows])
+        return out
+
+    return make
+
+
+def shard_files(num_shards: int) -> list[str]:
+    return (["model.safetensors"] if num_shards == 1 else
+            [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)])
+
+
+def write_safetensors(makers: list[Callable[[], torch.Tensor]], *, entries: list[HfEntry], out_dir: Path,
+                      max_shard_bytes: int, workers: int = 1, on_written: Callable[[int], None] = lambda n: None,
                       progress: Callable[[str], None] | None = None) -> int:
-    """Write HF-style shards (model-0000i-of-0000n.safetensors + index, or one model.safetensors) from a stream
-    of tensors that arrives in the order of `entries` (name, shape, dtype); returns the number of shards."""
+    """Write HF-style shards (model-0000i-of-0000n.safetensors + index, or one model.safetensors): every header
+    first, from the planned shapes, then each tensor made by its maker and written at its offset by one of
+    `workers` threads (each holds one tensor). Returns the number of shards."""
+    from concurrent.futures import ThreadPoolExecutor
+
     shards = plan_shards(entries, max_shard_bytes=max_shard_bytes)
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
-    stream = iter(tensors)
-    for file_name, indices in zip(files, shards):
-        shard_entries = [entries[i] for i in indices]
-        with open(out_dir / file_name, "wb") as handle:
-            handle.write(safetensors_header(shard_entries))
-            for name, shape, dtype in shard_entries:
-                got_name, tensor = next(stream)
-                if (got_name, tuple(tensor.shape), tensor.dtype) != (name, shape, dtype):
-                    raise AdapterError(f"export produced {got_name} {tuple(tensor.shape)} {tensor.dtype}, "
-                                       f"planned {name} {shape} {dtype}")
-                handle.write(tensor.reshape(-1).view(torch.uint8).numpy())
-        if progress:
-            progress(f"wrote {file_name}")
+    files = shard_files(len(shards))
+    jobs = []  # (fd, offset, entry index)
+    fds = []
+    try:
+        for file_name, indices in zip(files, shards):
+            header = safetensors_header([entries[i] for i in indices])
+            fd = os.open(out_dir / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds.append(fd)
+            os.pwrite(fd, header, 0)
+            offset = len(header)
+            for i in indices:
+                jobs.append((fd, offset, i))
+                offset += _nbytes(entries[i][1], entries[i][2])
+            os.ftruncate(fd, offset)
+
+        def run(job) -> None:
+            fd, offset, i = job
+            tensor = makers[i]()
+            name, shape, dtype = entries[i]
+            if (tuple(tensor.shape), tensor.dtype) != (shape, dtype):
+                raise AdapterError(f"export made {name} {tuple(tensor.shape)} {tensor.dtype}, planned {shape} {dtype}")
+            pwrite_from(fd, tensor, offset=offset)
+            on_written(tensor.numel() * tensor.element_size())
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for done, _ in enumerate(pool.map(run, jobs), start=1):
+                if progress and done % 64 == 0:
+                    progress(f"wrote {done} of {len(jobs)} tensors")
+    finally:
+        for fd in fds:
+            os.close(fd)
     if len(shards) > 1:
         weight_map = {entries[i][0]: file_name for file_name, indices in zip(files, shards) for i in indices}
         total = sum(_nbytes(shape, dtype) for _, shape, dtype in entries)
@@ -211,23 +164,33 @@ def write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], *, entries, o
 
 @torch.no_grad()
 def convert_mcore_to_hf(*, mcore_dir: Path, out_dir: Path, overwrite: bool = False,
-                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                        progress: Callable[[str], None] | None = None) -> dict:
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, workers: int = 1, show_progress: bool = False,
+                        progress: Callable[[str], None] | None = None) -> ConversionSummary:
     """Export a dsmt megatron checkpoint (any layout it was saved from) as an HF directory, streamed."""
     from toolkit.models import inspect_checkpoint
 
+    started = time.perf_counter()
     ckpt.refuse_existing(out_dir, overwrite=overwrite)
     info = inspect_checkpoint(mcore_dir)
     if info.kind != "mcore":
         raise ckpt.CheckpointError(f"{mcore_dir} is an HF checkpoint, not a dsmt megatron one; "
                                    "use `dsmt convert hf-to-mcore`")
-    reader = McoreTensorReader(Path(mcore_dir) / "model")
+    reader = McoreReader(Path(mcore_dir) / "model")
     dtypes = {name: getattr(torch, dtype) for name, dtype in info.hf_tensor_dtypes().items()}
     plan = export_plan(reader=reader, settings=info.settings, dtypes=dtypes)
+    ctx = info.settings.shape_context()
     entries = [entry for _, outputs in plan for entry in outputs]
-    with ckpt.atomic_output_dir(out_dir, overwrite=overwrite) as temp_dir:
-        tensors = hf_tensors(reader=reader, settings=info.settings, plan=plan)
-        num_shards = write_safetensors(tensors, entries=entries, out_dir=temp_dir, max_shard_bytes=max_shard_bytes,
-                                       progress=progress)
-        ckpt.copy_side_files(info.hf_dir, temp_dir)
-    return {"shards": num_shards, "dtype": ckpt.dtype_name(info.params_dtype)}
+    makers = [tensor_maker(item=item, hf_index=i, entry=entry, reader=reader, ctx=ctx)
+              for item, outputs in plan for i, entry in enumerate(outputs)]
+    total_bytes = sum(_nbytes(shape, dtype) for _, shape, dtype in entries)
+    try:
+        with ckpt.atomic_output_dir(out_dir, overwrite=overwrite) as temp_dir, \
+                byte_progress(total_bytes=total_bytes, description="mcore-to-hf", enabled=show_progress) as advance:
+            num_shards = write_safetensors(makers, entries=entries, out_dir=temp_dir, max_shard_bytes=max_shard_bytes,
+                                           workers=workers, on_written=advance, progress=progress)
+            ckpt.copy_side_files(info.hf_dir, temp_dir)
+    finally:
+        reader.close()
+    return ConversionSummary(direction="mcore-to-hf", out_dir=Path(out_dir), tensors=len(entries), nbytes=total_bytes,
+                             files=num_shards, seconds=time.perf_counter() - started,
+                             peak_rss_bytes=peak_rss_bytes(), dtype=ckpt.dtype_name(info.params_dtype))

@@ -285,7 +285,7 @@ def _export(*, hybrid, info, spec, output_dir: Path) -> None:
             save_peft_adapter(hybrid.chunks, settings=info.settings, lora=lora,
                               out_dir=output_dir / "final-hf-adapter", base_model=info.source_checkpoint())
     run_on_rank0(lambda progress: convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True,
-                                                      progress=progress),
+                                                      progress=progress).line(),
                  status_file=output_dir / ".final-hf.status.json", what=f"export of {hf_dir}")
 
 

@@ -1,0 +1,171 @@
+"""Rows of the tensors of a megatron torch_dist checkpoint, read straight from its files, one block at a time.
+
+megatron's torch_dist format is torch.distributed.checkpoint underneath: a `.metadata` file lists, per key, the
+global shape and the stored chunks (one per layer and TP shard; megatron stacks the layers of a key on a leading
+axis, `decoder.layers.mlp.linear_fc1.weight` [num_layers, ...]), and where each chunk's `torch.save` blob lies.
+A chunk that spans whole rows (every chunk of a TP=1 checkpoint) is read row range by row range into the caller's
+tensor; any other chunk (a column-split TP shard, a blob torch wrote another way) is read whole through
+torch.distributed.checkpoint's own reader and the needed part copied. Nothing else is held.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from toolkit.adapters.family import AdapterError
+from toolkit.convert.raw_io import OpenFiles, pread_into, torch_save_data
+
+_LAYER_NAME = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")  # GPTModel's stack, or an encoder's
+
+
+class McoreReader:
+    """Canonical megatron name (`decoder.layers.7.mlp.linear_fc1.weight`) -> rows of its layout-free tensor."""
+
+    def __init__(self, model_dir: Path):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.model_dir = Path(model_dir)
+        self._reader = FileSystemReader(str(model_dir))
+        self._metadata = self._reader.read_metadata()
+        self._reader.set_up_storage_reader(self._metadata, True)
+        self._stored = {key: md for key, md in self._metadata.state_dict_metadata.items()
+                        if isinstance(md, TensorStorageMetadata)}  # drops the `_extra_state` byte blobs
+        self._files = OpenFiles()
+        self._data_offsets: dict[tuple, int | None] = {}
+
+    def close(self) -> None:
+        self._files.close()
+
+    def stored_keys(self) -> list[str]:
+        return list(self._stored)
+
+    def locate(self, name: str) -> tuple[str, int | None]:
+        """(stored key, layer index or None)."""
+        match = _LAYER_NAME.match(name)
+        return (f"{match.group(1)}.layers.{match.group(3)}", int(match.group(2))) if match else (name, None)
+
+    def has(self, name: str) -> bool:
+        key, layer = self.locate(name)
+        return key in self._stored and (layer is None or layer < self._stored[key].size[0])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        key, layer = self.locate(name)
+        size = tuple(self._stored[key].size)
+        return size if layer is None else size[1:]
+
+    def stacked_layers(self, key: str) -> int:
+        return self._stored[key].size[0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._stored[self.locate(name)[0]].properties.dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        """The whole layout-free tensor."""
+        tensor = torch.empty(self.shape(name), dtype=self.dtype(name))
+        self.read_rows(name, start=0, into=tensor)
+        return tensor
+
+    def read_rows(self, name: str, *, start: int, into: torch.Tensor) -> None:
+        """Rows [start, start + len(into)) of `name` into `into` (cast when its dtype differs from the stored one)."""
+        key, layer = self.locate(name)
+        stored = self._stored[key]
+        lead = 0 if layer is None else 1  # the stacked-layers axis comes first
+        stop, covered = start + into.shape[0], 0
+        for chunk in stored.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
+                continue
+            lo, hi = max(start, offsets[lead]), min(stop, offsets[lead] + sizes[lead])
+            if lo >= hi:
+                continue
+            target = into[lo - start:hi - start]
+            for dim in range(lead + 1, len(sizes)):  # a column-split chunk fills part of each row
+                target = target.narrow(dim - lead, offsets[dim], sizes[dim])
+            self._read_chunk_rows(key, chunk, layer=layer, lead=lead, rows=(lo, hi), into=target)
+            covered += target.numel()
+        if covered != into.numel():
+            raise AdapterError(f"{self.model_dir}: the stored chunks of {key!r} cover {covered} of the "
+                               f"{into.numel()} values of rows {start}..{stop} of {name}; the checkpoint is incomplete")
+
+    def _read_chunk_rows(self, key: str, chunk, *, layer: int | None, lead: int, rows: tuple[int, int],
+                         into: torch.Tensor) -> None:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        whole_rows = all(offsets[d] == 0 and sizes[d] == self._stored[key].size[d] for d in range(lead + 1, len(sizes)))
+        data = self._data_offset(key, chunk) if whole_rows and into.is_contiguous() else None
+        if data is None:  # read the chunk whole, then copy the part needed
+            region = self._load_chunk(key, chunk)
+            if layer is not None:
+                region = region[layer - offsets[0]]
+            into.copy_(region[rows[0] - offsets[lead]:rows[1] - offsets[lead]])
+            return
+        dtype = self._stored[key].properties.dtype
+        row_bytes = math.prod(sizes[lead + 1:]) * dtype.itemsize
+        first = (0 if layer is None else (layer - offsets[0]) * sizes[1] * row_bytes) \
+            + (rows[0] - offsets[lead]) * row_bytes
+        target = into if into.dtype == dtype else torch.empty(into.shape, dtype=dtype)
+        path = self.model_dir / self._storage(key, chunk).relative_path
+        pread_into(self._files.fd(path), target, offset=data + first, path=path)
+        if target is not into:
+            into.copy_(target)
+
+    def _storage(self, key: str, chunk):
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        return self._metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+
+    def _data_offset(self, key: str, chunk) -> int | None:
+        """Where the chunk's tensor bytes start in its file, or None when they cannot be read in place."""
+        cache_key = (key, tuple(chunk.offsets))
+        if cache_key not in self._data_offsets:
+            info = self._storage(key, chunk)
+            if getattr(info, "transform_descriptors", None):  # compressed or otherwise transformed: torch reads it
+                self._data_offsets[cache_key] = None
+            else:
+                fd = self._files.fd(self.model_dir / info.relative_path)
+                self._data_offsets[cache_key] = torch_save_data(
+                    fd, offset=info.offset, length=info.length, shape=tuple(chunk.sizes),
+                    dtype=self._stored[key].properties.dtype)
+        return self._data_offsets[cache_key]
+
+    def _load_chunk(self, key: str, chunk) -> torch.Tensor:
+        """One stored chunk, read by torch.distributed.checkpoint's reader."""
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+        from torch.futures import Future
+
+        target = torch.empty(tuple(chunk.sizes), dtype=self._stored[key].properties.dtype)
+        plan = _Plan(create_read_items_for_chunk_list(key, self._stored[key], [chunk]))
+        result = self._reader.read_data(plan, _Into(target))
+        if isinstance(result, Future):
+            result.wait()
+        return target
+
+
+class _Plan:
+    """The part of torch's LoadPlan that `FileSystemReader.read_data` reads."""
+
+    def __init__(self, items):
+        self.items = items
+
+
+class _Into:
+    """The part of torch's LoadPlanner that `read_data` calls: every read lands in a slice of one tensor."""
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target  # dest_offsets are relative to the requested chunk, which `target` is
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        view = self.target
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, offset, length)
+        return view
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        pass  # `tensor` is the view of `target` that `resolve_tensor` returned, already filled
+
+    def load_bytes(self, read_item, value) -> None:
+        raise AdapterError(f"unexpected byte item {read_item.dest_index.fqn!r} while reading tensors")

@@ -1,0 +1,55 @@
+"""What a conversion shows: a progress bar in bytes (tqdm prints the rate as MB/s or GB/s) and one summary line."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import resource
+import sys
+import threading
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def byte_progress(*, total_bytes: int, description: str, enabled: bool):
+    """Yield `advance(nbytes)`, safe to call from several writer threads."""
+    from tqdm import tqdm
+
+    lock = threading.Lock()
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc=description,
+              disable=not enabled, file=sys.stderr, dynamic_ncols=True) as bar:
+        def advance(nbytes: int) -> None:
+            with lock:
+                bar.update(nbytes)
+
+        yield advance
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far: the kernel's high-water mark VmHWM. Not ru_maxrss, which Linux
+    carries over from the parent through fork and exec (a child of a 10 GB process reports at least 10 GB)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionSummary:
+    direction: str  # "hf-to-mcore" or "mcore-to-hf"
+    out_dir: Path
+    tensors: int  # HF tensors read or written
+    nbytes: int  # bytes of tensor data written
+    files: int  # tensor files written
+    seconds: float
+    peak_rss_bytes: int
+    dtype: str
+
+    def line(self) -> str:
+        rate = self.nbytes / 1e9 / max(self.seconds, 1e-9)
+        return (f"dsmt convert {self.direction}: {self.tensors} tensors, {self.nbytes / 1e9:.2f} GB ({self.dtype}) "
+                f"in {self.files} file(s), {self.seconds:.1f} s ({rate:.2f} GB/s), peak memory "
+                f"{self.peak_rss_bytes / 2**30:.2f} GiB -> {self.out_dir}")
