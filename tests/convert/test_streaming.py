@@ -159,3 +159,24 @@ def test_progress_bar_summary_line_and_bad_workers(llama, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         dsmt(["convert", "mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "x"), "--workers", "0"])
     assert exit_info.value.code == 2 and "--workers must be a whole number >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_the_meta_build_touches_no_gpu_on_a_cuda_backend(llama, monkeypatch):
+    """On a GPU node (backend "cuda": megatron's use_cpu_initialization=False) the layout-free model must still be
+    built on the meta device: megatron would otherwise allocate every weight on the GPU. CUDA calls fail here."""
+    from megatron.core import parallel_state
+
+    from toolkit import backend as backends
+    from toolkit.convert.hf_to_mcore import meta_sharded_state
+    from toolkit.launch import single_process_group
+    from toolkit.models import inspect_checkpoint
+
+    info = inspect_checkpoint(llama)
+    with single_process_group(dist_backend="gloo"):
+        parallel_state.initialize_model_parallel(1, 1)
+        cuda = backends.Backend(name="cuda", dist_backend="gloo", use_transformer_engine=False)
+        monkeypatch.setattr(backends, "current", lambda: cuda)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("asked for the CUDA device"))
+        tensors, objects, common = meta_sharded_state(settings=info.settings, params_dtype=torch.bfloat16)
+    assert tensors and all(t.data.device.type == "meta" for t in tensors) and common == {}
+    assert {o.key.rsplit(".", 1)[-1] for o in objects} == {"_extra_state"}

@@ -43,6 +43,9 @@ def meta_sharded_state(*, settings: ModelSettings, params_dtype: torch.dtype):
 
     with torch.device("meta"):
         config = transformer_config(settings=settings, layout=Layout(), params_dtype=params_dtype)
+        # On a GPU node megatron would pass device=cuda explicitly (use_cpu_initialization=False), which the meta
+        # context does not override: the whole model would land on the GPU. Without a device it lands on meta.
+        config.use_cpu_initialization = True
         (model,) = model_chunks(config=config, settings=settings, layout=Layout(), attention="local",
                                 parallel_output=True)
     sharded, common = save_preprocess(model.sharded_state_dict(), validate_access_integrity=False)
