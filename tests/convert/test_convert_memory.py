@@ -5,7 +5,7 @@ The conversions run as fresh processes; a watchdog polls each one's VmRSS every 
 passes the cap, and the child reports its kernel high-water mark (VmHWM) at exit, which the test asserts is under
 the cap too (a spike between two polls still shows there). The cap covers everything in the process, the
 ~0.4 GiB of torch / megatron-core / transformers imports included. Measured here: peak 0.54 GiB (hf-to-mcore) and
-0.44 GiB (mcore-to-hf); the previous in-memory conversion peaked at 3.2 GiB."""
+0.44 GiB (mcore-to-hf); the in-memory conversion this replaced peaked at 2.8 GiB above the imports."""
 
 import pytest
 import torch
