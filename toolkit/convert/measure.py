@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from toolkit.convert.progress import proc_status_bytes
+
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
                 vocab_size=32000, max_position_embeddings=4096)
 
@@ -66,16 +68,6 @@ _CHILD = ("import sys; from toolkit.cli import main; from toolkit.convert.progre
           "code = main(sys.argv[1:]); print('peak_rss_bytes', peak_rss_bytes(), flush=True); sys.exit(code)")
 
 
-def _rss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def run_dsmt(argv: list[str], *, rss_cap_bytes: int | None = None) -> Measured:
     """Run `dsmt argv` in a fresh Python process; kill it if its resident memory passes `rss_cap_bytes`."""
     return run_python(_CHILD, argv, rss_cap_bytes=rss_cap_bytes)
@@ -88,7 +80,7 @@ def run_python(code: str, argv: list[str], *, rss_cap_bytes: int | None = None, 
                              stderr=subprocess.STDOUT, text=True)
     killed_at = None
     while child.poll() is None:
-        rss = _rss_bytes(child.pid)
+        rss = proc_status_bytes("VmRSS", pid=child.pid) or 0  # 0 once the child has exited
         if rss_cap_bytes is not None and rss > rss_cap_bytes:
             child.kill()
             killed_at = rss

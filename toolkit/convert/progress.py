@@ -25,16 +25,22 @@ def byte_progress(*, total_bytes: int, description: str, enabled: bool):
         yield advance
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far: the kernel's high-water mark VmHWM. Not ru_maxrss, which Linux
-    carries over from the parent through fork and exec (a child of a 10 GB process reports at least 10 GB)."""
+def proc_status_bytes(field: str, *, pid: int | str = "self") -> int | None:
+    """A memory field of /proc/PID/status (`VmRSS`, `VmHWM`: reported in kB) in bytes; None where it is not there."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far: the kernel's high-water mark VmHWM. Not ru_maxrss, which Linux
+    carries over from the parent through fork and exec (a child of a 10 GB process reports at least 10 GB)."""
+    peak = proc_status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclasses.dataclass(frozen=True)
