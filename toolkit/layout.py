@@ -1,8 +1,10 @@
 """The parallel layout: one value used by verify, train, check, generate and plan.
 
 Ranks are laid out as megatron-core does (tp fastest, then cp, dp, pp); the world is tp × cp × dp × pp. Expert
-parallelism (ep) lies inside the data-parallel ranks, so it does not change the world size; only ep = 1 is built
-today. The short names follow torchtitan's ParallelDims (tp, pp, cp, dp). Which layouts are valid is decided in
+parallelism (ep) lies inside the data-parallel ranks (megatron's expert grid is etp × ep × edp × pp with the expert
+TP size etp = tp), so it does not change the world size: each expert lives on one of ep consecutive groups of tp
+ranks, and is replicated over edp = dp × cp / ep of them (the expert-data-parallel group).
+The short names follow torchtitan's ParallelDims (tp, pp, cp, dp). Which layouts are valid is decided in
 one place, `toolkit/layout_rules.py`.
 """
 
@@ -23,7 +25,7 @@ class Layout:
     dp: int = 1  # data-parallel replicas (ZeRO partitions over these)
     vpp: int = 1  # model chunks per pipeline stage (interleaved 1F1B when > 1)
     cp: int = 1  # context parallel: the sequence split over cp ranks (ring attention)
-    ep: int = 1  # expert parallel (MoE), inside dp; 1 until MoE is built
+    ep: int = 1  # expert parallel (MoE models), inside dp × cp
     sp: bool = False  # sequence parallel: norms / dropout regions split over the tp ranks
 
     @property
@@ -40,6 +42,11 @@ class Layout:
         """Ranks that hold one parameter's replicas: gradients are reduced and ZeRO states partitioned over dp × cp
         (the CP ranks of a replica see different tokens of the same weights; toolkit/train/mpu.py)."""
         return self.dp * self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks that hold one expert's replicas: its gradients are reduced and ZeRO states partitioned over them."""
+        return self.dp * self.cp // self.ep
 
     def parallel_label(self) -> str:
         parts = [f"tp={self.tp}"] + (["sp"] if self.sp else []) + [f"pp={self.pp}"]

@@ -18,13 +18,14 @@ from toolkit.spec.report import Problem
 LAYOUT_RULES = frozenset({
     "layout_sizes", "world_size", "heads_vs_tp", "kv_heads_vs_tp", "ffn_vs_tp", "vocab_padding", "layers_vs_pp",
     "vpp_needs_pp", "sequence_parallel_needs_tp", "sequence_parallel_vs_seq_length", "fused_attention_on_cpu", "cp_on_cpu", "cp_needs_fused_attention", "cp_vs_seq_length",
-    "expert_parallel_not_built", "batch_divisibility", "vpp_microbatches", "zero_with_pp", "tp_crosses_nodes",
+    "ep_needs_experts", "experts_vs_ep", "ep_vs_data_parallel", "moe_tp_needs_sequence_parallel", "zero3_with_ep",
+    "batch_divisibility", "vpp_microbatches", "zero_with_pp", "tp_crosses_nodes",
 })
 
 # The rules that need only the layout and the model (no world, batch or device): what the model loader applies.
 MODEL_RULES = frozenset({
     "layout_sizes", "heads_vs_tp", "kv_heads_vs_tp", "ffn_vs_tp", "vocab_padding", "layers_vs_pp", "vpp_needs_pp",
-    "sequence_parallel_needs_tp", "expert_parallel_not_built",
+    "sequence_parallel_needs_tp", "ep_needs_experts", "experts_vs_ep", "ep_vs_data_parallel",
 })
 
 
@@ -37,14 +38,18 @@ class ModelFacts:
     ffn_hidden_size: int
     num_layers: int
     padded_vocab_size: int  # the adapters' padding (toolkit/shapes.py): the same for every tp
+    num_experts: int = 0  # MoE: experts per layer (0: a dense model)
 
     @classmethod
     def from_shape(cls, shape, *, vocab_multiple: int) -> "ModelFacts":
         from toolkit.shapes import padded_vocab_size
 
         return cls(num_attention_heads=shape.num_attention_heads, num_kv_heads=shape.num_kv_heads,
-                   ffn_hidden_size=shape.ffn_hidden_size, num_layers=shape.num_layers,
-                   padded_vocab_size=padded_vocab_size(shape.vocab_size, multiple=vocab_multiple))
+                   # an MoE model's MLPs are its experts (the families here have no dense layers)
+                   ffn_hidden_size=shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size,
+                   num_layers=shape.num_layers,
+                   padded_vocab_size=padded_vocab_size(shape.vocab_size, multiple=vocab_multiple),
+                   num_experts=shape.num_experts)
 
     @classmethod
     def from_settings(cls, settings) -> "ModelFacts":
@@ -52,7 +57,7 @@ class ModelFacts:
         fields = settings.transformer_fields
         return cls(num_attention_heads=fields["num_attention_heads"], num_kv_heads=fields["num_query_groups"],
                    ffn_hidden_size=fields["ffn_hidden_size"], num_layers=settings.num_layers,
-                   padded_vocab_size=settings.padded_vocab_size)
+                   padded_vocab_size=settings.padded_vocab_size, num_experts=fields.get("num_moe_experts") or 0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,11 +193,49 @@ def rule_context_parallel(*, layout: Layout, model: ModelFacts, run: RunFacts | 
     return found
 
 
+def valid_ep_sizes(*, model: ModelFacts, layout: Layout) -> tuple[int, ...]:
+    """ep values that divide the experts and the ranks that share a model replica's weights (dp × cp)."""
+    return tuple(e for e in divisors(layout.dp * layout.cp) if model.num_experts % e == 0)
+
+
 def rule_expert_parallel(*, layout: Layout, model: ModelFacts, run: RunFacts | None) -> list[Problem]:
-    if layout.ep == 1:
+    """megatron-core's expert grid is etp × ep × edp × pp = world with the expert TP size etp = tp, so ep must divide
+    dp × cp; each rank holds num_experts / ep whole experts."""
+    ep, experts = layout.ep, model.num_experts
+    if ep == 1:
         return []
-    return [Problem("error", "expert_parallel_not_built", f"ep={layout.ep}: expert parallelism (MoE) is not built "
-                    "in dsmt yet", "use ep: 1", (1,))]
+    if experts == 0:
+        return [Problem("error", "ep_needs_experts", f"ep={ep} with a dense model: expert parallelism splits the "
+                        "experts of a mixture-of-experts model (Mixtral, Qwen3-MoE), and this model has none",
+                        "use ep: 1", (1,))]
+    valid = valid_ep_sizes(model=model, layout=layout)
+    found = []
+    if experts % ep:
+        found.append(Problem("error", "experts_vs_ep", f"ep={ep} does not divide num_experts={experts}: each EP rank "
+                             "holds num_experts / ep whole experts", f"valid ep: {_listing(valid)}", valid))
+    if (layout.dp * layout.cp) % ep:
+        found.append(Problem("error", "ep_vs_data_parallel", f"ep={ep} does not divide dp×cp={layout.dp}×{layout.cp}="
+                             f"{layout.dp * layout.cp}: megatron-core places the EP groups inside the data-parallel "
+                             "ranks (world = tp × ep × expert-dp × pp)", f"valid ep: {_listing(valid)}; or change "
+                             "the world so that dp is a multiple of ep", valid))
+    return found
+
+
+def rule_moe_training(*, layout: Layout, model: ModelFacts, run: RunFacts | None) -> list[Problem]:
+    """Training an MoE model: megatron-core refuses tp > 1 without sequence parallelism (its token dispatcher
+    expects each TP rank's own tokens), and DeepSpeed refuses ZeRO-3 with expert-parallel parameters."""
+    if run is None or model.num_experts == 0:
+        return []
+    found = []
+    if layout.tp > 1 and not layout.sp:
+        found.append(Problem("error", "moe_tp_needs_sequence_parallel", f"tp={layout.tp} with a mixture-of-experts "
+                             "model: megatron-core trains MoE layers with tensor parallelism only under sequence "
+                             "parallelism", "set parallel.sequence_parallel: true (or tp: 1)"))
+    if layout.ep > 1 and run.zero_stage == 3:
+        found.append(Problem("error", "zero3_with_ep", f"zero_stage=3 with ep={layout.ep}: DeepSpeed's ZeRO-3 does "
+                             "not partition expert-parallel parameters (engine: 'MoE not supported with Stage 3')",
+                             "use zero_stage 1 or 2 with ep > 1, or ep: 1", (0, 1, 2)))
+    return found
 
 
 def rule_batch(*, layout: Layout, model: ModelFacts, run: RunFacts | None) -> list[Problem]:
@@ -256,7 +299,8 @@ def rule_sequence_split(*, layout: Layout, model: ModelFacts, run: RunFacts | No
 
 
 RULES: tuple[Rule, ...] = (rule_sizes, rule_world_size, rule_tensor_parallel, rule_pipeline, rule_context_parallel,
-                           rule_sequence_split, rule_expert_parallel, rule_batch, rule_zero_with_pp, rule_tp_within_node)
+                           rule_sequence_split, rule_expert_parallel, rule_moe_training, rule_batch,
+                           rule_zero_with_pp, rule_tp_within_node)
 
 
 def layout_problems(*, layout: Layout, model: ModelFacts, run: RunFacts | None = None) -> list[Problem]:

@@ -176,7 +176,6 @@ def init_model_chunks(*, hf_dir: Path, layout: Layout, params_dtype: torch.dtype
     from megatron.core import parallel_state
 
     from toolkit import backend as backends
-    from toolkit.adapters.load import expand_table
     from toolkit.train.zero3 import partitioned_build
 
     hf_config = load_hf_config(hf_dir)
@@ -188,8 +187,7 @@ def init_model_chunks(*, hf_dir: Path, layout: Layout, params_dtype: torch.dtype
         chunks = build_model_chunks(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=True,
                                     init_method_std=init_method_std, recompute=recompute, attention=attention)
     backend.seed(seed)  # back to the state every rank of the load path continues from
-    hf_names = [name for item in expand_table(settings.weight_table(), num_layers=settings.num_layers).values()
-                for name in item.hf]
+    hf_names = [name for item in settings.load_items().values() for name in item.hf]
     metadata = {"source": str(Path(hf_dir).resolve()),  # config and tokenizer only: there are no source weights
                 "hf_tensor_dtypes": {name: ckpt.dtype_name(params_dtype) for name in hf_names}}
     info = CheckpointInfo("init", Path(hf_dir), settings, hf_config, params_dtype, vocab_pad_multiple, metadata)

@@ -37,6 +37,7 @@ def init_process_groups(*, layout: Layout, dist_backend: str, timeout_s: float =
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
     )
 
 

@@ -35,10 +35,23 @@ class ModelShape:
     gated_mlp: bool  # SwiGLU-style MLP: three [h, ffn] matrices instead of two
     max_position_embeddings: int = 4096
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    # Mixture of experts (Mixtral, Qwen3-MoE): every layer's MLP is num_experts experts of width
+    # moe_ffn_hidden_size, moe_topk of them per token, and a router [num_experts, hidden]. 0: a dense model.
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
 
     @property
     def kv_channels(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def expert_params_per_layer(self) -> int:
+        """The experts' weights of one layer (0 for a dense model); expert parallelism splits them over ep ranks."""
+        return self.num_experts * (3 if self.gated_mlp else 2) * self.hidden_size * self.moe_ffn_hidden_size
 
     def num_params(self) -> int:
         """Parameter count of the unpadded model (norm weights included, biases ignored)."""
@@ -47,7 +60,10 @@ class ModelShape:
     def params_per_layer(self) -> int:
         h, d = self.hidden_size, self.kv_channels
         attention = h * d * (self.num_attention_heads + 2 * self.num_kv_heads) + self.num_attention_heads * d * h
-        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden_size
+        if self.is_moe:
+            mlp = self.expert_params_per_layer() + self.num_experts * h  # experts + router
+        else:
+            mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden_size
         return attention + mlp + 2 * h  # two norms
 
     def embedding_params(self) -> int:
@@ -78,6 +94,11 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
         # GPT-3 175B (Brown et al. 2020) and the 1T configuration of Narayanan et al. 2021, Table 1.
         ModelShape("gpt3-175b", 12288, 96, 96, 96, 4 * 12288, 51200, True, False, 2048),
         ModelShape("gpt-1t", 25600, 128, 160, 160, 4 * 25600, 51200, True, False, 2048),
+        # Mixtral-8x7B-v0.1 and Qwen3-30B-A3B (config.json of the releases).
+        ModelShape("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, False, True, 32768,
+                   num_experts=8, moe_topk=2, moe_ffn_hidden_size=14336),
+        ModelShape("qwen3-30b-a3b", 2048, 48, 32, 4, 6144, 151936, False, True, 40960, head_dim=128,
+                   num_experts=128, moe_topk=8, moe_ffn_hidden_size=768),
     ]
 }
 
@@ -133,7 +154,18 @@ def shape_from_config(config: dict, *, name: str) -> ModelShape:
         ffn_hidden_size=_field(config, "intermediate_size", name), vocab_size=_field(config, "vocab_size", name),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=_gated_mlp(config),
         max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
+        **_moe_fields(config),
     )
+
+
+def _moe_fields(config: dict) -> dict:
+    """Mixtral names the experts `num_local_experts` and their width `intermediate_size`; Qwen3-MoE `num_experts`
+    (transformers 5 writes `num_local_experts`) and `moe_intermediate_size`."""
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    if not experts:
+        return {}
+    return {"num_experts": experts, "moe_topk": config.get("num_experts_per_tok", 2),
+            "moe_ffn_hidden_size": config.get("moe_intermediate_size") or config["intermediate_size"]}
 
 
 def _gated_mlp(config: dict) -> bool:

@@ -24,6 +24,11 @@ _FAMILY_FIELDS = {
     "qwen3": dict(head_dim=16),
     "gemma": dict(head_dim=16, num_key_value_heads=1, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
     "phi3": dict(sliding_window=None, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **_TOKEN_IDS),
+    # 4 experts, top-2: Mixtral renormalises the top-k weights, this Qwen3-MoE does not (norm_topk_prob false),
+    # so both of megatron's router modes are exercised.
+    "mixtral": dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
     "gpt2": dict(n_embd=64, n_inner=96, n_layer=4, n_head=8, n_positions=128, vocab_size=250, resid_pdrop=0.0,
                  embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
                  bos_token_id=1, eos_token_id=2),
@@ -53,6 +58,8 @@ def make_tiny_checkpoint(path: Path, *, model_type: str = "llama", seed: int = 0
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):  # MoE router: decisive routing, so no near-ties between experts
+                param.copy_(0.5 * torch.randn_like(param))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     _save_tiny_tokenizer(path, vocab_size=model.config.vocab_size)

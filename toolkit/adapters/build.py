@@ -33,6 +33,8 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         # Ring attention over cp ranks: Transformer Engine's attention only (layer_spec refuses cp with local layers).
         context_parallel_size=layout.cp,
+        # MoE: each rank builds num_experts / ep experts; the experts' own TP size defaults to tp.
+        expert_model_parallel_size=layout.ep,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -47,11 +49,13 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
     )
 
 
-def layer_spec(*, attention: str | None = None, cp_size: int = 1, qk_norm: bool = False):
+def layer_spec(*, attention: str | None = None, cp_size: int = 1, qk_norm: bool = False, num_experts: int = 0):
     """The layers for the run's attention kind (the spec's resolved `training.attention`): "fused" is Transformer
     Engine's layers (fused / flash attention; context parallelism needs them), "local" megatron's torch layers
     (unfused attention, the s x s scores stored); None (verify, convert): TE where installed, local otherwise.
-    The norm kind (RMSNorm / LayerNorm, zero-centred) is read from the TransformerConfig by both."""
+    The norm kind (RMSNorm / LayerNorm, zero-centred) is read from the TransformerConfig by both. With
+    `num_experts` every layer's MLP is megatron's MoELayer: a TopKRouter and a SequentialMLP of one MLP per local
+    expert (megatron's grouped GEMM needs CUDA kernels; TE's grouped linear is not used either)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     use_te = backends.current().use_transformer_engine
@@ -65,18 +69,20 @@ def layer_spec(*, attention: str | None = None, cp_size: int = 1, qk_norm: bool 
                            "training.attention: fused on GPUs with transformer-engine installed")
     if attention == "fused" or (attention is None and use_te):
         # TE fuses the layer norms into its linear layers and marks their weights `sequence_parallel` itself.
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return local_layer_spec(qk_norm=qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=qk_norm, num_experts=num_experts or None, moe_grouped_gemm=False)
+    return local_layer_spec(qk_norm=qk_norm, num_experts=num_experts)
 
 
-def local_layer_spec(*, qk_norm: bool = False):
+def local_layer_spec(*, qk_norm: bool = False, num_experts: int = 0):
     """megatron's local (torch) layer spec with `TorchNorm` for its norms (the q / k head norms too), which, unlike
     megatron's `WrappedTorchNorm`, works with sequence parallelism and zero-centred weights."""
     import dataclasses
 
     from megatron.core.models.gpt import gpt_layer_specs
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm,
+                                                    num_experts=num_experts or None, moe_grouped_gemm=False)
     attention = spec.submodules.self_attention
     if qk_norm:
         attention = dataclasses.replace(attention, submodules=dataclasses.replace(
@@ -162,7 +168,8 @@ def model_chunks(*, config, settings: ModelSettings, layout: Layout, attention: 
 
         check_encoder_attention(attention=attention, cp_size=layout.cp)
         return encoder_chunks(config=config, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
-    spec = layer_spec(attention=attention, cp_size=layout.cp, qk_norm=settings.family.architecture.qk_norm)
+    spec = layer_spec(attention=attention, cp_size=layout.cp, qk_norm=settings.family.architecture.qk_norm,
+                      num_experts=settings.num_experts)
     return gpt_chunks(config=config, spec=spec, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
 
 

@@ -18,8 +18,9 @@ class AdapterError(DsmtError):
 
 @dataclasses.dataclass(frozen=True)
 class WeightMapping:
-    """One row of a weight table: a megatron parameter (layout-free name, `*` = global layer index), its kind, and
-    the HF tensor name(s) it is made from, in the order the kind expects (QKV: q, k, v; GATE_UP: gate, up)."""
+    """One row of a weight table: a megatron parameter (layout-free name, `*` = global layer index; in an expert's
+    row a second `*` = global expert index), its kind, and the HF tensor name(s) it is made from, in the order the
+    kind expects (QKV: q, k, v; GATE_UP: gate, up)."""
 
     megatron: str
     kind: Kind
@@ -30,17 +31,30 @@ class WeightMapping:
     def __post_init__(self):
         if len(self.hf) != HF_ARITY[self.kind]:
             raise ValueError(f"{self.megatron}: kind {self.kind.value} takes {HF_ARITY[self.kind]} HF names, got {self.hf}")
+        wildcards = self.megatron.count("*")
+        if wildcards > 2 or any(name.count("*") != wildcards for name in self.hf):
+            raise ValueError(f"{self.megatron}: every name of a row has the same `*`s (layer, then expert); "
+                             f"got {self.hf}")
 
     @property
     def per_layer(self) -> bool:
         return "*" in self.megatron
 
-    def for_layer(self, layer: int | None) -> tuple[str, tuple[str, ...]]:
-        """Concrete (megatron name, HF names) for one layer (layer=None for non-layer rows)."""
+    @property
+    def per_expert(self) -> bool:
+        return self.megatron.count("*") == 2
+
+    def for_layer(self, layer: int | None, expert: int | None = None) -> tuple[str, tuple[str, ...]]:
+        """Concrete (megatron name, HF names) for one layer (layer=None for non-layer rows) and, in an expert's
+        row, one expert."""
         if layer is None:
             return self.megatron, self.hf
-        index = str(layer)
-        return self.megatron.replace("*", index), tuple(name.replace("*", index) for name in self.hf)
+
+        def concrete(name: str) -> str:
+            name = name.replace("*", str(layer), 1)
+            return name.replace("*", str(expert), 1) if expert is not None else name
+
+        return concrete(self.megatron), tuple(concrete(name) for name in self.hf)
 
 
 def gelu_tanh(x):

@@ -142,6 +142,11 @@ class ModelSettings:
     def num_layers(self) -> int:
         return self.transformer_fields["num_layers"]
 
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (0: a dense model)."""
+        return self.transformer_fields.get("num_moe_experts") or 0
+
     def weight_table(self) -> tuple[WeightMapping, ...]:
         """The family's rows, plus the head's for an encoder (and the untied output layer where there is one)."""
         if self.encoder is None:
@@ -149,6 +154,12 @@ class ModelSettings:
         has_output_layer = self.encoder.task == "masked_lm"
         return self.family.weight_table(tied_embeddings=self.tied_embeddings or not has_output_layer) \
             + self.encoder.head.weights
+
+    def load_items(self) -> dict:
+        """Every concrete row of the weight table: canonical megatron name -> `toolkit.adapters.load.LoadItem`."""
+        from toolkit.adapters.load import expand_table
+
+        return expand_table(self.weight_table(), num_layers=self.num_layers, num_experts=self.num_experts)
 
     def ignored_hf(self) -> tuple[str, ...]:
         """HF tensor names (with `*`) the conversion drops on purpose."""

@@ -43,11 +43,35 @@ def canonical_tensors(chunks: list) -> dict[str, torch.Tensor]:
                 continue
             match = _LAYER_KEY.match(local_key)
             if match:
-                stack, layer = match.group(1), global_layer[int(match.group(2))]
-                found[f"{stack}.layers.{layer}." + item.key.removeprefix(f"{stack}.layers.")] = data
+                stack, local_layer = match.group(1), int(match.group(2))
+                layer = block.layers[local_layer]
+                name = canonical_layer_name(item.key.removeprefix(f"{stack}.layers."), local_key=local_key,
+                                            layer=layer)
+                found[f"{stack}.layers.{global_layer[local_layer]}.{name}"] = data
             else:
                 found[item.key] = data
     return found
+
+
+# A local expert's parameter: `mlp.experts.local_experts.<local index>.<rest>` in the module tree.
+_LOCAL_EXPERT = re.compile(r"^(?:decoder|encoder)\.layers\.\d+\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def canonical_layer_name(key: str, *, local_key: str, layer) -> str:
+    """The canonical name inside a layer, from megatron's layout-free key.
+
+    An expert's key stacks every expert of the layer (`mlp.experts.experts.linear_fc1.weight`); its canonical name
+    is `mlp.experts.<global expert index>.linear_fc1.weight`, the global index being the layer's
+    `local_expert_indices` of the module's local one (each EP rank builds num_experts / ep experts). The MoE layer's
+    norm is `pre_mlp_layernorm` in Transformer Engine's spec and `mlp.linear_fc1.layer_norm_weight` in the local
+    one: named as the latter (and as a dense layer's fused norm is)."""
+    expert = _LOCAL_EXPERT.match(local_key)
+    if expert:
+        global_expert = layer.mlp.local_expert_indices[int(expert.group(1))]
+        return f"mlp.experts.{global_expert}.{expert.group(2)}"
+    if key == "pre_mlp_layernorm.weight":
+        return "mlp.linear_fc1.layer_norm_weight"
+    return key
 
 
 @contextlib.contextmanager
@@ -83,13 +107,14 @@ class LoadItem:
     transposed: bool = False  # HF stores the tensors [in, out] (Conv1D)
 
 
-def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int) -> dict[str, LoadItem]:
-    """Every concrete (megatron name -> HF names) row of the model."""
+def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int, num_experts: int = 0) -> dict[str, LoadItem]:
+    """Every concrete (megatron name -> HF names) row of the model (expert rows once per global expert)."""
     items = {}
     for row in table:
         for layer in (range(num_layers) if row.per_layer else [None]):
-            megatron, hf = row.for_layer(layer)
-            items[megatron] = LoadItem(megatron, row.kind, hf, row.transposed)
+            for expert in (range(num_experts) if row.per_expert else [None]):
+                megatron, hf = row.for_layer(layer, expert)
+                items[megatron] = LoadItem(megatron, row.kind, hf, row.transposed)
     return items
 
 
@@ -118,7 +143,7 @@ def local_shape(item: LoadItem, hf_shapes: list[tuple[int, ...]], *, settings: M
 
 def plan_load(*, settings: ModelSettings, source, targets: dict[str, torch.Tensor], tp_size: int) -> list[LoadItem]:
     """What to read for each local tensor; raises one AdapterError listing every problem found."""
-    items = expand_table(settings.weight_table(), num_layers=settings.num_layers)
+    items = settings.load_items()
     ignored = settings.ignored_hf()
     hf_names = source.names()
     problems = check_hf_coverage(items=items, hf_names=hf_names, ignored=ignored)

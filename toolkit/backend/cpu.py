@@ -64,6 +64,7 @@ def install() -> bool:
         _patch(torch.cuda, "synchronize", _noop("torch.cuda.synchronize"))
         _patch(torch.cuda, "current_stream", _current_stream)
         _patch_megatron_rng()
+        _patch_moe()
         _installed = True
     return True
 
@@ -79,7 +80,7 @@ def uninstall() -> None:
         _installed = False
 
 
-_OWNERS = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.cuda": torch.cuda}
+_OWNERS: dict[str, object] = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.cuda": torch.cuda}
 
 
 def _patch_megatron_rng() -> None:
@@ -100,6 +101,18 @@ def _patch_megatron_rng() -> None:
 
     _patch(megatron_random, "_get_cuda_rng_state", get_state)
     _patch(megatron_random, "_set_cuda_rng_state", set_state)
+
+
+def _patch_moe() -> None:
+    """The mixture-of-experts layers' CUDA streams, buffers and gloo gaps (toolkit/backend/cpu_moe.py)."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from toolkit.backend import cpu_moe
+
+    _OWNERS["megatron.core.transformer.moe.token_dispatcher"] = token_dispatcher
+    _OWNERS["torch.distributed"] = dist
+    cpu_moe.install(patch=_patch, null_stream=_NullStream, is_cuda_device=_is_cuda_device, record=_record)
 
 
 def _patch(owner, attr: str, replacement) -> None:

@@ -22,7 +22,7 @@ from toolkit.adapters import transforms
 from toolkit.adapters.family import AdapterError
 from toolkit.adapters.hf_config import ModelSettings
 from toolkit.adapters.hf_source import _SAFETENSORS_DTYPES
-from toolkit.adapters.load import LoadItem, expand_table
+from toolkit.adapters.load import LoadItem
 from toolkit.convert import checkpoint as ckpt
 from toolkit.convert.mcore_reader import McoreReader
 from toolkit.convert.progress import ConversionSummary, byte_progress, peak_rss_bytes
@@ -38,7 +38,7 @@ def export_plan(*, reader: McoreReader, settings: ModelSettings,
                 dtypes: dict[str, torch.dtype]) -> list[tuple[LoadItem, list[HfEntry]]]:
     """Per table row, the HF tensors it becomes (name, shape, dtype), after checking the checkpoint's tensors
     against the table both ways; one AdapterError lists every problem."""
-    items = expand_table(settings.weight_table(), num_layers=settings.num_layers)
+    items = settings.load_items()
     ctx = settings.shape_context()
     problems = [f"weight table row {name!r} has no tensor in {reader.model_dir}"
                 for name in items if not reader.has(name)]

@@ -19,6 +19,11 @@ per activation element):
                  output. The scores are computed into megatron's preallocated GlobalMemoryBuffer (once per rank).
   MLP            te: fc1 output and activation output (gated: 2f + f elements); local gated (megatron's glu): fc1
                  output, silu output, the `x_linear + offset` copy and their product (5f elements)
+  MoE MLP        (toolkit/plan/experts.py) the router's fp32 probabilities (4E, on the rank's own tokens: split by
+                 SP like the norms), and per token k routed copies, each the experts' input (ab·h) and the MLP
+                 tensors above at the expert width f = moe_ffn_hidden_size / tp; the routed tokens are gathered
+                 over TP before the experts, so they are not split by SP. The busiest EP rank holds
+                 r = min(router_imbalance, ep) times the mean copies: k·r·(ab·h + MLP(f)) per token
 Selective recompute re-runs core attention: its inputs stay (q, k and the QKV output v is a view of), its s x s
 tensors do not. Full recompute keeps each layer's input (and the fp32 RoPE frequencies once). In backward the
 layer being recomputed holds again what it does not keep (memory.py adds it once per stage).
@@ -29,6 +34,7 @@ The local figures are checked against megatron-core's forward on CPU (tests/plan
 from __future__ import annotations
 
 from toolkit.plan.assumptions import Assumptions
+from toolkit.plan.experts import router_activation_bytes, routed_activation_bytes
 from toolkit.shapes import ModelShape
 
 DEFAULT_ASSUMPTIONS = Assumptions()
@@ -46,9 +52,17 @@ def _norm_bytes(*, h: int, a: Assumptions) -> int:
     return 8 * h + 4 if a.layer_spec == "local" else a.activation_bytes * h
 
 
-def _mlp_bytes(*, shape: ModelShape, tp: int, a: Assumptions) -> int:
-    f = shape.ffn_hidden_size // tp
-    if not shape.gated_mlp:
+def _mlp_bytes(*, shape: ModelShape, tp: int, a: Assumptions, ep: int = 1) -> int:
+    """The MLP's per-token tensors on one TP rank (an MoE layer's: its busiest EP rank's routed copies)."""
+    if shape.is_moe:
+        per_copy = _ffn_bytes(ffn_width=shape.moe_ffn_hidden_size // tp, gated=shape.gated_mlp, a=a)
+        return int(routed_activation_bytes(shape=shape, ep=ep, mlp_bytes_per_copy=per_copy, assumptions=a))
+    return _ffn_bytes(ffn_width=shape.ffn_hidden_size // tp, gated=shape.gated_mlp, a=a)
+
+
+def _ffn_bytes(*, ffn_width: int, gated: bool, a: Assumptions) -> int:
+    f = ffn_width
+    if not gated:
         return 2 * f * a.activation_bytes
     return (5 if a.layer_spec == "local" else 3) * f * a.activation_bytes
 
@@ -81,8 +95,8 @@ def _score_bytes(*, shape: ModelShape, tp: int, keys: int, a: Assumptions) -> in
 
 def activation_bytes_per_layer(*, shape: ModelShape, seq_length: int, micro_batch_size: int, tp: int,
                                sequence_parallel: bool, recompute: str, assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
-                               cp: int = 1) -> int:
-    """Stored activations of one transformer layer for one micro-batch on one TP (and CP) rank."""
+                               cp: int = 1, ep: int = 1) -> int:
+    """Stored activations of one transformer layer for one micro-batch on one TP (and CP, EP) rank."""
     a, h = assumptions, shape.hidden_size
     s = seq_length // cp
     tokens, ab = s * micro_batch_size, a.activation_bytes
@@ -92,8 +106,10 @@ def activation_bytes_per_layer(*, shape: ModelShape, seq_length: int, micro_batc
     heads, _ = heads_per_rank(shape=shape, tp=tp)
     selective = recompute == "selective"
     replicated = 2 * _norm_bytes(h=h, a=a) + 2 * ab * h + (2 * h if a.dropout else 0)
+    if shape.is_moe:
+        replicated += router_activation_bytes(shape)
     split = (_qkv_bytes(shape=shape, tp=tp, a=a, selective=selective) + ab * heads * shape.kv_channels
-             + _mlp_bytes(shape=shape, tp=tp, a=a))
+             + _mlp_bytes(shape=shape, tp=tp, a=a, ep=ep))
     per_micro_batch = 4 * s * shape.kv_channels * ab  # RoPE cos / sin of q and k
     if not selective:
         split += _score_bytes(shape=shape, tp=tp, keys=seq_length, a=a)

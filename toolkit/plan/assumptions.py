@@ -59,6 +59,9 @@ class Assumptions:
         for name, value, valid in checks:
             if value not in valid:
                 raise DsmtError(f"assumption {name}={value!r} is not one of {', '.join(valid)}")
+        if self.router_imbalance < 1.0:
+            raise DsmtError(f"assumption router_imbalance={self.router_imbalance} is below 1; it is the busiest "
+                            "expert-parallel rank's routed tokens over the mean (1.0: perfectly balanced)")
 
     @classmethod
     def for_precision(cls, precision: str, **changes) -> "Assumptions":
@@ -109,3 +112,8 @@ class Assumptions:
     # published utilisation) over the calibration runs, 5.3%, rounded up (the largest residual is 12%, the 1.7B
     # model, where memory-bound kernels weigh most).
     time_uncertainty: float = 0.06
+    # --- mixture of experts (toolkit/plan/experts.py) -------------------------------------------------------
+    # Routed tokens the busiest expert-parallel rank receives over the mean: 1.0 is perfectly balanced routing
+    # (what megatron-core's auxiliary load-balancing loss aims at); real routers run a few tens of percent above
+    # it, more early in training. The step waits on that rank, so its expert compute and activations scale by it.
+    router_imbalance: float = 1.0

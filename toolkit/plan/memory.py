@@ -11,6 +11,9 @@ Sources
     local layers (toolkit/plan/activations.py, checked against megatron-core's forward: tests/plan/test_measured.py).
   * In-flight micro-batches: megatron-core's 1F1B warm-up counts (schedules.py), which give Korthikanti's
     "first stage holds L layers" and the interleaved factor 1 + (p-1)/(p·v).
+  * Mixture of experts: each rank holds E / ep experts of every layer, split over tp as megatron-core's expert TP
+    (etp = tp) does; their states are partitioned over expert_dp = dp × cp / ep, the rest over dp × cp
+    (toolkit/plan/experts.py).
   * ZeRO-3 build: zero.Init partitions each module as it is built and the checkpoint loads one parameter at a time
     (toolkit/train/zero3.py): a rank holds its partition plus one module before any optimizer state exists.
 """
@@ -25,6 +28,7 @@ from toolkit.errors import DsmtError
 from toolkit.plan.activations import (ROPE_FREQ_BYTES, activation_bytes_per_layer, heads_per_rank,  # noqa: F401
                                       output_layer_activation_bytes as _output_layer_bytes)
 from toolkit.plan.assumptions import Assumptions
+from toolkit.plan.experts import expert_params_per_layer_per_gpu, expert_tensors, local_experts
 from toolkit.plan.hardware import GpuSpec
 from toolkit.plan.layout import RECOMPUTE_CHOICES, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.model_states import model_state_bytes  # noqa: F401  (re-exported for callers of this module)
@@ -50,6 +54,7 @@ class StageMemory:
     params_per_gpu: int
     micro_batches_in_flight: float
     build_peak: int = 0  # building and loading the model, before any gradient or optimizer state exists
+    expert_params_per_gpu: int = 0  # the part of params_per_gpu that is MoE experts (0 for a dense model)
 
     @property
     def total_bytes(self) -> int:
@@ -68,7 +73,8 @@ class MemoryBreakdown:
     capacity_bytes: int
 
     def __getattr__(self, name):  # parameters, gradients, ... of the worst stage
-        if name in CATEGORIES or name in ("params_per_gpu", "micro_batches_in_flight", "stage"):
+        if name in CATEGORIES or name in ("params_per_gpu", "expert_params_per_gpu", "micro_batches_in_flight",
+                                          "stage"):
             return getattr(self.worst, name)
         raise AttributeError(name)
 
@@ -103,12 +109,17 @@ def padded_vocab_size(*, shape: ModelShape, tp: int) -> int:
 def layer_tensors(*, shape: ModelShape, tp: int) -> dict[str, int]:
     """One transformer layer's parameter tensors on one TP rank, elements each (megatron-core's sharding: QKV and
     FC1 split by output rows, the projections by input columns, norms replicated; with tp > num_kv_heads each rank
-    holds one whole KV head)."""
-    h, d, f = shape.hidden_size, shape.kv_channels, shape.ffn_hidden_size // tp
+    holds one whole KV head). An MoE layer has the router [E, h] (replicated) in place of the MLP; its experts
+    are `expert_tensors`, E / ep of them per rank."""
+    h, d = shape.hidden_size, shape.kv_channels
     heads, groups = heads_per_rank(shape=shape, tp=tp)
-    return {"linear_qkv": h * (heads + 2 * groups) * d, "linear_proj": heads * d * h,
-            "linear_fc1": h * f * (2 if shape.gated_mlp else 1), "linear_fc2": f * h,
-            "input_layernorm": h, "pre_mlp_layernorm": h}
+    tensors = {"linear_qkv": h * (heads + 2 * groups) * d, "linear_proj": heads * d * h}
+    if shape.is_moe:
+        tensors["router"] = shape.num_experts * h
+    else:
+        f = shape.ffn_hidden_size // tp
+        tensors.update({"linear_fc1": h * f * (2 if shape.gated_mlp else 1), "linear_fc2": f * h})
+    return tensors | {"input_layernorm": h, "pre_mlp_layernorm": h}
 
 
 def stage_tensors(*, shape: ModelShape, layout: PlanLayout, stage: int) -> list[tuple[str, int, int]]:
@@ -118,6 +129,9 @@ def stage_tensors(*, shape: ModelShape, layout: PlanLayout, stage: int) -> list[
     itself at pp=1; at pp>1 the last stage keeps its own copy, kept equal by an all-reduce (megatron)."""
     layers = shape.num_layers // layout.pp
     found = [(name, numel, layers) for name, numel in layer_tensors(shape=shape, tp=layout.tp).items()]
+    if shape.is_moe:
+        experts = layers * local_experts(shape=shape, ep=layout.ep)
+        found += [(name, numel, experts) for name, numel in expert_tensors(shape=shape, tp=layout.tp).items()]
     vocab_rows = padded_vocab_size(shape=shape, tp=layout.tp) // layout.tp
     if stage == 0:
         found.append(("embedding", vocab_rows * shape.hidden_size, 1))
@@ -128,14 +142,20 @@ def stage_tensors(*, shape: ModelShape, layout: PlanLayout, stage: int) -> list[
     return found
 
 
-def layer_params_per_gpu(*, shape: ModelShape, tp: int) -> int:
-    """One transformer layer's parameters on one TP rank."""
-    return sum(layer_tensors(shape=shape, tp=tp).values())
+def layer_params_per_gpu(*, shape: ModelShape, tp: int, ep: int = 1) -> int:
+    """One transformer layer's parameters on one TP (and EP) rank."""
+    return sum(layer_tensors(shape=shape, tp=tp).values()) + expert_params_per_layer_per_gpu(shape=shape, tp=tp,
+                                                                                            ep=ep)
 
 
 def stage_params_per_gpu(*, shape: ModelShape, layout: PlanLayout, stage: int) -> int:
     """Parameters held by one GPU of pipeline stage `stage` (0-based)."""
     return sum(numel * count for _, numel, count in stage_tensors(shape=shape, layout=layout, stage=stage))
+
+
+def stage_expert_params_per_gpu(*, shape: ModelShape, layout: PlanLayout, stage: int) -> int:
+    """The experts' share of `stage_params_per_gpu` (every stage holds the same layers' experts)."""
+    return shape.num_layers // layout.pp * expert_params_per_layer_per_gpu(shape=shape, tp=layout.tp, ep=layout.ep)
 
 
 def persistent_params(*, shape: ModelShape, layout: PlanLayout, stage: int, threshold: int) -> int:
@@ -149,12 +169,13 @@ def persistent_params(*, shape: ModelShape, layout: PlanLayout, stage: int, thre
 
 def _optimizer_groups(*, shape: ModelShape, layout: PlanLayout, stage: int) -> tuple[list[int], list[int]]:
     """The stage's parameter sizes as DeepSpeed's two parameter groups hold them, in megatron-core's module order:
-    the matrices (weight decay) and the norms (none; toolkit/train/engine.py `weight_decay_groups`)."""
+    the matrices (weight decay) and the norms (none; toolkit/train/engine.py `weight_decay_groups`). MoE experts
+    are a group of their own, partitioned over expert_dp: not listed here."""
     t = layer_tensors(shape=shape, tp=layout.tp)
     layers = shape.num_layers // layout.pp
     vocab = padded_vocab_size(shape=shape, tp=layout.tp) // layout.tp * shape.hidden_size
-    matrices = ([vocab] if stage == 0 else []) + [t["linear_proj"], t["linear_qkv"], t["linear_fc1"],
-                                                  t["linear_fc2"]] * layers
+    mlp = [t["router"]] if shape.is_moe else [t["linear_fc1"], t["linear_fc2"]]
+    matrices = ([vocab] if stage == 0 else []) + [t["linear_proj"], t["linear_qkv"], *mlp] * layers
     norms = [shape.hidden_size] * (2 * layers)
     if stage == layout.pp - 1:
         norms.append(shape.hidden_size)
@@ -207,13 +228,11 @@ def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingSha
     """Memory per GPU of pipeline stage `stage` (its worst data-parallel rank, or `dp_rank`'s)."""
     a = assumptions
     params = stage_params_per_gpu(shape=shape, layout=layout, stage=stage)
+    expert_params = stage_expert_params_per_gpu(shape=shape, layout=layout, stage=stage)
     persistent = persistent_params(shape=shape, layout=layout, stage=stage, threshold=a.zero3_persistence_threshold)
-    overlap = (partition_overlap_params(shape=shape, layout=layout, stage=stage, dp_rank=dp_rank)
-               if a.precision == "fp32" and layout.zero_stage in (1, 2) else None)  # only these lists hold it
     if training.lora is None:
-        states = model_state_bytes(num_params=params, dp=layout.zero_size, zero_stage=layout.zero_stage,
-                                   offload_optimizer=layout.offload_optimizer, persistent_params=persistent,
-                                   overlap_params=overlap, assumptions=a)
+        states = full_model_states(shape=shape, layout=layout, stage=stage, params=params,
+                                   expert_params=expert_params, persistent=persistent, assumptions=a, dp_rank=dp_rank)
     else:
         states, params = lora_model_states(shape=shape, layout=layout, lora=training.lora, base_params=params,
                                            persistent=persistent, assumptions=a)
@@ -233,8 +252,25 @@ def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingSha
     subtotal = sum(states.values()) + activations + buffers
     overhead = int(a.framework_overhead_gb * 1e9 + a.fragmentation_fraction * subtotal)
     return StageMemory(stage=stage, activations=activations, buffers=buffers, overhead=overhead,
-                       params_per_gpu=params, micro_batches_in_flight=in_flight,
+                       params_per_gpu=params, micro_batches_in_flight=in_flight, expert_params_per_gpu=expert_params,
                        build_peak=build_peak_bytes(shape=shape, layout=layout, stage=stage, assumptions=a), **states)
+
+
+def full_model_states(*, shape: ModelShape, layout: PlanLayout, stage: int, params: int, expert_params: int,
+                      persistent: int, assumptions: Assumptions, dp_rank: int | None = None) -> dict[str, int]:
+    """Model-state bytes of full training: DeepSpeed's buffers for the dense parameters, partitioned over dp × cp,
+    and for an MoE model's experts (a parameter group of their own), partitioned over expert_dp."""
+    a = assumptions
+    overlap = (partition_overlap_params(shape=shape, layout=layout, stage=stage, dp_rank=dp_rank)
+               if a.precision == "fp32" and layout.zero_stage in (1, 2) else None)  # only these lists hold it
+    states = model_state_bytes(num_params=params - expert_params, dp=layout.zero_size, zero_stage=layout.zero_stage,
+                               offload_optimizer=layout.offload_optimizer, persistent_params=persistent,
+                               overlap_params=overlap, assumptions=a)
+    if expert_params == 0:
+        return states
+    experts = model_state_bytes(num_params=expert_params, dp=layout.expert_dp, zero_stage=layout.zero_stage,
+                                offload_optimizer=layout.offload_optimizer, assumptions=a)
+    return {category: states[category] + experts[category] for category in states}
 
 
 def lora_model_states(*, shape: ModelShape, layout: PlanLayout, lora, base_params: int, persistent: int,
@@ -256,7 +292,7 @@ def lora_model_states(*, shape: ModelShape, layout: PlanLayout, lora, base_param
 def _layer_bytes(*, shape, layout, training, recompute, assumptions) -> int:
     return activation_bytes_per_layer(
         shape=shape, seq_length=training.seq_length, micro_batch_size=layout.micro_batch_size, tp=layout.tp,
-        sequence_parallel=layout.sp, recompute=recompute, assumptions=assumptions, cp=layout.cp)
+        sequence_parallel=layout.sp, recompute=recompute, assumptions=assumptions, cp=layout.cp, ep=layout.ep)
 
 
 def stage_activation_bytes(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape,

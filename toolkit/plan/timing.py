@@ -18,6 +18,11 @@ Sources
     DeepSpeed's BF16_Optimizer, which all-reduces at the accumulation boundary and all-gathers the updated bf16
     weights after the step. Only ZeRO-2 (reduce-scatter in the backward hooks of every micro-batch) and ZeRO-3
     (also parameter all-gathers, prefetched) at pp = 1 run beside compute: `dp_overlap` of that traffic hides.
+  * Mixture of experts (toolkit/plan/experts.py): a token's FLOPs count the router and its top-k experts only; the
+    busiest EP rank's expert FLOPs are router_imbalance times the mean; the token all-to-all (dispatch and
+    combine, forward and backward: 4 per layer and micro-batch) is its own term, over NVLink when the EP group
+    fits in a node, else over the NICs. Expert gradients reduce over expert_dp ranks, which the data-parallel
+    term does not separate (it reduces every parameter of the rank over dp × cp: an upper bound for experts).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import math
 
 from toolkit.plan.activations import heads_per_rank
 from toolkit.plan.assumptions import Assumptions
+from toolkit.plan.experts import all_to_all_s, imbalance_extra_flops, routed_expert_params
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, padded_vocab_size, stage_params_per_gpu
 from toolkit.shapes import ModelShape
@@ -39,6 +45,7 @@ class StepTime:
     elementwise_s: float      # memory-bound kernels (norms, activations, softmax) of that stage over the step
     tp_comm_s: float          # exposed tensor-parallel collectives over the step
     cp_comm_s: float          # exposed context-parallel ring exchange over the step
+    ep_comm_s: float          # expert-parallel token all-to-all (MoE dispatch and combine) over the step
     pp_comm_s: float          # pipeline point-to-point over the step
     bubble_s: float           # pipeline fill and drain
     dp_comm_s: float          # exposed data-parallel collectives
@@ -60,6 +67,8 @@ def layer_forward_flops(*, shape: ModelShape, tokens: int, seq_length: int) -> t
     """(matmul FLOPs, attention-core FLOPs) of one layer's forward over `tokens` tokens, each query attending to
     `seq_length` keys (counted in full, as Narayanan's formula does)."""
     matmul_params = shape.params_per_layer() - 2 * shape.hidden_size
+    if shape.is_moe:  # a token runs through the router and its top-k experts, not all of them
+        matmul_params += routed_expert_params(shape) - shape.expert_params_per_layer()
     core = 4.0 * tokens * seq_length * shape.num_attention_heads * shape.kv_channels  # QK^T and AV
     return 2.0 * tokens * matmul_params, core
 
@@ -103,7 +112,7 @@ def estimate_step_time(*, shape: ModelShape, layout: PlanLayout, training: Train
     m, p, v, t = num_micro_batches(layout=layout, training=training), layout.pp, layout.vpp, layout.tp
     s = training.seq_length
     mb = _per_micro_batch_s(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=a)
-    per_mb_s = mb.compute_s + mb.elementwise_s + mb.tp_s + mb.cp_s + mb.pp_s
+    per_mb_s = mb.compute_s + mb.elementwise_s + mb.tp_s + mb.cp_s + mb.pp_s + mb.ep_s
     bubble_s = (p - 1) / v * per_mb_s
     dp_total_s, dp_hidden_s = _dp_comm_s(shape=shape, layout=layout, cluster=cluster, num_micro=m,
                                          compute_s=m * (mb.compute_s + mb.elementwise_s), assumptions=a)
@@ -115,7 +124,7 @@ def estimate_step_time(*, shape: ModelShape, layout: PlanLayout, training: Train
     hw_flops = training_flops(shape=shape, tokens=global_tokens, seq_length=s, recompute=layout.recompute, tp=t)
     return StepTime(
         step_time_s=step_s, compute_s=m * mb.compute_s, elementwise_s=m * mb.elementwise_s,
-        tp_comm_s=m * mb.tp_s, cp_comm_s=m * mb.cp_s,
+        tp_comm_s=m * mb.tp_s, cp_comm_s=m * mb.cp_s, ep_comm_s=m * mb.ep_s,
         pp_comm_s=m * mb.pp_s, bubble_s=bubble_s, dp_comm_s=dp_exposed_s, dp_hidden_s=dp_hidden_s,
         optimizer_s=optimizer_s, bubble_fraction=(p - 1) / (v * m), flops_per_step=hw_flops,
         model_flops_per_step=model_flops, tokens_per_s=global_tokens / step_s,
@@ -130,6 +139,7 @@ class _MicroBatch:
     tp_s: float
     cp_s: float
     pp_s: float
+    ep_s: float
 
 
 def _stage_layers(*, shape: ModelShape, layout: PlanLayout) -> int:
@@ -146,6 +156,8 @@ def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions) -> _Mic
     matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=s)
     passes = 4.0 if layout.recompute == "full" else 3.0
     layer_flops = (matmul + core) * passes + (core if layout.recompute == "selective" else 0.0)
+    if shape.is_moe:  # the step waits on the EP rank the router sends the most tokens to
+        layer_flops += imbalance_extra_flops(shape=shape, tokens=tokens, passes=passes, ep=layout.ep, assumptions=a)
     vocab = padded_vocab_size(shape=shape, tp=t)
     stage_flops = (layer_flops * layers + 6.0 * tokens * vocab * shape.hidden_size) / t
     flops_per_s = cluster.gpu.peak_bf16_tflops * 1e12 * a.efficiency
@@ -159,8 +171,10 @@ def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions) -> _Mic
     tp_s = tp_one * tp_calls * layers * (1.0 - a.tp_overlap)
     cp_s = _cp_exposed_s(shape=shape, layout=layout, tokens=tokens, layers=layers,
                          attention_s=core * passes * layers / t / flops_per_s, cluster=cluster, assumptions=a)
+    ep_s = all_to_all_s(shape=shape, layout=layout, tokens=tokens, layers=layers, cluster=cluster, assumptions=a)
     return _MicroBatch(compute_s=stage_flops / flops_per_s, elementwise_s=elementwise_s, tp_s=tp_s, cp_s=cp_s,
-                       pp_s=_pp_p2p_s(shape=shape, layout=layout, tokens=tokens, cluster=cluster, assumptions=a))
+                       pp_s=_pp_p2p_s(shape=shape, layout=layout, tokens=tokens, cluster=cluster, assumptions=a),
+                       ep_s=ep_s)
 
 
 def elementwise_bytes(*, shape: ModelShape, layout: PlanLayout, tokens: int, seq_length: int,
@@ -170,12 +184,14 @@ def elementwise_bytes(*, shape: ModelShape, layout: PlanLayout, tokens: int, seq
       hidden width h (split by SP): two norms (read h, write h), two residual adds (read 2h, write h), with
         dropout two dropouts (read h, write h and a 1-byte mask)              -> 10h, +5h with dropout
       FFN width f (split by TP): activation read f write f (GeLU), SwiGLU reads 2f  -> 2f or 3f
+        (MoE: the k routed copies at the expert width, f = k · moe_ffn_hidden_size, at the mean routing)
       attention scores a·s (split by TP), only without fused attention: softmax read and write, with dropout
         also its mask and output                                             -> 2as, +2.5as with dropout
     """
     a, h, t = assumptions, shape.hidden_size, layout.tp
     hidden = (10 + (5 if a.dropout else 0)) * h / (t if layout.sp else 1)
-    ffn = (3 if shape.gated_mlp else 2) * shape.ffn_hidden_size / t
+    ffn_width = shape.moe_topk * shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size
+    ffn = (3 if shape.gated_mlp else 2) * ffn_width / t
     scores = 0.0
     if a.attention == "local":  # unfused attention writes the s x s scores to memory (fused / flash does not)
         scores = (2 + (2.5 if a.dropout else 0)) * shape.num_attention_heads * seq_length / t

@@ -47,8 +47,8 @@ def parallel_layout(spec: JobSpec) -> Layout:
     the world_size rule in toolkit/layout_rules.py reports that)."""
     parallel = spec.parallel
     model_parallel = parallel.tp * parallel.cp * parallel.pp
-    return Layout(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp or 1, cp=parallel.cp, sp=parallel.sequence_parallel,
-                  dp=max(1, world_size_of(spec) // model_parallel))
+    return Layout(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp or 1, cp=parallel.cp, ep=parallel.ep,
+                  sp=parallel.sequence_parallel, dp=max(1, world_size_of(spec) // model_parallel))
 
 
 def spec_attention(spec: JobSpec) -> str:

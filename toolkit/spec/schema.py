@@ -220,6 +220,7 @@ class ParallelSpec(Section):
     pp: int = Field(1, ge=1)
     vpp: int | None = Field(None, ge=1)  # virtual pipeline stages per rank (interleaved 1F1B); None: not interleaved
     cp: int = Field(1, ge=1)  # context parallel: the sequence split over cp ranks (needs fused attention, GPU)
+    ep: int = Field(1, ge=1)  # expert parallel (MoE models): the experts split over ep of the data-parallel ranks
     sequence_parallel: bool = False  # with tp > 1: norm / dropout activations split over the TP ranks
     zero_stage: Literal[0, 1, 2, 3] = 1
     offload_optimizer: bool = False

@@ -13,6 +13,7 @@ def register(subparsers) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=1, help="virtual (interleaved) stages per pipeline rank")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; ep data-parallel ranks)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max |Δlogit| allowed (fp32 default 1e-4)")
@@ -25,13 +26,14 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from toolkit.verify.run import run_verify
 
-    result = run_verify(checkpoint=args.checkpoint, tp=args.tp, pp=args.pp, vpp=args.vpp, batch_size=args.batch_size,
+    result = run_verify(checkpoint=args.checkpoint, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                        batch_size=args.batch_size,
                         seq_len=args.seq_len, tolerance=args.tolerance, reference=args.reference)
     if args.json:
         print(json.dumps(result))
     else:
         verdict = "PASS" if result["passed"] else "FAIL"
         print(f"{verdict}: {result['model_type']} {result['task']} tp={result['tp']} pp={result['pp']} "
-              f"vpp={result['vpp']} max|Δlogits|={result['max_abs_diff']:.3e} KL={result['kl_divergence']:.3e} "
+              f"vpp={result['vpp']} ep={result['ep']} max|Δlogits|={result['max_abs_diff']:.3e} KL={result['kl_divergence']:.3e} "
               f"(tolerance {result['tolerance']:.1e}, {result['tokens']} tokens)")
     return 0 if result["passed"] else 1

@@ -16,23 +16,24 @@ def run_verify(*, checkpoint: Path, tolerance: float = DEFAULT_TOLERANCE_FP32, *
     return run_verify_many(checkpoints=[checkpoint], tolerance=tolerance, **options)[0]
 
 
-def run_verify_many(*, checkpoints: list[Path], tp: int = 1, pp: int = 1, vpp: int = 1, batch_size: int = 4,
+def run_verify_many(*, checkpoints: list[Path], tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, batch_size: int = 4,
                     seq_len: int = 32, tolerance: float = DEFAULT_TOLERANCE_FP32, reference: Path | None = None,
                     save_as: Path | None = None, timeout_s: float = 900.0) -> list[dict]:
     """Several checkpoints in one launch (process start-up dominates on small machines)."""
     from toolkit.models import check_layout, inspect_checkpoint
-    from toolkit.parallel import Layout
+    from toolkit.verify.worker import verify_layout
 
+    layout = verify_layout(tp=tp, pp=pp, vpp=vpp, ep=ep)
     for checkpoint in checkpoints:  # bad paths, configs and layouts fail here, before any process starts
-        check_layout(inspect_checkpoint(checkpoint).settings, Layout(tp=tp, pp=pp, vpp=vpp))
+        check_layout(inspect_checkpoint(checkpoint).settings, layout)
     with tempfile.TemporaryDirectory(prefix="dsmt-verify-") as scratch:
         result_file = Path(scratch) / "result.json"
         args = [f"--checkpoint={c}" for c in checkpoints]
-        args += ["--tp", str(tp), "--pp", str(pp), "--vpp", str(vpp), "--batch-size", str(batch_size),
+        args += ["--tp", str(tp), "--pp", str(pp), "--vpp", str(vpp), "--ep", str(ep), "--batch-size", str(batch_size),
                  "--seq-len", str(seq_len), "--result-file", str(result_file)]
         args += ["--reference", str(reference)] if reference is not None else []
         args += ["--save-as", str(save_as)] if save_as is not None else []
-        launch_local_workers(module="toolkit.verify.worker", args=args, nprocs=tp * pp, timeout_s=timeout_s)
+        launch_local_workers(module="toolkit.verify.worker", args=args, nprocs=layout.world_size, timeout_s=timeout_s)
         results = json.loads(result_file.read_text())
     for result in results:
         result["tolerance"] = tolerance

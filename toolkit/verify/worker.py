@@ -16,6 +16,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1234)
@@ -24,6 +25,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also save the (first) loaded model as a dsmt megatron checkpoint written at this layout")
     parser.add_argument("--result-file", type=Path, required=True)
     return parser.parse_args(argv)
+
+
+def verify_layout(*, tp: int, pp: int, vpp: int, ep: int):
+    """The layout verify runs: with ep > 1 the EP ranks are ep data-parallel replicas (world = tp × pp × ep), each
+    fed the same tokens, exchanging them between their experts through megatron's all-to-all dispatcher."""
+    from toolkit.parallel import Layout
+
+    return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=ep)
 
 
 def fixed_tokens(*, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> torch.Tensor:
@@ -92,7 +101,7 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     backend = backends.current()
-    layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp)
+    layout = verify_layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
     backends.use_rank_device()  # cuda:<LOCAL_RANK> before the process group (init_process_groups checks it again)
     init_process_groups(layout=layout, dist_backend=backend.dist_backend)
     results = []
@@ -124,14 +133,16 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
     logits = megatron_logits(chunks=chunks, micro_batches=inputs, forward=task.forward, seq_len=args.seq_len,
                              device=backends.current().device)
     param_devices = _param_devices_by_rank(chunks)  # collective: before the non-reporting ranks return
-    if not (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0):
+    reporting = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+                 and parallel_state.get_data_parallel_rank() == 0)
+    if not reporting:
         return None
     hf_dir = args.reference or (info.hf_dir if info.kind == "hf" else None)
     reference = hf_outputs(_reference_model(info, hf_dir, task.name), inputs).float()
     if task.name != "sequence_classification":  # logits over the vocabulary: the padded rows are not HF's
         logits = logits[..., : info.settings.vocab_size]
     result = compare(reference=reference, candidate=logits.float())
-    result.update(checkpoint=str(checkpoint), tp=layout.tp, pp=layout.pp, vpp=layout.vpp,
+    result.update(checkpoint=str(checkpoint), tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep,
                   model_type=info.settings.family.model_type, checkpoint_kind=info.kind, task=task.name,
                   tokens=args.batch_size * args.seq_len,
                   tied_embeddings=info.settings.tied_embeddings, param_devices=param_devices)

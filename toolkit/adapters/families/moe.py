@@ -1,0 +1,52 @@
+"""What the mixture-of-experts families (Mixtral, Qwen3-MoE) share: the megatron-core MoE settings read from an HF
+config, and the refusals for what megatron-core cannot reproduce. Not a family itself (registers nothing).
+
+Routing (HF modeling_mixtral / modeling_qwen3_moe): p = softmax(router logits) over all experts in fp32, the top k
+kept, then renormalised to sum to 1 (Mixtral always; Qwen3-MoE when `norm_topk_prob`). megatron-core's softmax router
+gives the same weights with `moe_router_pre_softmax=False` (softmax over the top-k logits = renormalised top-k of the
+full softmax) and, without renormalisation, with `moe_router_pre_softmax=True` (docs/moe-notes.md, 4).
+
+The load-balancing loss: HF adds `router_aux_loss_coef × aux` to the loss only when the config says
+`output_router_logits: true` (its default is false), with aux = E × sum_i f_i × P_i pooled over all layers' routing
+(f_i: share of top-k assignments to expert i, summing to k; P_i: mean router probability). megatron-core adds one
+term per MoE layer, `coeff × E / (k T^2) × sum_i c_i P_i` = coeff / k × (HF's aux of that layer alone), and sums the
+layers. So `coeff = router_aux_loss_coef × k / num_layers` makes megatron's sum the mean over layers of HF's per-layer
+term: HF's pooled value exactly for one MoE layer, and within the spread of the layers' routing statistics otherwise
+(docs/moe-notes.md, 4.1: 2.013562 mean of per-layer terms vs 2.012190 pooled on a 2-layer model).
+"""
+
+from __future__ import annotations
+
+
+def moe_fields(hf_config, *, num_experts: int, ffn_hidden_size: int, renormalise: bool) -> dict:
+    """The TransformerConfig fields of an all-MoE decoder whose experts are SwiGLU MLPs of `ffn_hidden_size`."""
+    topk = hf_config.num_experts_per_tok
+    aux_on = bool(getattr(hf_config, "output_router_logits", False)) and hf_config.router_aux_loss_coef > 0
+    return dict(
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=ffn_hidden_size,
+        ffn_hidden_size=ffn_hidden_size,  # every layer is MoE; megatron reads it for dense layers only
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not renormalise,
+        moe_router_dtype="fp32",  # HF computes the routing softmax in fp32
+        moe_grouped_gemm=False,  # SequentialMLP: one MLP per local expert (grouped GEMM needs CUDA kernels)
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss" if aux_on else "none",
+        moe_aux_loss_coeff=hf_config.router_aux_loss_coef * topk / hf_config.num_hidden_layers if aux_on else 0.0,
+    )
+
+
+def moe_problems(hf_config, *, renormalise: bool) -> list[str]:
+    """Routing megatron-core's router cannot reproduce."""
+    problems = []
+    topk = hf_config.num_experts_per_tok
+    if topk == 1 and renormalise:
+        problems.append("num_experts_per_tok=1 with renormalised top-k weights (each token's one expert weighted "
+                        "1.0): megatron-core's softmax router refuses top-1 without pre-softmax and otherwise weighs "
+                        "the expert by its probability. Fix: none in dsmt; such checkpoints are not supported")
+    jitter = getattr(hf_config, "router_jitter_noise", 0.0) or 0.0
+    if jitter > 0:
+        problems.append(f"router_jitter_noise={jitter}: HF multiplies the router input by uniform noise in "
+                        "training, which dsmt does not reproduce. Fix: set router_jitter_noise to 0 in config.json")
+    return problems

@@ -1,0 +1,50 @@
+"""Qwen3-MoE (HF `Qwen3MoeForCausalLM`): Qwen3's attention (q / k head norms, free head_dim) and every MLP a mixture
+of SwiGLU experts (`mlp.experts.E.gate_proj / up_proj / down_proj`, width `moe_intermediate_size`) behind a linear
+router (`mlp.gate`); the top-k weights are renormalised only with `norm_topk_prob`. The second `*` is the global
+expert index. Layers with a dense MLP (`mlp_only_layers`, `decoder_sparse_step` > 1) are refused: no released
+Qwen3-MoE has them."""
+
+from toolkit.adapters.family import Architecture, ModelFamily, WeightMapping, register
+from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
+from toolkit.adapters.families.mixtral import ATTENTION_AND_NORMS
+from toolkit.adapters.families.moe import moe_fields, moe_problems
+from toolkit.adapters.families.qwen3 import QK_NORMS, check_qwen3_config
+from toolkit.adapters.transforms import Kind
+
+M = WeightMapping
+QWEN3_MOE_WEIGHTS = ATTENTION_AND_NORMS + QK_NORMS + (
+    M("decoder.layers.*.mlp.linear_fc1.layer_norm_weight", Kind.REPLICATED,
+      ("model.layers.*.post_attention_layernorm.weight",)),
+    M("decoder.layers.*.mlp.router.weight", Kind.REPLICATED, ("model.layers.*.mlp.gate.weight",)),
+    M("decoder.layers.*.mlp.experts.*.linear_fc1.weight", Kind.GATE_UP,
+      ("model.layers.*.mlp.experts.*.gate_proj.weight", "model.layers.*.mlp.experts.*.up_proj.weight")),
+    M("decoder.layers.*.mlp.experts.*.linear_fc2.weight", Kind.ROW, ("model.layers.*.mlp.experts.*.down_proj.weight",)),
+)
+
+
+def num_experts(hf_config) -> int:
+    """`num_experts` in Hub configs; transformers 5 saves it as `num_local_experts` (its attribute_map)."""
+    return getattr(hf_config, "num_experts", None) or hf_config.num_local_experts
+
+
+def read_qwen3_moe_config(hf_config) -> dict:
+    return moe_fields(hf_config, num_experts=num_experts(hf_config), ffn_hidden_size=hf_config.moe_intermediate_size,
+                      renormalise=bool(hf_config.norm_topk_prob))
+
+
+def check_qwen3_moe_config(hf_config) -> list[str]:
+    problems = check_qwen3_config(hf_config) + moe_problems(hf_config, renormalise=bool(hf_config.norm_topk_prob))
+    dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    if dense or step != 1:
+        problems.append(f"mlp_only_layers={dense}, decoder_sparse_step={step}: layers with a dense MLP among MoE "
+                        "layers are not supported by dsmt's qwen3_moe adapter. Fix: none; every layer must be MoE "
+                        "(mlp_only_layers: [], decoder_sparse_step: 1, as in the Qwen3-MoE releases)")
+    return problems
+
+
+QWEN3_MOE = register(ModelFamily(
+    model_type="qwen3_moe", hf_architecture="Qwen3MoeForCausalLM", weights=QWEN3_MOE_WEIGHTS, untied_output=LM_HEAD,
+    ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qk_norm=True), read_config=read_qwen3_moe_config,
+    check_config=check_qwen3_moe_config,
+))
