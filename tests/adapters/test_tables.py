@@ -10,7 +10,7 @@ from toolkit.tiny import tiny_config
 
 
 def test_registry_lists_supported_model_types_for_unknown_ones():
-    decoders = ["gemma", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3"]
+    decoders = ["gemma", "gpt2", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"]
     assert set(decoders) <= set(supported_model_types()) and supported_model_types() == sorted(supported_model_types())
     with pytest.raises(AdapterError, match=r"'gpt_neox'.*supported: .*" + ", ".join(decoders[2:])):
         get_family("gpt_neox")

@@ -24,22 +24,34 @@ def every_tensor(model_dir):
     reader = McoreReader(model_dir)
     names = []
     for key in reader.stored_keys():
-        layered = key.startswith("decoder.layers.")
-        names += ([key.replace("decoder.layers.", f"decoder.layers.{i}.") for i in range(reader.stacked_layers(key))]
-                  if layered else [key])
+        if key.startswith(EXPERTS):  # stacked over layers and experts
+            layers, experts = reader.stacked_sizes(key, axes=2)
+            names += [f"decoder.layers.{i}.mlp.experts.{e}.{key.removeprefix(EXPERTS)}"
+                      for i in range(layers) for e in range(experts)]
+        elif key.startswith("decoder.layers."):
+            (layers,) = reader.stacked_sizes(key, axes=1)
+            names += [key.replace("decoder.layers.", f"decoder.layers.{i}.") for i in range(layers)]
+        else:
+            names.append(key)
     return {name: _reference_read(reader, name) for name in names}
 
 
+EXPERTS = "decoder.layers.mlp.experts.experts."
+
+
 def _reference_read(reader, name):
-    key, layer = reader.locate(name)
-    stored = reader._stored[key]
-    parts = [reader._load_chunk(key, c) for c in stored.chunks if layer is None or c.offsets[0] == layer]
-    offsets = [tuple(c.offsets) for c in stored.chunks if layer is None or c.offsets[0] == layer]
-    whole = torch.empty(tuple(stored.size)[1 if layer is not None else 0:], dtype=stored.properties.dtype)
-    for part, offset in zip(parts, offsets):
-        part = part[0] if layer is not None else part
+    """The tensor from torch's reader, chunk by chunk (each chunk holds one stacked slice: layer, or layer and
+    expert)."""
+    key, index = reader.locate(name)
+    stored, lead = reader._stored[key], len(index)
+    chunks = [c for c in stored.chunks if tuple(c.offsets[:lead]) == index]
+    whole = torch.empty(tuple(stored.size)[lead:], dtype=stored.properties.dtype)
+    for chunk in chunks:
+        part = reader._load_chunk(key, chunk)
+        for _ in range(lead):
+            part = part[0]
         target = whole
-        for dim, start in enumerate(offset[1 if layer is not None else 0:]):
+        for dim, start in enumerate(tuple(chunk.offsets)[lead:]):
             target = target.narrow(dim, start, part.shape[dim])
         target.copy_(part)
     return whole
@@ -51,7 +63,20 @@ def layout_of(model_dir):
             if hasattr(md, "chunks") else "bytes" for key, md in metadata.state_dict_metadata.items()}
 
 
-def test_streamed_writer_matches_megatron_save_of_the_loaded_model(llama, tmp_path):
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """Tiny Mixtral and Qwen3-MoE (4 experts each, stacked by megatron over layers and experts), bf16."""
+    root = tmp_path_factory.mktemp("hf-moe")
+    return {model_type: make_tiny_checkpoint(root / model_type, model_type=model_type, dtype=torch.bfloat16, seed=11)
+            for model_type in ("mixtral", "qwen3_moe")}
+
+
+@pytest.fixture(params=["llama", "mixtral", "qwen3_moe"])
+def hf_model(request, llama, moe_models):
+    return llama if request.param == "llama" else moe_models[request.param]
+
+
+def test_streamed_writer_matches_megatron_save_of_the_loaded_model(hf_model, tmp_path):
     """Reference: the model loaded into megatron-core layers in memory and saved by dist_checkpointing.save."""
     from megatron.core import parallel_state
 
@@ -59,10 +84,10 @@ def test_streamed_writer_matches_megatron_save_of_the_loaded_model(llama, tmp_pa
     from toolkit.models import load_model_chunks, save_mcore_checkpoint
     from toolkit.parallel import Layout
 
-    assert dsmt(["convert", "hf-to-mcore", str(llama), str(tmp_path / "streamed"), "--quiet"]) == 0
+    assert dsmt(["convert", "hf-to-mcore", str(hf_model), str(tmp_path / "streamed"), "--quiet"]) == 0
     with single_process_group(dist_backend="gloo"):
         parallel_state.initialize_model_parallel(1, 1)
-        chunks, info = load_model_chunks(checkpoint=llama, layout=Layout(), attention="local")
+        chunks, info = load_model_chunks(checkpoint=hf_model, layout=Layout(), attention="local")
         save_mcore_checkpoint(chunks=chunks, info=info, out_dir=tmp_path / "megatron", params_dtype=info.params_dtype)
     streamed, megatron = tmp_path / "streamed" / "model", tmp_path / "megatron" / "model"
     assert layout_of(streamed) == layout_of(megatron)
@@ -78,19 +103,19 @@ def sha256_files(directory):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.safetensors"))}
 
 
-def test_parallel_workers_write_the_same_checkpoints(llama, tmp_path):
+def test_parallel_workers_write_the_same_checkpoints(hf_model, tmp_path):
     for workers in ("1", "3"):
-        assert dsmt(["convert", "hf-to-mcore", str(llama), str(tmp_path / f"mcore{workers}"), "--quiet",
+        assert dsmt(["convert", "hf-to-mcore", str(hf_model), str(tmp_path / f"mcore{workers}"), "--quiet",
                      "--workers", workers]) == 0
         assert dsmt(["convert", "mcore-to-hf", str(tmp_path / f"mcore{workers}"), str(tmp_path / f"hf{workers}"),
                      "--quiet", "--workers", workers, "--max-shard-gb", "0.0002"]) == 0
     one, three = every_tensor(tmp_path / "mcore1" / "model"), every_tensor(tmp_path / "mcore3" / "model")
     assert all(torch.equal(one[k], three[k]) for k in one)
     assert len(sha256_files(tmp_path / "hf1")) > 1 and sha256_files(tmp_path / "hf1") == sha256_files(tmp_path / "hf3")
-    assert sha256_files(tmp_path / "hf1") != sha256_files(llama)  # other shard sizes; the tensors are compared below
+    assert sha256_files(tmp_path / "hf1") != sha256_files(hf_model)  # other shard sizes; the tensors are compared below
     from safetensors.torch import load_file
 
-    original = {k: v for p in llama.glob("*.safetensors") for k, v in load_file(p).items()}
+    original = {k: v for p in hf_model.glob("*.safetensors") for k, v in load_file(p).items()}
     exported = {k: v for p in (tmp_path / "hf3").glob("*.safetensors") for k, v in load_file(p).items()}
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) and original[k].dtype == exported[k].dtype for k in original)

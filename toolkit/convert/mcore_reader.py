@@ -20,6 +20,7 @@ from toolkit.adapters.family import AdapterError
 from toolkit.convert.raw_io import OpenFiles, pread_into, torch_save_data
 
 _LAYER_NAME = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")  # GPTModel's stack, or an encoder's
+_EXPERT_NAME = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")  # an MoE layer's expert, by its global index
 
 
 class McoreReader:
@@ -44,22 +45,30 @@ class McoreReader:
     def stored_keys(self) -> list[str]:
         return list(self._stored)
 
-    def locate(self, name: str) -> tuple[str, int | None]:
-        """(stored key, layer index or None)."""
+    def locate(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(stored key, index on its leading stacked axes): () for an unstacked tensor, (layer,) for a layer's,
+        (layer, expert) for an expert's (megatron stacks a key's experts on a second axis:
+        `decoder.layers.mlp.experts.experts.linear_fc1.weight` [num_layers, num_experts, ...])."""
         match = _LAYER_NAME.match(name)
-        return (f"{match.group(1)}.layers.{match.group(3)}", int(match.group(2))) if match else (name, None)
+        if not match:
+            return name, ()
+        stack, layer, rest = match.group(1), int(match.group(2)), match.group(3)
+        expert = _EXPERT_NAME.match(rest)
+        if expert:
+            return f"{stack}.layers.mlp.experts.experts.{expert.group(2)}", (layer, int(expert.group(1)))
+        return f"{stack}.layers.{rest}", (layer,)
 
     def has(self, name: str) -> bool:
-        key, layer = self.locate(name)
-        return key in self._stored and (layer is None or layer < self._stored[key].size[0])
+        key, index = self.locate(name)
+        return key in self._stored and all(i < size for i, size in zip(index, self._stored[key].size))
 
     def shape(self, name: str) -> tuple[int, ...]:
-        key, layer = self.locate(name)
-        size = tuple(self._stored[key].size)
-        return size if layer is None else size[1:]
+        key, index = self.locate(name)
+        return tuple(self._stored[key].size)[len(index):]
 
-    def stacked_layers(self, key: str) -> int:
-        return self._stored[key].size[0]
+    def stacked_sizes(self, key: str, *, axes: int) -> tuple[int, ...]:
+        """The sizes of a key's `axes` leading stacked axes (layers; layers and experts)."""
+        return tuple(self._stored[key].size)[:axes]
 
     def dtype(self, name: str) -> torch.dtype:
         return self._stored[self.locate(name)[0]].properties.dtype
@@ -72,13 +81,13 @@ class McoreReader:
 
     def read_rows(self, name: str, *, start: int, into: torch.Tensor) -> None:
         """Rows [start, start + len(into)) of `name` into `into` (cast when its dtype differs from the stored one)."""
-        key, layer = self.locate(name)
+        key, index = self.locate(name)
         stored = self._stored[key]
-        lead = 0 if layer is None else 1  # the stacked-layers axis comes first
+        lead = len(index)  # the stacked axes come first
         stop, covered = start + into.shape[0], 0
         for chunk in stored.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
+            if not all(offsets[d] <= index[d] < offsets[d] + sizes[d] for d in range(lead)):
                 continue
             lo, hi = max(start, offsets[lead]), min(stop, offsets[lead] + sizes[lead])
             if lo >= hi:
@@ -86,27 +95,29 @@ class McoreReader:
             target = into[lo - start:hi - start]
             for dim in range(lead + 1, len(sizes)):  # a column-split chunk fills part of each row
                 target = target.narrow(dim - lead, offsets[dim], sizes[dim])
-            self._read_chunk_rows(key, chunk, layer=layer, lead=lead, rows=(lo, hi), into=target)
+            self._read_chunk_rows(key, chunk, index=index, rows=(lo, hi), into=target)
             covered += target.numel()
         if covered != into.numel():
             raise AdapterError(f"{self.model_dir}: the stored chunks of {key!r} cover {covered} of the "
                                f"{into.numel()} values of rows {start}..{stop} of {name}; the checkpoint is incomplete")
 
-    def _read_chunk_rows(self, key: str, chunk, *, layer: int | None, lead: int, rows: tuple[int, int],
+    def _read_chunk_rows(self, key: str, chunk, *, index: tuple[int, ...], rows: tuple[int, int],
                          into: torch.Tensor) -> None:
-        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        offsets, sizes, lead = tuple(chunk.offsets), tuple(chunk.sizes), len(index)
         whole_rows = all(offsets[d] == 0 and sizes[d] == self._stored[key].size[d] for d in range(lead + 1, len(sizes)))
         data = self._data_offset(key, chunk) if whole_rows and into.is_contiguous() else None
         if data is None:  # read the chunk whole, then copy the part needed
             region = self._load_chunk(key, chunk)
-            if layer is not None:
-                region = region[layer - offsets[0]]
+            for axis, position in enumerate(index):
+                region = region[position - offsets[axis]]
             into.copy_(region[rows[0] - offsets[lead]:rows[1] - offsets[lead]])
             return
         dtype = self._stored[key].properties.dtype
         row_bytes = math.prod(sizes[lead + 1:]) * dtype.itemsize
-        first = (0 if layer is None else (layer - offsets[0]) * sizes[1] * row_bytes) \
-            + (rows[0] - offsets[lead]) * row_bytes
+        stacked = 0  # which of the chunk's stacked slices holds the rows (C order over the leading axes)
+        for axis, position in enumerate(index):
+            stacked = stacked * sizes[axis] + position - offsets[axis]
+        first = (stacked * sizes[lead] + rows[0] - offsets[lead]) * row_bytes
         target = into if into.dtype == dtype else torch.empty(into.shape, dtype=dtype)
         path = self.model_dir / self._storage(key, chunk).relative_path
         pread_into(self._files.fd(path), target, offset=data + first, path=path)

@@ -46,9 +46,13 @@ def export_plan(*, reader: McoreReader, settings: ModelSettings,
     problems += [f"checkpoint tensor {key!r} has no row in the {settings.family.model_type} weight table"
                  for key in reader.stored_keys() if key not in table_keys]
     for key in table_keys & set(reader.stored_keys()):
-        layers = reader.stacked_layers(key)
-        if key.startswith(("decoder.layers.", "encoder.layers.")) and layers != settings.num_layers:
-            problems.append(f"checkpoint tensor {key!r} stacks {layers} layers, the config has {settings.num_layers}")
+        if not key.startswith(("decoder.layers.", "encoder.layers.")):
+            continue
+        expected = (settings.num_layers, settings.num_experts) if ".mlp.experts.experts." in key else (settings.num_layers,)
+        stacked = reader.stacked_sizes(key, axes=len(expected))
+        if stacked != expected:
+            problems.append(f"checkpoint tensor {key!r} stacks {' x '.join(map(str, stacked))} (layers"
+                            f"{', experts' if len(expected) == 2 else ''}), the config has {' x '.join(map(str, expected))}")
     if problems:
         raise AdapterError("cannot export:\n  - " + "\n  - ".join(problems))
     plan = []

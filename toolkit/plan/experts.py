@@ -54,6 +54,11 @@ def expert_params_per_layer_per_gpu(*, shape: ModelShape, tp: int, ep: int) -> i
     return local_experts(shape=shape, ep=ep) * sum(expert_tensors(shape=shape, tp=tp).values())
 
 
+def stage_expert_params_per_gpu(*, shape: ModelShape, layout) -> int:
+    """The experts' share of a pipeline stage's parameters on one rank (every stage holds as many layers)."""
+    return shape.num_layers // layout.pp * expert_params_per_layer_per_gpu(shape=shape, tp=layout.tp, ep=layout.ep)
+
+
 def routed_expert_params(shape: ModelShape) -> int:
     """The expert weights one token passes through in one layer: its k experts' matrices."""
     return shape.moe_topk * _matrices_per_expert(shape) * shape.hidden_size * shape.moe_ffn_hidden_size

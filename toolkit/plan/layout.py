@@ -25,6 +25,7 @@ class PlanLayout(Layout):
         parts = [f"tp={self.tp}", f"pp={self.pp}"]
         parts += [f"vpp={self.vpp}"] if self.vpp > 1 else []
         parts += [f"cp={self.cp}"] if self.cp > 1 else []
+        parts += [f"ep={self.ep}"] if self.ep > 1 else []
         parts += [f"dp={self.dp}", f"zero={self.zero_stage}", f"mbs={self.micro_batch_size}",
                   f"recompute={self.recompute}"]
         if self.sp:

@@ -28,7 +28,8 @@ from toolkit.errors import DsmtError
 from toolkit.plan.activations import (ROPE_FREQ_BYTES, activation_bytes_per_layer, heads_per_rank,  # noqa: F401
                                       output_layer_activation_bytes as _output_layer_bytes)
 from toolkit.plan.assumptions import Assumptions
-from toolkit.plan.experts import expert_params_per_layer_per_gpu, expert_tensors, local_experts
+from toolkit.plan.experts import (expert_params_per_layer_per_gpu, expert_tensors, local_experts,
+                                  stage_expert_params_per_gpu)
 from toolkit.plan.hardware import GpuSpec
 from toolkit.plan.layout import RECOMPUTE_CHOICES, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.model_states import model_state_bytes  # noqa: F401  (re-exported for callers of this module)
@@ -153,11 +154,6 @@ def stage_params_per_gpu(*, shape: ModelShape, layout: PlanLayout, stage: int) -
     return sum(numel * count for _, numel, count in stage_tensors(shape=shape, layout=layout, stage=stage))
 
 
-def stage_expert_params_per_gpu(*, shape: ModelShape, layout: PlanLayout, stage: int) -> int:
-    """The experts' share of `stage_params_per_gpu` (every stage holds the same layers' experts)."""
-    return shape.num_layers // layout.pp * expert_params_per_layer_per_gpu(shape=shape, tp=layout.tp, ep=layout.ep)
-
-
 def persistent_params(*, shape: ModelShape, layout: PlanLayout, stage: int, threshold: int) -> int:
     """ZeRO-3 keeps parameters with fewer than `threshold` elements whole on every rank (DeepSpeed's
     stage3_param_persistence_threshold: `ds_persist`, partition_parameters.py); at scale only the norms."""
@@ -228,7 +224,7 @@ def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingSha
     """Memory per GPU of pipeline stage `stage` (its worst data-parallel rank, or `dp_rank`'s)."""
     a = assumptions
     params = stage_params_per_gpu(shape=shape, layout=layout, stage=stage)
-    expert_params = stage_expert_params_per_gpu(shape=shape, layout=layout, stage=stage)
+    expert_params = stage_expert_params_per_gpu(shape=shape, layout=layout)
     persistent = persistent_params(shape=shape, layout=layout, stage=stage, threshold=a.zero3_persistence_threshold)
     if training.lora is None:
         states = full_model_states(shape=shape, layout=layout, stage=stage, params=params,

@@ -21,9 +21,10 @@ def _gb(n: float) -> str:
     return f"{n / GB:.1f}"
 
 
-def candidate_dict(candidate: Candidate) -> dict:
+def candidate_dict(candidate: Candidate, *, moe: bool = False) -> dict:
+    """One layout's figures; an MoE model's also name ep, the expert parameters per GPU and the all-to-all."""
     lay, mem, t = candidate.layout, candidate.memory, candidate.time
-    return {
+    found = {
         "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "zero_stage": lay.zero_stage,
         "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute, "cp": lay.cp, "sequence_parallel": lay.sp,
         "offload_optimizer": lay.offload_optimizer,
@@ -32,14 +33,38 @@ def candidate_dict(candidate: Candidate) -> dict:
         "worst_stage": mem.worst.stage, "fits": mem.fits,
         "step_time_s": round(t.step_time_s, 4), "tokens_per_s": round(t.tokens_per_s, 1), "mfu": round(t.mfu, 4),
         "bubble_fraction": round(t.bubble_fraction, 4),
-        "step_breakdown_s": {k: round(getattr(t, f), 4) for k, f in STEP_PARTS.items()},
+        "step_breakdown_s": {k: round(getattr(t, f), 4) for k, f in step_parts(moe=moe).items()},
         "dp_hidden_s": round(t.dp_hidden_s, 4),
     }
+    if moe:
+        found.update(ep=lay.ep, expert_params_per_gpu=mem.expert_params_per_gpu)
+    return found
 
 
 # The terms that add up to a step (timing.StepTime), in the order --explain prints them.
 STEP_PARTS = {"compute": "compute_s", "memory_bound": "elementwise_s", "tp_comm": "tp_comm_s", "cp_ring": "cp_comm_s",
               "pp_p2p": "pp_comm_s", "bubble": "bubble_s", "dp_comm_exposed": "dp_comm_s", "optimizer": "optimizer_s"}
+
+
+def step_parts(*, moe: bool) -> dict[str, str]:
+    """STEP_PARTS, with the expert-parallel token all-to-all after the CP ring for an MoE model."""
+    if not moe:
+        return STEP_PARTS
+    parts = {}
+    for name, field in STEP_PARTS.items():
+        parts[name] = field
+        if name == "cp_ring":
+            parts["ep_all_to_all"] = "ep_comm_s"
+    return parts
+
+
+def moe_lines(*, shape: ModelShape, assumptions) -> list[str]:
+    """An MoE model's experts and the routing assumption the plan rests on (nothing for a dense model)."""
+    if not shape.is_moe:
+        return []
+    return [f"experts: {shape.num_experts} per layer of width {shape.moe_ffn_hidden_size}, top-{shape.moe_topk} "
+            f"routed; assumption router_imbalance = {assumptions.router_imbalance} (the busiest EP rank receives "
+            f"{assumptions.router_imbalance:g} x the mean routed tokens, at most ep x; --router-imbalance)"]
 
 
 def choice_note(result: Plan) -> str:
@@ -58,8 +83,8 @@ def choice_note(result: Plan) -> str:
 
 
 def plan_dict(result: Plan, *, top: int) -> dict:
-    c = result.cluster
-    return {
+    c, moe = result.cluster, result.shape.is_moe
+    found = {
         "model": result.shape.name, "num_params": result.shape.num_params(),
         "cluster": {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu": c.gpu.name,
                     "gpu_memory_gb": round(c.gpu.memory_gb, 2)},
@@ -70,15 +95,22 @@ def plan_dict(result: Plan, *, top: int) -> dict:
         "choice": {"preferred_for_simplicity": result.preferred_for_simplicity,
                    "time_uncertainty": result.assumptions.time_uncertainty,
                    "fastest": result.fastest.layout.label() if result.fastest else None, "note": choice_note(result)},
-        "layouts": [candidate_dict(x) for x in result.fitting[:top]],
-        "rejected": [dict(candidate_dict(x), reason=rejection_reason(x)) for x in result.rejected],
+        "layouts": [candidate_dict(x, moe=moe) for x in result.fitting[:top]],
+        "rejected": [dict(candidate_dict(x, moe=moe), reason=rejection_reason(x)) for x in result.rejected],
     }
+    if moe:
+        shape = result.shape
+        found["moe"] = {"num_experts": shape.num_experts, "moe_topk": shape.moe_topk,
+                        "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
+                        "router_imbalance": result.assumptions.router_imbalance}
+    return found
 
 
-def _layout_cells(lay: PlanLayout) -> str:
+def _layout_cells(lay: PlanLayout, *, moe: bool = False) -> str:
     rec = {"none": "-", "selective": "sel", "full": "full"}[lay.recompute]
     off = "+off" if lay.offload_optimizer else ""
-    return (f"{lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>5} {lay.zero_stage:>3}{off:<4} "
+    ep = f" {lay.ep:>3}" if moe else ""
+    return (f"{lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3}{ep} {lay.dp:>5} {lay.zero_stage:>3}{off:<4} "
             f"{lay.micro_batch_size:>3} {rec:>5}")
 
 
@@ -95,6 +127,7 @@ def _lora_line(*, shape, training) -> list[str]:
 
 def format_table(result: Plan, *, top: int) -> str:
     c, shape, tr = result.cluster, result.shape, result.training
+    moe = shape.is_moe
     lines = [
         f"model {shape.name}: {shape.num_params() / 1e9:.2f} B params, {shape.num_layers} layers, hidden "
         f"{shape.hidden_size}, heads {shape.num_attention_heads}/{shape.num_kv_heads} KV, vocab {shape.vocab_size}",
@@ -102,26 +135,37 @@ def format_table(result: Plan, *, top: int) -> str:
         f"{c.gpu.peak_bf16_tflops:.0f} TF bf16); seq {tr.seq_length}, global batch {tr.global_batch_size}; "
         f"{result.evaluated} layouts evaluated, {len(result.fitting)} fit",
         *_lora_line(shape=shape, training=tr),
+        *moe_lines(shape=shape, assumptions=result.assumptions),
         "",
-        f"{'#':>3}  {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'zero':<7} {'mbs':>3} {'recmp':>5} | "
+        f"{'#':>3}  {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3}{' ep' if moe else ''} {'dp':>5} {'zero':<7} {'mbs':>3} "
+        f"{'recmp':>5} | "
         f"{'mem GB':>6} = {' + '.join(SHORT[k] for k in CATEGORIES)} | {'step s':>7} {'tok/s':>9} {'MFU':>5} "
         f"{'bubble':>6}",
     ]
     for rank, x in enumerate(result.fitting[:top], 1):
         parts = " ".join(f"{v / GB:5.1f}" for v in x.memory.by_category().values())
         t = x.time
-        lines.append(f"{rank:>3}  {_layout_cells(x.layout)} | {_gb(x.memory.total_bytes):>6} = {parts} | "
+        lines.append(f"{rank:>3}  {_layout_cells(x.layout, moe=moe)} | {_gb(x.memory.total_bytes):>6} = {parts} | "
                      f"{t.step_time_s:7.2f} {t.tokens_per_s:9.0f} {t.mfu:5.1%} {t.bubble_fraction:6.1%}")
     if not result.fitting:
         lines.append("    no layout fits; see the rejected ones below")
     else:
-        lines += ["", choice_note(result)]
+        lines += ["", choice_note(result)] + _expert_params_line(result.best, moe=moe)
     if result.rejected:
         header = ("best rejected (faster than the winner, but do not fit):" if result.fitting else
                   "closest to fitting (none fits: add GPUs, shorten the sequence, or try --allow-offload):")
         lines += ["", header]
         lines += [f"  {x.layout.label()}: {rejection_reason(x)}" for x in result.rejected]
     return "\n".join(lines)
+
+
+def _expert_params_line(candidate: Candidate, *, moe: bool) -> list[str]:
+    if not moe:
+        return []
+    mem, lay = candidate.memory, candidate.layout
+    return [f"#1 holds {mem.params_per_gpu / 1e9:.2f} B parameters per GPU, {mem.expert_params_per_gpu / 1e9:.2f} B "
+            f"of them experts ({lay.ep} EP ranks, each expert split over tp={lay.tp}; expert states partitioned "
+            f"over expert_dp={lay.expert_dp})"]
 
 
 def rejection_reason(candidate: Candidate) -> str:
@@ -136,7 +180,7 @@ def parse_layout(text: str, *, cluster: Cluster) -> PlanLayout:
     """`"tp=8 pp=4 zero=1 mbs=1"` (also vpp, dp, recompute, sp=on|off, offload=on|off); dp defaults to the rest."""
     aliases = {"zero": "zero_stage", "zero_stage": "zero_stage", "mbs": "micro_batch_size",
                "micro_batch_size": "micro_batch_size", "tp": "tp", "pp": "pp", "vpp": "vpp", "dp": "dp",
-               "recompute": "recompute", "sp": "sp", "cp": "cp", "offload": "offload_optimizer"}
+               "recompute": "recompute", "sp": "sp", "cp": "cp", "ep": "ep", "offload": "offload_optimizer"}
     values: dict = {}
     for item in text.replace(",", " ").split():
         key, sep, raw = item.partition("=")
@@ -160,7 +204,7 @@ def parse_layout(text: str, *, cluster: Cluster) -> PlanLayout:
 
 def explain(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, cluster: Cluster, result: Plan) -> str:
     lines = [f"layout {layout.label()} for {shape.name} on {cluster.nodes} x {cluster.gpus_per_node} "
-             f"{cluster.gpu.name}:"]
+             f"{cluster.gpu.name}:"] + ["  " + line for line in moe_lines(shape=shape, assumptions=result.assumptions)]
     problems = layout_violations(shape=shape, layout=layout, training=training, cluster=cluster)
     if problems:
         return "\n".join(lines + ["  INVALID:"] + [f"  - {p}" for p in problems])
@@ -170,17 +214,20 @@ def explain(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, c
                  f"worst stage ({x.memory.worst.stage})")
     for stage in x.memory.stages:
         cats = ", ".join(f"{k} {_gb(v)}" for k, v in stage.by_category().items())
+        experts = f" ({stage.expert_params_per_gpu / 1e9:.2f} B experts)" if shape.is_moe else ""
         lines.append(f"    stage {stage.stage}: {_gb(stage.total_bytes)} GB = {cats}  "
-                     f"[{stage.params_per_gpu / 1e9:.2f} B params/GPU, {stage.micro_batches_in_flight:g} "
+                     f"[{stage.params_per_gpu / 1e9:.2f} B params/GPU{experts}, {stage.micro_batches_in_flight:g} "
                      f"micro-batches in flight]")
-    lines += _time_lines(x.time) + _rank_lines(x, result)
+    lines += _time_lines(x.time, moe=shape.is_moe) + _rank_lines(x, result)
     return "\n".join(lines)
 
 
-def _time_lines(t) -> list[str]:
-    parts = " + ".join(f"{name.replace('_', ' ')} {getattr(t, field):.3f}" for name, field in STEP_PARTS.items())
-    return [
-        f"  step time {t.step_time_s:.3f} s = {parts}",
+def _time_lines(t, *, moe: bool = False) -> list[str]:
+    parts = " + ".join(f"{name.replace('_', ' ')} {getattr(t, field):.3f}"
+                       for name, field in step_parts(moe=moe).items())
+    a2a = [f"  ep all to all: the MoE token all-to-all (dispatch + combine, forward and backward: 4 per layer and "
+           f"micro-batch, 6 with full recompute), {t.ep_comm_s:.3f} s per step, not hidden"] if moe else []
+    return [f"  step time {t.step_time_s:.3f} s = {parts}", *a2a,
         f"  data-parallel traffic hidden behind backward: {t.dp_hidden_s:.3f} s (only ZeRO-2/3 at pp = 1 hide any)",
         f"  {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, bubble (p-1)/(v*m) = {t.bubble_fraction:.1%}, "
         f"{t.flops_per_step / 1e15:.1f} PFLOP per step",
@@ -220,6 +267,8 @@ def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, trainin
                      "seq_length": training.seq_length, "precision": "bf16", "recompute": lay.recompute,
                      "attention": attention},
     }
+    if lay.ep > 1:  # expert parallelism (MoE models); the spec's default is 1
+        spec["parallel"]["ep"] = lay.ep
     if training.lora is not None:  # the plan counted adapters on every projection (PEFT's default targets: None)
         spec["training"]["lora"] = {"rank": training.lora.rank}
     return spec

@@ -11,7 +11,9 @@ import itertools
 
 from toolkit.errors import DsmtError
 from toolkit.layout import divisors
-from toolkit.layout_rules import ModelFacts, RunFacts, layout_errors, tp_spans_nodes, valid_tp_sizes
+from toolkit.layout import Layout
+from toolkit.layout_rules import (ModelFacts, RunFacts, layout_errors, tp_spans_nodes, valid_ep_sizes,
+                                  valid_tp_sizes)
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.layout import RECOMPUTE_CHOICES, Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, VOCAB_DIVISIBLE_BY, MemoryBreakdown, estimate_memory
@@ -64,6 +66,7 @@ SIMPLICITY_ORDER = (
     "TP group inside one node",                 # TP across nodes runs its per-layer collectives over InfiniBand
     "fewer pipeline stages",                    # bubble, p2p, stage balance, PP-only failure modes
     "fewer virtual pipeline stages",            # interleaving multiplies p2p traffic and needs m % pp == 0
+    "fewer expert-parallel ranks",              # MoE: each EP rank adds token all-to-alls to every layer
     "lower ZeRO stage",                         # ZeRO-2/3 add per-micro-batch traffic and partitioned state
     "less recompute (none, selective, full)",   # recompute spends compute to save memory
     "no optimizer offload",                     # CPU Adam and PCIe transfers
@@ -72,7 +75,7 @@ SIMPLICITY_ORDER = (
 
 def simplicity_key(*, layout: PlanLayout, cluster: Cluster) -> tuple:
     """Sort key following SIMPLICITY_ORDER (smaller is simpler)."""
-    return (tp_spans_nodes(tp=layout.tp, gpus_per_node=cluster.gpus_per_node), layout.pp, layout.vpp,
+    return (tp_spans_nodes(tp=layout.tp, gpus_per_node=cluster.gpus_per_node), layout.pp, layout.vpp, layout.ep,
             layout.zero_stage,
             RECOMPUTE_CHOICES.index(layout.recompute), layout.offload_optimizer)
 
@@ -149,7 +152,8 @@ def enumerate_layouts(*, shape: ModelShape, training: TrainingShape, cluster: Cl
                       max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE, max_vpp: int = MAX_VPP):
     """Yield every layout the rules accept (toolkit/layout_rules.py: the same as `dsmt check` and `dsmt train`),
     without TP groups across nodes. Sequence parallelism is on whenever tp > 1 (megatron-core's recommendation:
-    the same communication volume as TP alone, less activation memory)."""
+    the same communication volume as TP alone, less activation memory; megatron-core needs it for MoE with TP).
+    An MoE model is also searched over every ep dividing its experts and dp × cp; a dense one has ep = 1."""
     model = ModelFacts.from_shape(shape, vocab_multiple=VOCAB_DIVISIBLE_BY)
     attention = assumptions.attention
     # Selective recompute drops only the attention core, which fused attention does not store.
@@ -160,8 +164,10 @@ def enumerate_layouts(*, shape: ModelShape, training: TrainingShape, cluster: Cl
         # Plans are bf16: DeepSpeed keeps fp32 master weights and accumulates gradients in fp32 only under ZeRO
         # (stage 1 is the BF16 optimizer; with nothing to partition it costs what ZeRO-0 would).
         zeros = [1] if dp * cp == 1 else [1, 2, 3]
-        for mbs, zero in itertools.product(range(1, max_micro_batch_size + 1), zeros):
-            layout = PlanLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, sp=tp > 1, zero_stage=zero, micro_batch_size=mbs)
+        eps = valid_ep_sizes(model=model, layout=Layout(dp=dp, cp=cp)) if shape.is_moe else (1,)
+        for mbs, zero, ep in itertools.product(range(1, max_micro_batch_size + 1), zeros, eps):
+            layout = PlanLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, sp=tp > 1, zero_stage=zero,
+                                micro_batch_size=mbs)
             run = plan_run_facts(layout=layout, training=training, cluster=cluster, assumptions=assumptions)
             if layout_errors(layout=layout, model=model, run=run):
                 continue

@@ -21,8 +21,8 @@ Sources
   * Mixture of experts (toolkit/plan/experts.py): a token's FLOPs count the router and its top-k experts only; the
     busiest EP rank's expert FLOPs are router_imbalance times the mean; the token all-to-all (dispatch and
     combine, forward and backward: 4 per layer and micro-batch) is its own term, over NVLink when the EP group
-    fits in a node, else over the NICs. Expert gradients reduce over expert_dp ranks, which the data-parallel
-    term does not separate (it reduces every parameter of the rank over dp × cp: an upper bound for experts).
+    fits in a node, else over the NICs. Expert gradients reduce, and their optimizer runs, over the expert_dp
+    ranks (tp × ep apart) that hold the same experts; the other parameters over dp × cp.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import math
 
 from toolkit.plan.activations import heads_per_rank
 from toolkit.plan.assumptions import Assumptions
-from toolkit.plan.experts import all_to_all_s, imbalance_extra_flops, routed_expert_params
+from toolkit.plan.experts import (all_to_all_s, imbalance_extra_flops, routed_expert_params,
+                                  stage_expert_params_per_gpu)
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, padded_vocab_size, stage_params_per_gpu
 from toolkit.shapes import ModelShape
@@ -244,11 +245,15 @@ def _dp_comm_s(*, shape, layout, cluster, num_micro, compute_s, assumptions) -> 
         return 0.0, 0.0
     a = assumptions
     params = max(stage_params_per_gpu(shape=shape, layout=layout, stage=i) for i in {0, layout.pp - 1})
-    link = group_bandwidth_gbps(stride=layout.tp, size=ranks, cluster=cluster)
+    experts = stage_expert_params_per_gpu(shape=shape, layout=layout)
+    groups = [(params - experts, ranks, group_bandwidth_gbps(stride=layout.tp, size=ranks, cluster=cluster))]
+    if experts:  # each expert's replicas: expert_dp ranks, tp × ep apart (megatron's etp × ep × edp grid)
+        groups.append((experts, layout.expert_dp, group_bandwidth_gbps(stride=layout.tp * layout.ep,
+                                                                       size=layout.expert_dp, cluster=cluster)))
 
     def ring(kind, count, bytes_per_param):
-        return count * ring_time_s(kind=kind, message_bytes=params * bytes_per_param, group_size=ranks,
-                                   bandwidth_gbps=link, assumptions=a)
+        return sum(count * ring_time_s(kind=kind, message_bytes=held * bytes_per_param, group_size=size,
+                                       bandwidth_gbps=link, assumptions=a) for held, size, link in groups)
 
     grads, weights = a.dp_grad_comm_bytes, a.param_bytes
     if layout.zero_stage == 0:
@@ -271,6 +276,9 @@ def _optimizer_s(*, shape, layout, cluster, assumptions) -> float:
     a = assumptions
     params = max(stage_params_per_gpu(shape=shape, layout=layout, stage=i) for i in {0, layout.pp - 1})
     shard = params / (layout.zero_size if layout.zero_stage >= 1 else 1)
+    experts = stage_expert_params_per_gpu(shape=shape, layout=layout)
+    if experts and layout.zero_stage >= 1:  # the experts' states are partitioned over expert_dp ranks only
+        shard = (params - experts) / layout.zero_size + experts / layout.expert_dp
     if layout.offload_optimizer:
         pcie_bytes = shard * (a.master_grad_bytes + a.param_bytes)
         return shard / a.cpu_adam_params_per_s + pcie_bytes / (a.pcie_gbps * 1e9)
