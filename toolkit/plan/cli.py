@@ -26,7 +26,7 @@ OVERRIDES = {  # flag -> (Assumptions field, help); defaults and sources: toolki
     "--collective-latency-s": ("collective_latency_s", "fixed cost of one collective call (default 2e-5)"),
     "--optimizer-passes": ("optimizer_passes", "HBM passes over the optimizer state per step (default 3)"),
     "--router-imbalance": ("router_imbalance", "MoE: routed tokens of the busiest expert-parallel rank over the mean "
-                                               "(default 1.0 = balanced routing; at most ep counts)"),
+                                               "(default 1.0 = balanced routing; capped at ep)"),
     "--cpu-adam-params-per-s": ("cpu_adam_params_per_s", "CPU Adam update rate with offload (default 1e9)"),
     "--pcie-gbps": ("pcie_gbps", "host <-> GPU bandwidth with offload, GB/s (default 25)"),
     "--overhead-gb": ("framework_overhead_gb", "per-GPU allowance for CUDA context, NCCL, workspaces (default 2.5)"),

@@ -25,6 +25,8 @@ gated (SwiGLU) expert else 2, ab bytes per activation element, T a rank's tokens
 
 from __future__ import annotations
 
+from toolkit.errors import DsmtError
+from toolkit.layout import divisors
 from toolkit.plan.assumptions import Assumptions
 from toolkit.shapes import ModelShape
 
@@ -33,6 +35,18 @@ ROUTER_PROB_BYTES = 4  # megatron-core's router softmax runs in fp32 (topk_softm
 
 def _matrices_per_expert(shape: ModelShape) -> int:
     return 3 if shape.gated_mlp else 2
+
+
+def require_expert_layout(*, shape: ModelShape, layout) -> None:
+    """The ep values the arithmetic needs (whole experts per rank, whole expert_dp); the layout rules
+    (toolkit/layout_rules.py) say the same with their fixes, this guards callers that skip them."""
+    ep, replicas = layout.ep, layout.dp * layout.cp
+    if ep == 1:
+        return
+    valid = [e for e in divisors(replicas) if shape.num_experts % e == 0] if shape.is_moe else [1]
+    if ep < 1 or ep not in valid:
+        raise DsmtError(f"ep={ep} must divide num_experts={shape.num_experts} and dp×cp={layout.dp}×{layout.cp}="
+                        f"{replicas}; valid ep: {', '.join(map(str, valid))}")
 
 
 def expert_tensors(*, shape: ModelShape, tp: int) -> dict[str, int]:

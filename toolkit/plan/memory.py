@@ -29,7 +29,7 @@ from toolkit.plan.activations import (ROPE_FREQ_BYTES, activation_bytes_per_laye
                                       output_layer_activation_bytes as _output_layer_bytes)
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.experts import (expert_params_per_layer_per_gpu, expert_tensors, local_experts,
-                                  stage_expert_params_per_gpu)
+                                  require_expert_layout, stage_expert_params_per_gpu)
 from toolkit.plan.hardware import GpuSpec
 from toolkit.plan.layout import RECOMPUTE_CHOICES, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.model_states import model_state_bytes  # noqa: F401  (re-exported for callers of this module)
@@ -367,6 +367,7 @@ def _require_computable(*, shape: ModelShape, layout: PlanLayout) -> None:
                         f"valid pp * vpp: {', '.join(map(str, valid))}")
     if layout.recompute not in RECOMPUTE_CHOICES:
         raise DsmtError(f"recompute={layout.recompute!r} is not one of {', '.join(RECOMPUTE_CHOICES)}")
+    require_expert_layout(shape=shape, layout=layout)
 
 
 def require_fit(memory: MemoryBreakdown) -> None:

@@ -64,7 +64,7 @@ def moe_lines(*, shape: ModelShape, assumptions) -> list[str]:
         return []
     return [f"experts: {shape.num_experts} per layer of width {shape.moe_ffn_hidden_size}, top-{shape.moe_topk} "
             f"routed; assumption router_imbalance = {assumptions.router_imbalance} (the busiest EP rank receives "
-            f"{assumptions.router_imbalance:g} x the mean routed tokens, at most ep x; --router-imbalance)"]
+            f"{assumptions.router_imbalance:g} x the mean routed tokens, capped at ep; --router-imbalance)"]
 
 
 def choice_note(result: Plan) -> str:
@@ -137,7 +137,7 @@ def format_table(result: Plan, *, top: int) -> str:
         *_lora_line(shape=shape, training=tr),
         *moe_lines(shape=shape, assumptions=result.assumptions),
         "",
-        f"{'#':>3}  {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3}{' ep' if moe else ''} {'dp':>5} {'zero':<7} {'mbs':>3} "
+        f"{'#':>3}  {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3}{'  ep' if moe else ''} {'dp':>5} {'zero':<7} {'mbs':>3} "
         f"{'recmp':>5} | "
         f"{'mem GB':>6} = {' + '.join(SHORT[k] for k in CATEGORIES)} | {'step s':>7} {'tok/s':>9} {'MFU':>5} "
         f"{'bubble':>6}",
@@ -150,7 +150,7 @@ def format_table(result: Plan, *, top: int) -> str:
     if not result.fitting:
         lines.append("    no layout fits; see the rejected ones below")
     else:
-        lines += ["", choice_note(result)] + _expert_params_line(result.best, moe=moe)
+        lines += ["", choice_note(result)] + _expert_params_line(result.best, shape=shape)
     if result.rejected:
         header = ("best rejected (faster than the winner, but do not fit):" if result.fitting else
                   "closest to fitting (none fits: add GPUs, shorten the sequence, or try --allow-offload):")
@@ -159,13 +159,14 @@ def format_table(result: Plan, *, top: int) -> str:
     return "\n".join(lines)
 
 
-def _expert_params_line(candidate: Candidate, *, moe: bool) -> list[str]:
-    if not moe:
+def _expert_params_line(candidate: Candidate, *, shape: ModelShape) -> list[str]:
+    """The chosen layout's expert parameters per GPU (an MoE model only)."""
+    if not shape.is_moe:
         return []
     mem, lay = candidate.memory, candidate.layout
     return [f"#1 holds {mem.params_per_gpu / 1e9:.2f} B parameters per GPU, {mem.expert_params_per_gpu / 1e9:.2f} B "
-            f"of them experts ({lay.ep} EP ranks, each expert split over tp={lay.tp}; expert states partitioned "
-            f"over expert_dp={lay.expert_dp})"]
+            f"of them experts (ep={lay.ep}: {shape.num_experts // lay.ep} experts per layer on each rank, each split "
+            f"over tp={lay.tp}; their states partitioned over expert_dp={lay.expert_dp})"]
 
 
 def rejection_reason(candidate: Candidate) -> str:
@@ -258,17 +259,17 @@ def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, trainin
     """The job spec `dsmt generate` reads, with exactly the agreed keys (the attention kind the plan assumed)."""
     lay = candidate.layout
     model = {"builtin": model_ref} if model_ref in BUILTIN_SHAPES else {"path": model_ref}
+    expert_parallel = {"ep": lay.ep} if lay.ep > 1 else {}  # MoE models; the spec's default is 1
     spec = {
         "model": model,
         "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name},
-        "parallel": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "sequence_parallel": lay.sp,
+        "parallel": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, **expert_parallel,
+                     "sequence_parallel": lay.sp,
                      "zero_stage": lay.zero_stage, "offload_optimizer": lay.offload_optimizer},
         "training": {"global_batch_size": training.global_batch_size, "micro_batch_size": lay.micro_batch_size,
                      "seq_length": training.seq_length, "precision": "bf16", "recompute": lay.recompute,
                      "attention": attention},
     }
-    if lay.ep > 1:  # expert parallelism (MoE models); the spec's default is 1
-        spec["parallel"]["ep"] = lay.ep
     if training.lora is not None:  # the plan counted adapters on every projection (PEFT's default targets: None)
         spec["training"]["lora"] = {"rank": training.lora.rank}
     return spec

@@ -10,8 +10,7 @@ import dataclasses
 import itertools
 
 from toolkit.errors import DsmtError
-from toolkit.layout import divisors
-from toolkit.layout import Layout
+from toolkit.layout import Layout, divisors
 from toolkit.layout_rules import (ModelFacts, RunFacts, layout_errors, tp_spans_nodes, valid_ep_sizes,
                                   valid_tp_sizes)
 from toolkit.plan.assumptions import Assumptions

@@ -17,7 +17,8 @@ Two drivers, chosen by the layout:
 ZeRO-2/3 with PP > 1 is refused before launch (`dsmt check`): every micro-batch would add DP traffic.
 With sequence parallelism the norms' gradients are partial per TP rank; a hook per such parameter sums them over
 the TP group as each is computed, before DeepSpeed sees them (`sum_sequence_parallel_grads`), in both drivers.
-Both drivers backpropagate the same loss per unit (token, or sample for classification) over the global batch
+Mixture-of-experts models (expert parameters, their groups in DeepSpeed, the load-balancing loss): see
+`toolkit/train/moe.py`. Both drivers backpropagate the same loss per unit (token, or sample for classification) over the global batch
 (`HybridEngine`), the model call and the loss coming from the task (`toolkit/train/tasks.py`: causal LM, masked
 LM, sequence classification / regression); bf16 accumulates and reduces gradients in fp32
 (`toolkit/generate/deepspeed_config.py`).
@@ -28,12 +29,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from contextlib import nullcontext
 
 import torch
 
 from toolkit import backend as backends
 from toolkit.adapters.load import full_shape
 from toolkit.errors import DsmtError
+from toolkit.train import moe
 from toolkit.train.mpu import MegatronMpu
 from toolkit.train.tasks import CausalLM
 
@@ -89,8 +92,13 @@ class HybridEngine:
             mark_tied_output_copies(chunks)
         config = engine_config(ds_config, pp_size=pp_size)
         groups = weight_decay_groups(module, weight_decay=config["optimizer"]["params"]["weight_decay"])
-        self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=config,
-                                                    mpu=MegatronMpu())
+        moe.refuse_fp16(chunks)
+        experts = moe.register_expert_groups(chunks)
+        scope = moe.deepspeed_sees_experts(num_experts=chunks[0].config.num_moe_experts) if experts else nullcontext()
+        with scope:
+            self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=config,
+                                                        mpu=MegatronMpu())
+        self.is_moe = moe.is_moe(chunks)
         check_driver(self.engine, pp_size=pp_size)
         self._sequence_parallel_hooks = sum_sequence_parallel_grads(self.chunks)
         self.task = task if task is not None else CausalLM(vocab_size=vocab_size)
@@ -113,9 +121,12 @@ class HybridEngine:
         # dp / global_tokens: see the class docstring (clamped: a step whose tokens are all masked learns nothing)
         scale = MegatronMpu().get_data_parallel_world_size() / max(global_tokens, 1)  # dp (× cp: MegatronMpu)
         step = self._pipeline_step if self.pp_size > 1 else self._deepspeed_step
+        if self.is_moe:
+            moe.set_aux_loss_scale(len(micro_batches))  # megatron's pipeline schedule sets the same itself
         local_sum = step(micro_batches, scale=scale)
         norm = self.engine.get_global_grad_norm()
-        return StepStats(loss=self._global_loss(local_sum, global_tokens=global_tokens),
+        aux = moe.aux_loss_value(self.chunks, num_microbatches=len(micro_batches), device=device) if self.is_moe else 0.0
+        return StepStats(loss=self._global_loss(local_sum, global_tokens=global_tokens) + aux,
                          grad_norm=None if norm is None else float(norm), lr=float(lr),
                          step_time_s=time.perf_counter() - start)
 
@@ -375,7 +386,9 @@ def weight_decay_groups(module: torch.nn.Module, *, weight_decay: float) -> list
     for param in module.parameters():
         if param.requires_grad:
             (no_decay if len(full_shape(param)) == 1 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # Named: with expert parallelism DeepSpeed splits each group per expert group and names the parts after it.
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return [group for group in groups if group["params"]]
 
 
