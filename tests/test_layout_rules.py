@@ -17,6 +17,8 @@ from toolkit.parallel import LayoutError
 HF = {"hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 12, "num_key_value_heads": 2,
       "intermediate_size": 192, "vocab_size": 1152, "hidden_act": "silu", "max_position_embeddings": 4096}
 MODEL = ModelFacts(num_attention_heads=12, num_kv_heads=2, ffn_hidden_size=192, num_layers=4, padded_vocab_size=1152)
+# The same shape as a Mixtral of 8 experts, top-2 (rows with "moe": True use it).
+MOE_HF = {**HF, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}
 
 
 def run_facts(**overrides) -> RunFacts:
@@ -94,21 +96,36 @@ TABLE = [
     ({"tp": 4, "sequence_parallel": True, "seq_length": 2046}, {"sequence_parallel_vs_seq_length"}),
     ({"tp": 2, "cp": 2, "sequence_parallel": True, "seq_length": 2044}, set()),
     ({"tp": 4, "cp": 2, "sequence_parallel": True, "seq_length": 2044}, {"sequence_parallel_vs_seq_length"}),
+    ({"ep": 2}, {"ep_needs_experts"}),  # a dense model
+    ({"moe": True, "ep": 2}, set()),
+    ({"moe": True, "ep": 4, "tp": 2, "sequence_parallel": True}, set()),  # dp 12 = ep 4 x expert-dp 3
+    ({"moe": True, "ep": 3}, {"experts_vs_ep"}),  # dp 24 is a multiple of 3; 8 experts are not
+    ({"moe": True, "ep": 8, "tp": 4, "sequence_parallel": True}, {"ep_vs_data_parallel"}),  # dp 6
+    ({"moe": True, "tp": 2}, {"moe_tp_needs_sequence_parallel"}),
+    ({"moe": True, "ep": 2, "zero_stage": 3}, {"zero3_with_ep"}),
 ]
 
 
 def test_every_rule_is_reachable_from_the_table_or_the_unit_tests():
     tabled = set().union(*(expected for _, expected in TABLE))
-    unit = {"layout_sizes", "cp_on_cpu", "fused_attention_on_cpu", "expert_parallel_not_built", "tp_crosses_nodes"}
+    unit = {"layout_sizes", "cp_on_cpu", "fused_attention_on_cpu", "tp_crosses_nodes"}
     assert LAYOUT_RULES == tabled | unit
     assert MODEL_RULES == LAYOUT_RULES - RUN_RULES  # what the model loader (and the dry run's build) can decide
-    assert rules_of(layout_problems(layout=Layout(ep=2), model=MODEL)) == {"expert_parallel_not_built"}
+
+
+def test_expert_parallel_errors_list_the_valid_ep():
+    moe = dataclasses.replace(MODEL, num_experts=8)
+    (problem,) = layout_problems(layout=Layout(ep=3, dp=6), model=moe)
+    assert problem.rule == "experts_vs_ep" and "ep=3 does not divide num_experts=8" in problem.message
+    assert problem.valid == (1, 2) and "valid ep: 1, 2" in problem.fix  # divisors of 8 that divide dp 6
+    (problem,) = layout_problems(layout=Layout(ep=4, dp=2), model=moe)
+    assert problem.rule == "ep_vs_data_parallel" and "dp×cp=2×1=2" in problem.message and problem.valid == (1, 2)
 
 
 def spec_of(row: dict) -> dict:
-    parallel = {k: row[k] for k in ("tp", "pp", "vpp", "cp", "sequence_parallel", "zero_stage") if k in row}
+    parallel = {k: row[k] for k in ("tp", "pp", "vpp", "cp", "ep", "sequence_parallel", "zero_stage") if k in row}
     return {
-        "model": {"config": copy.deepcopy(HF)},
+        "model": {"config": copy.deepcopy(MOE_HF if row.get("moe") else HF)},
         "cluster": {"nodes": 2, "gpus_per_node": 12, "gpu": "h100-80gb", "hosts": ["node-a", "node-b"]},
         "parallel": parallel,
         "training": {"global_batch_size": row.get("gbs", 48), "micro_batch_size": row.get("mbs", 1),
@@ -133,9 +150,10 @@ def plan_rules(row: dict) -> set[str]:
     from toolkit.plan.search import layout_violations
     from toolkit.shapes import shape_from_config
 
-    shape = shape_from_config(HF, name="row")
+    shape = shape_from_config(MOE_HF if row.get("moe") else HF, name="row")
     tp, pp, cp = row.get("tp", 1), row.get("pp", 1), row.get("cp", 1)
-    layout = PlanLayout(tp=tp, pp=pp, vpp=row.get("vpp", 1), cp=cp, sp=row.get("sequence_parallel", False),
+    layout = PlanLayout(tp=tp, pp=pp, vpp=row.get("vpp", 1), cp=cp, ep=row.get("ep", 1),
+                        sp=row.get("sequence_parallel", False),
                         dp=max(1, 24 // (tp * pp * cp)), zero_stage=row.get("zero_stage", 1),
                         micro_batch_size=row.get("mbs", 1))
     training = TrainingShape(seq_length=row.get("seq_length", 2048), global_batch_size=row.get("gbs", 48))
@@ -154,8 +172,10 @@ def trainer_rules(row: dict) -> set[str]:
     from toolkit.adapters.hf_config import model_settings
     from toolkit.models import check_layout
 
-    settings = model_settings(transformers.LlamaConfig(**HF))
-    layout = Layout(tp=row.get("tp", 1), pp=row.get("pp", 1), vpp=row.get("vpp", 1), cp=row.get("cp", 1),
+    config = transformers.MixtralConfig(**MOE_HF) if row.get("moe") else transformers.LlamaConfig(**HF)
+    settings = model_settings(config)
+    tp, pp, cp = row.get("tp", 1), row.get("pp", 1), row.get("cp", 1)
+    layout = Layout(tp=tp, pp=pp, vpp=row.get("vpp", 1), cp=cp, ep=row.get("ep", 1), dp=max(1, 24 // (tp * pp * cp)),
                     sp=row.get("sequence_parallel", False))
     try:
         check_layout(settings, layout)
@@ -167,7 +187,8 @@ def trainer_rules(row: dict) -> set[str]:
 # The rules that need the world, batch or device: the model loader cannot see them.
 RUN_RULES = {"world_size", "batch_divisibility", "vpp_microbatches", "zero_with_pp", "cp_on_cpu", "fused_attention_on_cpu",
              "sequence_parallel_vs_seq_length",
-             "cp_needs_fused_attention", "cp_vs_seq_length", "tp_crosses_nodes"}
+             "cp_needs_fused_attention", "cp_vs_seq_length", "tp_crosses_nodes", "moe_tp_needs_sequence_parallel",
+             "zero3_with_ep"}
 
 
 @pytest.mark.parametrize("row,expected", TABLE, ids=[str(row) for row, _ in TABLE])

@@ -71,3 +71,23 @@ def test_moe_training_matches_hf_reference(name, full_rows, tmp_path):
     assert figures["loss"] < LOSS_TOLERANCE and figures["grad_norm"] < GRAD_NORM_TOLERANCE
     assert figures["weight"] < WEIGHT_TOLERANCE
     assert reference.losses[-1] < reference.losses[0]
+
+
+@pytest.mark.multiproc
+def test_moe_resume_at_ep2_matches_uninterrupted(full_rows, tmp_path):
+    """DeepSpeed's module file would give every EP rank the first rank's experts; the EP run resumes from the
+    layout-free (dist_checkpointing) copy instead, and continues exactly as an uninterrupted run."""
+    model_dir = moe_checkpoint(tmp_path, "mixtral")
+    common = dict(model_dir=model_dir, dp=2, zero=1, micro=2, global_batch=4, seq=SEQ,
+                  extra={"parallel": {"ep": 2}, "data": {"path": str(full_rows), "packing": False}})
+    run_dsmt(write_spec(tmp_path / "whole.yaml", output_dir=tmp_path / "whole", steps=4, **common))
+    run_dsmt(write_spec(tmp_path / "first.yaml", output_dir=tmp_path / "split", steps=2, checkpoint_interval=2,
+                        **common))
+    run_dsmt(write_spec(tmp_path / "rest.yaml", output_dir=tmp_path / "split", steps=4, checkpoint_interval=2,
+                        **common))
+    whole, split = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
+    assert [r["step"] for r in split] == [1, 2, 3, 4]
+    assert all(abs(a["loss"] - b["loss"]) < 1e-6 for a, b in zip(whole, split)), (whole, split)
+    first = {k: v for p in (tmp_path / "whole" / "final-hf").glob("*.safetensors") for k, v in load_file(p).items()}
+    second = {k: v for p in (tmp_path / "split" / "final-hf").glob("*.safetensors") for k, v in load_file(p).items()}
+    assert max((first[k] - second[k]).abs().max().item() for k in first) < 1e-6

@@ -159,7 +159,9 @@ def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_f
     marker = json.loads((tag_dir / COMPLETE_MARKER).read_text())
     saved_layout = marker.get("layout")
     same = saved_layout == layout if saved_layout is not None else marker["world_size"] == dist.get_world_size()
-    if not same:
+    # DeepSpeed's module file keeps one EP rank's experts (toolkit/train/moe.py): EP runs resume layout-free.
+    experts_split = (saved_layout or {}).get("ep", 1) > 1
+    if not same or experts_split:
         if layout_free is None:
             written = describe(saved_layout) if saved_layout else f"{marker['world_size']} ranks"
             this_run = describe(layout) if layout else f"{dist.get_world_size()} ranks"
@@ -168,8 +170,10 @@ def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_f
                 "trains as a plain HF model (no megatron-core adapter), whose checkpoints resume only at the layout "
                 "that wrote them: resume with that layout, or start a new output_dir from the exported final-hf")
         record = layout_free.load(tag_dir)
-        return Resumed(step=int(marker["step"]),
-                       resharded=f"from {describe(record['layout'])} to {describe(layout)}")
+        if same:  # the writer's ranks are this run's: their RNG streams carry over
+            restore_rng_states(torch.load(tag_dir / f"dsmt_rng_rank{dist.get_rank()}.pt"))
+            return Resumed(step=int(marker["step"]))
+        return Resumed(step=int(marker["step"]), resharded=f"from {describe(record['layout'])} to {describe(layout)}")
     if layout_free is not None and (tag_dir / "dsmt_layout.json").is_file():
         layout_free.check(tag_dir)  # the same layout, another model: a named error before DeepSpeed's own
     _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
