@@ -36,6 +36,9 @@ VARIANTS: dict[str, dict] = {
         parallel={"tp": 2, "zero_stage": 3, "offload_optimizer": True, "offload_params": True},
         training={"precision": "fp16", "lr_schedule": "linear", "warmup_steps": 0},
         communication={"extra_env": {"NCCL_ALGO": "Ring"}, "communication_data_type": "fp32"}),
+    # Mixture of experts: 8 experts split over ep=4 of the 4 data-parallel replicas (expert-dp 1), TP with SP.
+    "mixtral-8x7b-ep4": _gpu_variant(model={"builtin": "mixtral-8x7b"}, parallel={"tp": 2, "pp": 2, "ep": 4,
+                                     "sequence_parallel": True}, training={"global_batch_size": 64, "micro_batch_size": 1}),
     # One node through mpirun (tests/launch/test_mpi_real.py trains it): DeepSpeed's OpenMPI runner, no ssh.
     "openmpi-1x2-cpu": {**_TINY, "cluster": {**_TINY["cluster"], "launcher": "openmpi"}},
     # Every cluster.slurm extra, with the characters sbatch's directive parser treats specially (blanks, '#', '&').

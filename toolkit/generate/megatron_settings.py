@@ -27,6 +27,7 @@ def build_megatron_settings(*, spec: JobSpec, layout: RunLayout, shape: ModelSha
         "layout": {
             "world_size": layout.world_size,
             "data_parallel_size": layout.dp,
+            **({"expert_data_parallel_size": layout.expert_dp} if shape.is_moe else {}),
             # fused: Transformer Engine's attention (flash / cuDNN, needed by cp > 1); local: megatron's unfused one
             "attention": spec_attention(spec),
             "global_batch_size": layout.global_batch_size,
@@ -61,11 +62,24 @@ def _transformer_config(*, spec: JobSpec, layout: RunLayout, shape: ModelShape) 
         "hidden_size": shape.hidden_size,
         "num_attention_heads": shape.num_attention_heads,
         "num_query_groups": shape.num_kv_heads,
-        "ffn_hidden_size": shape.ffn_hidden_size,
+        "ffn_hidden_size": shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size,
         "kv_channels": shape.kv_channels,
         "gated_linear_unit": shape.gated_mlp,
         "use_cpu_initialization": spec.cluster.device == "cpu",
+        **_experts(layout=layout, shape=shape),
     }
+
+
+def _experts(*, layout: RunLayout, shape: ModelShape) -> dict:
+    """A mixture-of-experts model's layers (dense models write none of these): every MLP num_experts experts,
+    num_experts / ep of them on each rank, one megatron MLP each (grouped GEMM needs CUDA kernels the CPU lacks and
+    the adapters do not use), tokens exchanged by all-to-all. The routing (softmax before or after top-k) and the
+    load-balancing coefficient come from the checkpoint's config (toolkit/adapters/families/moe.py)."""
+    if not shape.is_moe:
+        return {}
+    return {"expert_model_parallel_size": layout.ep, "num_moe_experts": shape.num_experts,
+            "moe_router_topk": shape.moe_topk, "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
+            "moe_grouped_gemm": False, "moe_token_dispatcher_type": "alltoall"}
 
 
 def _recompute(*, spec: JobSpec, layout: RunLayout) -> dict:

@@ -15,6 +15,14 @@ EDIT_POLICY = (
 )
 
 
+def _expert_lines(*, layout: RunLayout, shape: ModelShape) -> list[str]:
+    if not shape.is_moe:
+        return []
+    return [f"experts    {shape.num_experts} per layer (top-{shape.moe_topk}), ep={layout.ep}: "
+            f"{shape.num_experts // max(layout.ep, 1)} per rank, each replicated on expert-dp={layout.expert_dp} "
+            "ranks (their gradients and ZeRO states there)"]
+
+
 def render_summary(*, spec: JobSpec, layout: RunLayout, shape: ModelShape) -> str:
     """Layout only (no check notes: those depend on this machine's files; `dsmt check` prints them)."""
     cluster, parallel, training = spec.cluster, spec.parallel, spec.training
@@ -28,6 +36,7 @@ def render_summary(*, spec: JobSpec, layout: RunLayout, shape: ModelShape) -> st
         + f" x pp={layout.pp} x dp={layout.dp} = {layout.world_size}"
         + (f", vpp={layout.vpp}" if layout.vpp > 1 else "")
         + (", sequence parallel" if parallel.sequence_parallel else ""),
+        *_expert_lines(layout=layout, shape=shape),
         f"zero       stage {parallel.zero_stage}"
         + (", optimizer offloaded to CPU" if parallel.offload_optimizer else "")
         + (", params offloaded to CPU" if parallel.offload_params else ""),

@@ -55,7 +55,8 @@ class RunLog:
         if resharded:
             resumed += (f" (resharded {resharded}: model, fp32 master weights, Adam moments and step, LR schedule "
                         "and data position; RNG streams reseeded from training.seed and the step)")
-        print(f"dsmt train: tp={layout.tp} pp={layout.pp} vpp={layout.vpp} dp={layout.dp} world={layout.world_size}, "
+        print(f"dsmt train: tp={layout.tp} pp={layout.pp} vpp={layout.vpp}"
+              + (f" ep={layout.ep}" if layout.ep > 1 else "") + f" dp={layout.dp} world={layout.world_size}, "
               f"global batch {layout.global_batch_size} x {layout.seq_length} tokens, "
               f"{layout.grad_accum_steps} micro-batches of {layout.micro_batch_size} per rank, {total_steps} steps{resumed}",
               flush=True)

@@ -44,7 +44,8 @@ def layout_record(*, layout, zero_stage: int) -> dict:
 
 
 def describe(record: dict) -> str:
-    return (f"tp={record['tp']} pp={record['pp']} vpp={record['vpp']} cp={record['cp']} dp={record['dp']} "
+    expert = f" ep={record['ep']}" if record.get("ep", 1) > 1 else ""
+    return (f"tp={record['tp']} pp={record['pp']} vpp={record['vpp']} cp={record['cp']}{expert} dp={record['dp']} "
             f"zero={record['zero_stage']} ({record['world_size']} ranks)")
 
 
