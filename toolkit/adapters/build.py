@@ -69,8 +69,8 @@ def layer_spec(*, attention: str | None = None, cp_size: int = 1, qk_norm: bool 
                            "training.attention: fused on GPUs with transformer-engine installed")
     if attention == "fused" or (attention is None and use_te):
         # TE fuses the layer norms into its linear layers and marks their weights `sequence_parallel` itself.
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=qk_norm, num_experts=num_experts or None, moe_grouped_gemm=False)
+        experts = {"num_experts": num_experts, "moe_grouped_gemm": False} if num_experts else {}
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **experts)
     return local_layer_spec(qk_norm=qk_norm, num_experts=num_experts)
 
 

@@ -48,11 +48,13 @@ def export_plan(*, reader: McoreReader, settings: ModelSettings,
     for key in table_keys & set(reader.stored_keys()):
         if not key.startswith(("decoder.layers.", "encoder.layers.")):
             continue
-        expected = (settings.num_layers, settings.num_experts) if ".mlp.experts.experts." in key else (settings.num_layers,)
+        experts = ".mlp.experts.experts." in key  # stacked over layers and experts
+        expected = (settings.num_layers, settings.num_experts) if experts else (settings.num_layers,)
         stacked = reader.stacked_sizes(key, axes=len(expected))
         if stacked != expected:
-            problems.append(f"checkpoint tensor {key!r} stacks {' x '.join(map(str, stacked))} (layers"
-                            f"{', experts' if len(expected) == 2 else ''}), the config has {' x '.join(map(str, expected))}")
+            def describe(sizes):
+                return f"{sizes[0]} layers" + (f" x {sizes[1]} experts" if experts else "")
+            problems.append(f"checkpoint tensor {key!r} stacks {describe(stacked)}, the config has {describe(expected)}")
     if problems:
         raise AdapterError("cannot export:\n  - " + "\n  - ".join(problems))
     plan = []

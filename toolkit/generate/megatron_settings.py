@@ -79,7 +79,8 @@ def _experts(*, layout: RunLayout, shape: ModelShape) -> dict:
         return {}
     return {"expert_model_parallel_size": layout.ep, "num_moe_experts": shape.num_experts,
             "moe_router_topk": shape.moe_topk, "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
-            "moe_grouped_gemm": False, "moe_token_dispatcher_type": "alltoall"}
+            "moe_grouped_gemm": False, "moe_token_dispatcher_type": "alltoall",
+            "add_bias_linear": False}  # megatron's default has biases, which its experts refuse under TP
 
 
 def _recompute(*, spec: JobSpec, layout: RunLayout) -> dict:
