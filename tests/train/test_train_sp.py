@@ -317,6 +317,10 @@ def test_transformer_engine_layers_keep_megatrons_norms(monkeypatch):
     assert layer_spec() is te_spec and asked == [{"qk_layernorm": False}]
     assert layer_spec(qk_norm=True) is te_spec and asked[-1] == {"qk_layernorm": True}  # Qwen3's head norms
     assert decoder_spec(config=None, layer_spec=te_spec, vp_stage=None) is te_spec  # megatron picks TENorm
+    # MoE: TE's separate MLP norm is keyed as the local layers key it, so one checkpoint serves both
+    moe = layer_spec(num_experts=4)
+    assert asked[-1] == {"qk_layernorm": False, "num_experts": 4, "moe_grouped_gemm": False}
+    assert moe.submodules.sharded_state_dict_keys_map == {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
 def test_local_layers_and_final_norm_use_the_marked_torch_norm(monkeypatch):

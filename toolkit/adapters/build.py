@@ -69,9 +69,22 @@ def layer_spec(*, attention: str | None = None, cp_size: int = 1, qk_norm: bool 
                            "training.attention: fused on GPUs with transformer-engine installed")
     if attention == "fused" or (attention is None and use_te):
         # TE fuses the layer norms into its linear layers and marks their weights `sequence_parallel` itself.
-        experts = {"num_experts": num_experts, "moe_grouped_gemm": False} if num_experts else {}
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **experts)
+        if not num_experts:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=qk_norm, num_experts=num_experts, moe_grouped_gemm=False)
+        return with_local_checkpoint_keys(spec)
     return local_layer_spec(qk_norm=qk_norm, num_experts=num_experts)
+
+
+def with_local_checkpoint_keys(spec):
+    """A Transformer Engine MoE layer keeps its MLP norm apart (`pre_mlp_layernorm`), where the local layers' spec
+    stores it under the dense layers' fused name (`mlp.linear_fc1.layer_norm_weight`); mapping it the same way
+    makes one checkpoint of an MoE model load with either kind of layers."""
+    import dataclasses
+
+    keys = {**spec.submodules.sharded_state_dict_keys_map, "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys))
 
 
 def local_layer_spec(*, qk_norm: bool = False, num_experts: int = 0):

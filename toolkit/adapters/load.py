@@ -62,15 +62,12 @@ def canonical_layer_name(key: str, *, local_key: str, layer) -> str:
 
     An expert's key stacks every expert of the layer (`mlp.experts.experts.linear_fc1.weight`); its canonical name
     is `mlp.experts.<global expert index>.linear_fc1.weight`, the global index being the layer's
-    `local_expert_indices` of the module's local one (each EP rank builds num_experts / ep experts). The MoE layer's
-    norm is `pre_mlp_layernorm` in Transformer Engine's spec and `mlp.linear_fc1.layer_norm_weight` in the local
-    one: named as the latter (and as a dense layer's fused norm is)."""
+    `local_expert_indices` of the module's local one (each EP rank builds num_experts / ep experts). (An MoE layer's
+    norm is keyed `mlp.linear_fc1.layer_norm_weight` with either kind of layers: `build.with_local_checkpoint_keys`.)"""
     expert = _LOCAL_EXPERT.match(local_key)
     if expert:
         global_expert = layer.mlp.local_expert_indices[int(expert.group(1))]
         return f"mlp.experts.{global_expert}.{expert.group(2)}"
-    if key == "pre_mlp_layernorm.weight":
-        return "mlp.linear_fc1.layer_norm_weight"
     return key
 
 
