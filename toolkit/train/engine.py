@@ -17,8 +17,12 @@ Two drivers, chosen by the layout:
 ZeRO-2/3 with PP > 1 is refused before launch (`dsmt check`): every micro-batch would add DP traffic.
 With sequence parallelism the norms' gradients are partial per TP rank; a hook per such parameter sums them over
 the TP group as each is computed, before DeepSpeed sees them (`sum_sequence_parallel_grads`), in both drivers.
-Mixture-of-experts models (expert parameters, their groups in DeepSpeed, the load-balancing loss): see
-`toolkit/train/moe.py`. Both drivers backpropagate the same loss per unit (token, or sample for classification) over the global batch
+Mixture of experts (details: `toolkit/train/moe.py`): megatron-core routes tokens, dispatches them over the EP
+group, runs the experts and injects the load-balancing gradient; DeepSpeed reduces expert gradients over the
+expert-data-parallel group and partitions their ZeRO states there (dense ones over the whole DP group), once dsmt
+has registered megatron's expert groups with it; dsmt scales the load-balancing gradient like the loss and adds
+its value to the logged loss.
+Both drivers backpropagate the same loss per unit (token, or sample for classification) over the global batch
 (`HybridEngine`), the model call and the loss coming from the task (`toolkit/train/tasks.py`: causal LM, masked
 LM, sequence classification / regression); bf16 accumulates and reduces gradients in fp32
 (`toolkit/generate/deepspeed_config.py`).
