@@ -34,12 +34,13 @@ def test_split_sizes_become_numpy_as_on_cuda():
 
 
 def test_new_empty_on_the_cuda_device_lands_on_the_cpu():
-    seen = []
-    new_empty = cpu_moe.wrap_new_empty(torch.Tensor.new_empty, is_cuda_device=lambda d: isinstance(d, int),
-                                       record=seen.append)
+    from toolkit.backend import cpu
+
+    cpu.redirected_sites.clear()
+    new_empty = cpu._wrap_factory(torch.Tensor.new_empty, "Tensor.new_empty")  # what install() puts in place
     out = new_empty(torch.zeros(2), (3, 4), dtype=torch.float64, device=0)
     assert out.shape == (3, 4) and out.dtype == torch.float64 and out.device.type == "cpu"
-    assert seen == ["Tensor.new_empty"]
+    assert [api for api, _ in cpu.redirected_sites] == ["Tensor.new_empty"]
 
 
 def worker(out_dir: str) -> None:

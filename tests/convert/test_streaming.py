@@ -9,7 +9,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from toolkit.cli import main as dsmt
 from toolkit.convert.dcp_writer import TensorChunk, write_torch_dist
-from toolkit.convert.mcore_reader import McoreReader
+from toolkit.convert.mcore_reader import STACKED_EXPERTS, McoreReader
 from toolkit.tiny import make_tiny_checkpoint
 
 
@@ -36,7 +36,7 @@ def every_tensor(model_dir):
     return {name: _reference_read(reader, name) for name in names}
 
 
-EXPERTS = "decoder.layers.mlp.experts.experts."
+EXPERTS = "decoder.layers." + STACKED_EXPERTS
 
 
 def _reference_read(reader, name):

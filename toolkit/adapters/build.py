@@ -58,6 +58,10 @@ def layer_spec(*, attention: str | None = None, cp_size: int = 1, qk_norm: bool 
     expert (megatron's grouped GEMM needs CUDA kernels; TE's grouped linear is not used either)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from toolkit.backend.megatron_fixes import define_missing_te_names
+
+    if num_experts:
+        define_missing_te_names()  # megatron-core's router needs them on every machine without TE
     use_te = backends.current().use_transformer_engine
     if attention == "fused" and not use_te:
         raise AdapterError("training.attention=fused needs Transformer Engine, which is not importable on this "

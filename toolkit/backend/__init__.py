@@ -52,9 +52,6 @@ class Backend:
 @functools.cache
 def current() -> Backend:
     """The backend of this process. On a machine without CUDA this installs the CPU redirections (once)."""
-    from toolkit.backend.megatron_fixes import define_missing_te_names
-
-    define_missing_te_names()
     if torch.cuda.is_available():
         has_te = importlib.util.find_spec("transformer_engine") is not None
         return Backend(name="cuda", dist_backend="nccl", use_transformer_engine=has_te)

@@ -112,7 +112,7 @@ def _patch_moe() -> None:
 
     _OWNERS["megatron.core.transformer.moe.token_dispatcher"] = token_dispatcher
     _OWNERS["torch.distributed"] = dist
-    cpu_moe.install(patch=_patch, null_stream=_NullStream, is_cuda_device=_is_cuda_device, record=_record)
+    cpu_moe.install(patch=_patch, null_stream=_NullStream, wrap_factory=_wrap_factory)
 
 
 def _patch(owner, attr: str, replacement) -> None:

@@ -51,17 +51,6 @@ def stream_class(null_stream: type) -> type:
     return CpuStream
 
 
-def wrap_new_empty(original, *, is_cuda_device, record):
-    @functools.wraps(original)
-    def new_empty(self, *args, **kwargs):
-        if is_cuda_device(kwargs.get("device")):
-            record("Tensor.new_empty")
-            kwargs["device"] = "cpu"
-        return original(self, *args, **kwargs)
-
-    return new_empty
-
-
 def wrap_split_sizes(original):
     """megatron's `maybe_move_tensor_to_cpu`, with CPU tensors turned into numpy when asked (as CUDA ones are)."""
 
@@ -105,12 +94,12 @@ class _DoneWork:
         return True
 
 
-def install(*, patch, null_stream: type, is_cuda_device, record) -> None:
-    """Put the stand-ins in place through the backend's `patch` (so `cpu.uninstall()` undoes them)."""
+def install(*, patch, null_stream: type, wrap_factory) -> None:
+    """Put the stand-ins in place through the backend's `patch` (so `cpu.uninstall()` undoes them);
+    `wrap_factory` is the backend's redirection of a factory's `device=` (cpu._wrap_factory)."""
     from megatron.core.transformer.moe import token_dispatcher
 
     patch(torch.cuda, "Stream", stream_class(null_stream))
-    patch(torch.Tensor, "new_empty", wrap_new_empty(torch.Tensor.new_empty, is_cuda_device=is_cuda_device,
-                                                    record=record))
+    patch(torch.Tensor, "new_empty", wrap_factory(torch.Tensor.new_empty, "Tensor.new_empty"))
     patch(token_dispatcher, "maybe_move_tensor_to_cpu", wrap_split_sizes(token_dispatcher.maybe_move_tensor_to_cpu))
     patch(dist, "all_gather", wrap_uneven_all_gather(dist.all_gather))

@@ -24,13 +24,13 @@ from toolkit.adapters.load import LoadItem, plan_load
 from toolkit.convert import checkpoint as ckpt
 from toolkit.convert.dcp_writer import ObjectChunk, TensorChunk, write_torch_dist
 from toolkit.convert.progress import ConversionSummary, byte_progress, peak_rss_bytes
+from toolkit.convert.mcore_reader import STACKED_EXPERTS
 from toolkit.convert.raw_io import SafetensorsRows
 from toolkit.convert.rows import megatron_blocks, within
 from toolkit.launch import single_process_group
 from toolkit.parallel import Layout
 
 _STACK = re.compile(r"^(decoder|encoder)\.layers\.(.+)$")
-_EXPERTS = "mlp.experts.experts."  # megatron's key of every expert of a layer (SequentialMLP.sharded_state_dict)
 
 
 def meta_sharded_state(*, settings: ModelSettings, params_dtype: torch.dtype):
@@ -59,9 +59,9 @@ def canonical_name(tensor) -> str:
     """dsmt's table name of a megatron ShardedTensor: its key with the layer index of a stacked key put back, and
     for an expert's (stacked over layers and experts) the global expert index too."""
     match = _STACK.match(tensor.key)
-    if match and tensor.prepend_axis_num == 2 and match.group(2).startswith(_EXPERTS):
+    if match and tensor.prepend_axis_num == 2 and match.group(2).startswith(STACKED_EXPERTS):
         layer, expert = tensor.global_offset[:2]
-        return f"{match.group(1)}.layers.{layer}.mlp.experts.{expert}.{match.group(2).removeprefix(_EXPERTS)}"
+        return f"{match.group(1)}.layers.{layer}.mlp.experts.{expert}.{match.group(2).removeprefix(STACKED_EXPERTS)}"
     if match and tensor.prepend_axis_num == 1:
         return f"{match.group(1)}.layers.{tensor.global_offset[0]}.{match.group(2)}"
     return tensor.key

@@ -21,6 +21,9 @@ from toolkit.convert.raw_io import OpenFiles, pread_into, torch_save_data
 
 _LAYER_NAME = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")  # GPTModel's stack, or an encoder's
 _EXPERT_NAME = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")  # an MoE layer's expert, by its global index
+# megatron's key (after `decoder.layers.`) of every expert of every layer, stacked [layers, experts, ...]
+# (SequentialMLP.sharded_state_dict).
+STACKED_EXPERTS = "mlp.experts.experts."
 
 
 class McoreReader:
@@ -55,7 +58,7 @@ class McoreReader:
         stack, layer, rest = match.group(1), int(match.group(2)), match.group(3)
         expert = _EXPERT_NAME.match(rest)
         if expert:
-            return f"{stack}.layers.mlp.experts.experts.{expert.group(2)}", (layer, int(expert.group(1)))
+            return f"{stack}.layers.{STACKED_EXPERTS}{expert.group(2)}", (layer, int(expert.group(1)))
         return f"{stack}.layers.{rest}", (layer,)
 
     def has(self, name: str) -> bool:

@@ -24,7 +24,7 @@ from toolkit.adapters.hf_config import ModelSettings
 from toolkit.adapters.hf_source import _SAFETENSORS_DTYPES
 from toolkit.adapters.load import LoadItem
 from toolkit.convert import checkpoint as ckpt
-from toolkit.convert.mcore_reader import McoreReader
+from toolkit.convert.mcore_reader import STACKED_EXPERTS, McoreReader
 from toolkit.convert.progress import ConversionSummary, byte_progress, peak_rss_bytes
 from toolkit.convert.raw_io import pwrite_from
 from toolkit.convert.rows import hf_blocks, megatron_blocks
@@ -48,7 +48,7 @@ def export_plan(*, reader: McoreReader, settings: ModelSettings,
     for key in table_keys & set(reader.stored_keys()):
         if not key.startswith(("decoder.layers.", "encoder.layers.")):
             continue
-        experts = ".mlp.experts.experts." in key  # stacked over layers and experts
+        experts = key.split(".layers.", 1)[1].startswith(STACKED_EXPERTS)  # stacked over layers and experts
         expected = (settings.num_layers, settings.num_experts) if experts else (settings.num_layers,)
         stacked = reader.stacked_sizes(key, axes=len(expected))
         if stacked != expected:

@@ -170,12 +170,15 @@ def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_f
                 "trains as a plain HF model (no megatron-core adapter), whose checkpoints resume only at the layout "
                 "that wrote them: resume with that layout, or start a new output_dir from the exported final-hf")
         record = layout_free.load(tag_dir)
-        if same:  # the writer's ranks are this run's: their RNG streams carry over
-            restore_rng_states(torch.load(tag_dir / f"dsmt_rng_rank{dist.get_rank()}.pt"))
-            return Resumed(step=int(marker["step"]))
-        return Resumed(step=int(marker["step"]), resharded=f"from {describe(record['layout'])} to {describe(layout)}")
-    if layout_free is not None and (tag_dir / "dsmt_layout.json").is_file():
-        layout_free.check(tag_dir)  # the same layout, another model: a named error before DeepSpeed's own
-    _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+        if not same:
+            return Resumed(step=int(marker["step"]),
+                           resharded=f"from {describe(record['layout'])} to {describe(layout)}")
+        step = int(marker["step"])
+    else:
+        if layout_free is not None and (tag_dir / "dsmt_layout.json").is_file():
+            layout_free.check(tag_dir)  # the same layout, another model: a named error before DeepSpeed's own
+        _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+        step = int(client_state["dsmt_step"])
+    # The writer's ranks are this run's: their RNG streams carry over.
     restore_rng_states(torch.load(tag_dir / f"dsmt_rng_rank{dist.get_rank()}.pt"))
-    return Resumed(step=int(client_state["dsmt_step"]))
+    return Resumed(step=step)

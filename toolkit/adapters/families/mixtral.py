@@ -3,23 +3,15 @@
 top-k renormalised. In the table the second `*` is the global expert index (megatron's `mlp.experts.E` is dsmt's
 canonical name; each EP rank builds only its own experts)."""
 
-from toolkit.adapters.family import ModelFamily, WeightMapping, register
-from toolkit.adapters.families.llama import LLAMA_WEIGHTS, LM_HEAD, ROTARY_BUFFERS
+from toolkit.adapters.family import ModelFamily, register
+from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
 from toolkit.adapters.families.mistral import check_mistral_config
-from toolkit.adapters.families.moe import moe_fields, moe_problems
-from toolkit.adapters.transforms import Kind
+from toolkit.adapters.families.moe import LLAMA_WITHOUT_MLP, expert_rows, moe_fields, moe_problems
 
-M = WeightMapping
-ATTENTION_AND_NORMS = tuple(row for row in LLAMA_WEIGHTS if ".mlp." not in row.megatron)
-MIXTRAL_WEIGHTS = ATTENTION_AND_NORMS + (
-    M("decoder.layers.*.mlp.linear_fc1.layer_norm_weight", Kind.REPLICATED,
-      ("model.layers.*.post_attention_layernorm.weight",)),
-    M("decoder.layers.*.mlp.router.weight", Kind.REPLICATED, ("model.layers.*.block_sparse_moe.gate.weight",)),
-    M("decoder.layers.*.mlp.experts.*.linear_fc1.weight", Kind.GATE_UP,
-      ("model.layers.*.block_sparse_moe.experts.*.w1.weight", "model.layers.*.block_sparse_moe.experts.*.w3.weight")),
-    M("decoder.layers.*.mlp.experts.*.linear_fc2.weight", Kind.ROW,
-      ("model.layers.*.block_sparse_moe.experts.*.w2.weight",)),
-)
+_EXPERT = "model.layers.*.block_sparse_moe.experts.*"
+MIXTRAL_WEIGHTS = LLAMA_WITHOUT_MLP + expert_rows(router="model.layers.*.block_sparse_moe.gate.weight",
+                                                  gate=f"{_EXPERT}.w1.weight", up=f"{_EXPERT}.w3.weight",
+                                                  down=f"{_EXPERT}.w2.weight")
 
 
 def read_mixtral_config(hf_config) -> dict:

@@ -17,6 +17,25 @@ term: HF's pooled value exactly for one MoE layer, and within the spread of the 
 
 from __future__ import annotations
 
+from toolkit.adapters.family import WeightMapping
+from toolkit.adapters.families.llama import LLAMA_WEIGHTS
+from toolkit.adapters.transforms import Kind
+
+# Llama's rows without its dense MLP: attention, both norms (the MLP norm keeps its fused-layer name in an MoE
+# layer too), embedding and final norm.
+_DENSE_MLP = ("decoder.layers.*.mlp.linear_fc1.weight", "decoder.layers.*.mlp.linear_fc2.weight")
+LLAMA_WITHOUT_MLP = tuple(row for row in LLAMA_WEIGHTS if row.megatron not in _DENSE_MLP)
+
+
+def expert_rows(*, router: str, gate: str, up: str, down: str) -> tuple[WeightMapping, ...]:
+    """An MoE layer's rows from its HF names (`*` = layer, then expert): the router [E, h] on every TP rank, each
+    expert a SwiGLU MLP as a dense layer's (fused [gate; up] column-parallel, down row-parallel)."""
+    return (
+        WeightMapping("decoder.layers.*.mlp.router.weight", Kind.REPLICATED, (router,)),
+        WeightMapping("decoder.layers.*.mlp.experts.*.linear_fc1.weight", Kind.GATE_UP, (gate, up)),
+        WeightMapping("decoder.layers.*.mlp.experts.*.linear_fc2.weight", Kind.ROW, (down,)),
+    )
+
 
 def moe_fields(hf_config, *, num_experts: int, ffn_hidden_size: int, renormalise: bool) -> dict:
     """The TransformerConfig fields of an all-MoE decoder whose experts are SwiGLU MLPs of `ffn_hidden_size`."""

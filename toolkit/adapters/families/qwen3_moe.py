@@ -4,22 +4,15 @@ router (`mlp.gate`); the top-k weights are renormalised only with `norm_topk_pro
 expert index. Layers with a dense MLP (`mlp_only_layers`, `decoder_sparse_step` > 1) are refused: no released
 Qwen3-MoE has them."""
 
-from toolkit.adapters.family import Architecture, ModelFamily, WeightMapping, register
+from toolkit.adapters.family import Architecture, ModelFamily, register
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
-from toolkit.adapters.families.mixtral import ATTENTION_AND_NORMS
-from toolkit.adapters.families.moe import moe_fields, moe_problems
+from toolkit.adapters.families.moe import LLAMA_WITHOUT_MLP, expert_rows, moe_fields, moe_problems
 from toolkit.adapters.families.qwen3 import QK_NORMS, check_qwen3_config
-from toolkit.adapters.transforms import Kind
 
-M = WeightMapping
-QWEN3_MOE_WEIGHTS = ATTENTION_AND_NORMS + QK_NORMS + (
-    M("decoder.layers.*.mlp.linear_fc1.layer_norm_weight", Kind.REPLICATED,
-      ("model.layers.*.post_attention_layernorm.weight",)),
-    M("decoder.layers.*.mlp.router.weight", Kind.REPLICATED, ("model.layers.*.mlp.gate.weight",)),
-    M("decoder.layers.*.mlp.experts.*.linear_fc1.weight", Kind.GATE_UP,
-      ("model.layers.*.mlp.experts.*.gate_proj.weight", "model.layers.*.mlp.experts.*.up_proj.weight")),
-    M("decoder.layers.*.mlp.experts.*.linear_fc2.weight", Kind.ROW, ("model.layers.*.mlp.experts.*.down_proj.weight",)),
-)
+_EXPERT = "model.layers.*.mlp.experts.*"
+QWEN3_MOE_WEIGHTS = LLAMA_WITHOUT_MLP + QK_NORMS + expert_rows(
+    router="model.layers.*.mlp.gate.weight", gate=f"{_EXPERT}.gate_proj.weight", up=f"{_EXPERT}.up_proj.weight",
+    down=f"{_EXPERT}.down_proj.weight")
 
 
 def num_experts(hf_config) -> int:
