@@ -13,6 +13,7 @@ import sys
 import warnings
 
 from toolkit.errors import DsmtError
+from toolkit.rank_output import VERBOSE_ENV, verbose
 
 # Each module defines `register(subparsers)`, which adds its sub-command(s) and sets `func` on the parser
 # (`func(args) -> int`, the exit code).
@@ -24,6 +25,7 @@ COMMAND_MODULES = [
     "toolkit.spec.cli",        # dsmt check, dsmt generate
     "toolkit.plan.cli",        # dsmt plan
     "toolkit.preflight",       # dsmt preflight
+    "toolkit.env_report",      # dsmt env
 ]
 
 
@@ -43,9 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not os.environ.get("DSMT_SHOW_WARNINGS"):  # megatron/torch fallback and deprecation noise
+    if getattr(args, "verbose", False):  # every rank speaks, libraries included (toolkit/rank_output.py)
+        os.environ[VERBOSE_ENV] = "1"
+    if not (os.environ.get("DSMT_SHOW_WARNINGS") or verbose()):  # megatron/torch fallback and deprecation noise
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
+        # transformers' per-load bars ("Loading weights", "Writing model shards"); read when it is first imported
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return int(args.func(args) or 0)
     except DsmtError as err:

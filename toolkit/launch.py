@@ -8,8 +8,10 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 from toolkit.errors import DsmtError
+from toolkit.rank_output import CONSOLE_ENV, LOG_DIR_ENV, clear_reports, launched_failure, verbose
 
 
 def free_port() -> int:
@@ -18,22 +20,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_local_workers(*, module: str, args: list[str], nprocs: int, timeout_s: float = 900.0) -> None:
-    """Run `python -m module args` on `nprocs` local ranks through torchrun; raise if any rank fails."""
+def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: Path, timeout_s: float | None = 900.0,
+                         env: dict[str, str] | None = None) -> None:
+    """Run `python -m module args` on `nprocs` local ranks through torchrun; raise if any rank fails.
+
+    Rank 0 speaks; the other ranks write log_dir/rankN.log, torchrun log_dir/launcher.log, and a failure comes
+    back as one RankFailure naming the first failing rank and its error (toolkit/rank_output.py). With
+    DSMT_VERBOSE=1 every rank and torchrun keep the console."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nprocs}",
                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--monitor_interval=1",
                "-m", module, *args]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    clear_reports(log_dir)
     # One BLAS thread per rank: several ranks share few cores, and oversubscription slows gloo collectives.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}),
+                 LOG_DIR_ENV: str(log_dir)}
     # megatron and torch print pages of deprecation / fallback warnings per rank; DSMT_SHOW_WARNINGS=1 keeps them.
-    if not os.environ.get("DSMT_SHOW_WARNINGS"):
-        env["PYTHONWARNINGS"] = "ignore"
-    try:
-        completed = subprocess.run(command, env=env, timeout=timeout_s)
-    except subprocess.TimeoutExpired as err:
-        raise DsmtError(f"{module} on {nprocs} ranks did not finish within {timeout_s:.0f} s") from err
+    if not (os.environ.get("DSMT_SHOW_WARNINGS") or verbose()):
+        child_env["PYTHONWARNINGS"] = "ignore"
+    quiet = not verbose()
+    if quiet:  # torchrun's stderr (its own traceback included) goes to the log; rank 0 takes back this one
+        child_env[CONSOLE_ENV] = f"/proc/{os.getpid()}/fd/2"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(log_dir / "launcher.log", "w") if quiet else contextlib.nullcontext() as launcher_log:
+        try:
+            completed = subprocess.run(command, env=child_env, timeout=timeout_s, stderr=launcher_log)
+        except subprocess.TimeoutExpired as err:
+            raise DsmtError(f"{module} on {nprocs} ranks did not finish within {err.timeout:.0f} s "
+                            f"(rank output: {log_dir})") from err
     if completed.returncode != 0:
-        raise DsmtError(f"{module} failed on {nprocs} ranks (exit {completed.returncode}); see the rank output above")
+        raise launched_failure(log_dir=log_dir, nprocs=nprocs, returncode=completed.returncode)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ and every rank writes OUT_DIR/rank{r}.json. A case is either
   * "activations": one megatron-core forward + loss of the chunk (no DeepSpeed), measured by `live_tensors`'
     saved-tensor hooks and live-storage tracker.
 Every case carries the planner's figures for this rank's pipeline stage from the same job spec `dsmt check` reads
-(`toolkit.spec.checks._planner_inputs`).
+(`toolkit.spec.checks.planner_inputs`).
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def planner_figures(*, spec, stage: int, dp_rank: int) -> dict:
     """The planner's per-GPU figures for pipeline stage `stage` and data-parallel rank `dp_rank` of `spec`, with
     `dsmt check`'s inputs (the planner itself reports each stage's worst rank)."""
     from toolkit.plan.memory import stage_memory
-    from toolkit.spec.checks import _planner_inputs
+    from toolkit.spec.checks import planner_inputs
     from toolkit.spec.load import model_shape
 
-    layout, training, _, assumptions = _planner_inputs(spec)
+    layout, training, _, assumptions = planner_inputs(spec)
     memory = stage_memory(shape=model_shape(spec.model), layout=layout, training=training, stage=stage,
                           assumptions=assumptions, dp_rank=dp_rank)
     overhead = int(assumptions.framework_overhead_gb * 1e9)
@@ -145,10 +145,10 @@ def activations_case(case: dict, *, model_dir: str, world: int) -> dict:
                                      recompute=case["recompute"])
     [batch] = random_batches(count=1, micro=case["micro"], seq=case["seq"], vocab=info.settings.vocab_size, seed=3)
     measured = measure_forward(chunks[0], batch=batch, vocab_size=info.settings.vocab_size)
-    from toolkit.spec.checks import _planner_inputs
+    from toolkit.spec.checks import planner_inputs
     from toolkit.spec.load import model_shape
 
-    layout, training, _, assumptions = _planner_inputs(spec)
+    layout, training, _, assumptions = planner_inputs(spec)
     shape = model_shape(spec.model)
     figures = {"shape": shape, "layout": layout, "training": training, "assumptions": assumptions}
     predicted = {"layers": stage_activation_bytes(**figures), "peak": stage_memory(**figures, stage=0).activations}

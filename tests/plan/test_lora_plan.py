@@ -82,7 +82,7 @@ def test_check_counts_the_specs_lora_targets(tmp_path):
     import json
 
     from toolkit.shapes import load_model_shape
-    from toolkit.spec.checks import _planner_inputs, check_file
+    from toolkit.spec.checks import planner_inputs, check_file
 
     shape = BUILTIN_SHAPES["llama3-8b"]
     (tmp_path / "ckpt").mkdir()
@@ -103,7 +103,7 @@ def test_check_counts_the_specs_lora_targets(tmp_path):
     spec, report = check_file(path)
     assert report.ok, report.to_text()
     assert "LoRA rank 16 on 2 modules per layer (q_proj, v_proj)" in report.to_text()
-    assert _planner_inputs(spec)[1].lora == LoraShape(rank=16, projections=frozenset({"q", "v"}))
+    assert planner_inputs(spec)[1].lora == LoraShape(rank=16, projections=frozenset({"q", "v"}))
     full_raw = dict(raw, training={k: v for k, v in raw["training"].items() if k != "lora"})
     path.write_text(json.dumps(full_raw))
     full_spec, full_report = check_file(path)

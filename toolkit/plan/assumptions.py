@@ -2,7 +2,7 @@
 
 Defaults describe a bf16 megatron-core model trained with DeepSpeed ZeRO data parallelism on NVIDIA GPUs with
 Transformer Engine layers. `Assumptions.for_precision("fp32")` gives the byte widths of an fp32 run; `dsmt check`
-builds its assumptions the same way from the job spec (`toolkit/spec/checks.py: _planner_inputs`), so check and
+builds its assumptions the same way from the job spec (`toolkit/spec/checks.py: planner_inputs`), so check and
 plan agree.
 """
 

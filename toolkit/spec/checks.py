@@ -153,7 +153,7 @@ def check_builtin_tokenizer(*, spec: JobSpec, shape: ModelShape) -> list[Problem
                     "(the model family's own), or data.synthetic: true with no data.path")]
 
 
-def _planner_inputs(spec: JobSpec):
+def planner_inputs(spec: JobSpec):
     """The spec as the planner's (PlanLayout, TrainingShape, GpuSpec, Assumptions); raises DsmtError if not whole.
     The assumptions carry the spec's precision (which DeepSpeed buffers exist), attention kernel and buffer sizes.
     A CPU spec has no GPU preset (gpu: cpu): its GpuSpec is None, the per-rank figures are still those of a GPU."""
@@ -218,7 +218,7 @@ def check_memory_fit(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     from toolkit.plan.memory import estimate_memory  # imported here: the planner is not needed for CPU specs
 
     try:
-        layout, training, gpu, assumptions = _planner_inputs(spec)
+        layout, training, gpu, assumptions = planner_inputs(spec)
         memory = estimate_memory(shape=shape, layout=layout, training=training, gpu=gpu, assumptions=assumptions)
     except DsmtError:  # a layout that is not whole (world, batch, layers); the checks above say why
         return [Problem("info", "memory_fit", "memory fit: not estimated, the layout above is invalid")]

@@ -3,12 +3,8 @@ per rank (the generated scripts pass their run directory: toolkit/train/run_file
 
 import sys
 
-from toolkit.errors import DsmtError
+from toolkit.rank_output import run_rank
 from toolkit.train.run import main
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DsmtError as err:
-        print(f"dsmt train: error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
+    sys.exit(run_rank(main, command="dsmt train"))

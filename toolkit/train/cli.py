@@ -24,6 +24,8 @@ def register(subparsers) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="check spec, model at this layout (meta device), DeepSpeed config, data and tokenizer; "
                              "exit 0, or 2 listing every problem; writes nothing")
+    parser.add_argument("--verbose", action="store_true", help="every rank's output and the libraries' warnings "
+                        "on the console (default: rank 0 speaks; the others write OUTPUT/logs/rankN.log)")
     parser.set_defaults(func=run)
 
 
@@ -76,5 +78,8 @@ def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), r
                         f"run `dsmt generate {path} --out run/` and launch run/launch_deepspeed.sh or job.sbatch")
     sets = [f"--set={item}" for item in overrides]
     run_dir_args = ["--run-dir", str(Path(run_dir).expanduser().absolute())] if run_dir is not None else []
+    # On the CPU DeepSpeed would otherwise warn on every rank that it found no GPU (it is told instead).
+    cpu_env = {"DS_ACCELERATOR": "cpu"} if spec.cluster.device == "cpu" else {}
     launch_local_workers(module="toolkit.train", args=["--config", str(path), *run_dir_args, *sets],
-                         nprocs=world_size_of(spec), timeout_s=24 * 3600)
+                         nprocs=world_size_of(spec), log_dir=Path(spec.training.output_dir) / "logs",
+                         timeout_s=None, env=cpu_env)  # a training run takes as long as it takes

@@ -11,6 +11,16 @@ import json
 from pathlib import Path
 
 
+def _say(line: str) -> None:
+    """A line above the training bar (a plain print would be drawn into it on a terminal)."""
+    import sys
+
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def memory_in_use_gib() -> float | None:
     """Peak device memory on CUDA; resident memory of this process on the CPU."""
     import torch
@@ -88,8 +98,8 @@ class RunLog:
         if step % self.log_interval == 0 or step == 1:
             norm = "n/a" if stats.grad_norm is None else f"{stats.grad_norm:.3f}"
             memory = "n/a" if record["memory_gib"] is None else f"{record['memory_gib']:.2f} GiB"
-            print(f"step {step:5d} | loss {stats.loss:.4f} | lr {stats.lr:.3e} | grad norm {norm} | "
-                  f"{tokens_per_s:,.0f} tok/s | {stats.step_time_s:.2f} s | mem {memory}", flush=True)
+            _say(f"step {step:5d} | loss {stats.loss:.4f} | lr {stats.lr:.3e} | grad norm {norm} | "
+                 f"{tokens_per_s:,.0f} tok/s | {stats.step_time_s:.2f} s | mem {memory}")
 
     def validation(self, *, step: int, result, engine) -> None:
         """One evaluation after `step` training steps (0: before the first)."""
@@ -99,8 +109,7 @@ class RunLog:
         if not self._record(record, event=("Validation/val_loss", result.loss, step * self.global_batch_size),
                             engine=engine):
             return
-        print(f"step {step:5d} | val_loss {result.loss:.4f} | {result.units} tokens | {result.eval_time_s:.2f} s",
-              flush=True)
+        _say(f"step {step:5d} | val_loss {result.loss:.4f} | {result.units} tokens | {result.eval_time_s:.2f} s")
 
     def _record(self, record: dict, *, event: tuple[str, float, int], engine) -> bool:
         """Append `record` to metrics.jsonl and `event` (name, value, samples seen) to DeepSpeed's monitors; only

@@ -247,7 +247,9 @@ def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path, validati
                     if validation is not None else ())
     if start in evaluated:
         log.validation(step=start, result=evaluate(trainer=trainer, validation=validation), engine=trainer.engine)
-    with tqdm(total=total, initial=start, desc="training", disable=dist.get_rank() != 0, leave=False) as bar:
+    # Rank 0's bar, on a terminal only (disable=None): in a log file its redraws would be noise.
+    with tqdm(total=total, initial=start, desc="training", disable=True if dist.get_rank() != 0 else None,
+              leave=False) as bar:
         for step in range(start, total):
             stats = trainer.train_step(batches.batches_for_step(step))
             log.step(step=step + 1, stats=stats, engine=trainer.engine)
@@ -309,6 +311,9 @@ def main(argv=None) -> int:
     spec, report = check_file(config, overrides=args.set)
     if spec is None or not report.ok:
         raise DsmtError(f"job spec {config} does not pass `dsmt check`:\n{report.to_text()}")
+    from toolkit.rank_output import quiet_other_ranks
+
+    quiet_other_ranks(log_dir=Path(spec.training.output_dir) / "logs")  # rank 0 speaks (toolkit/rank_output.py)
     ds_config = None
     if args.run_dir is not None:  # before any process group, model or output file: a contradiction stops here
         from toolkit.train.run_files import compare_run_files

@@ -20,6 +20,8 @@ def register(subparsers) -> None:
     parser.add_argument("--reference", type=Path, default=None,
                         help="HF checkpoint to compare a megatron checkpoint with (default: the one it came from)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--verbose", action="store_true", help="every rank's output and the libraries' warnings "
+                        "on the console (default: rank 0 speaks)")
     parser.set_defaults(func=run)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -26,16 +28,24 @@ def run_verify_many(*, checkpoints: list[Path], tp: int = 1, pp: int = 1, vpp: i
     layout = verify_layout(tp=tp, pp=pp, vpp=vpp, ep=ep)
     for checkpoint in checkpoints:  # bad paths, configs and layouts fail here, before any process starts
         check_layout(inspect_checkpoint(checkpoint).settings, layout)
-    with tempfile.TemporaryDirectory(prefix="dsmt-verify-") as scratch:
-        result_file = Path(scratch) / "result.json"
+    scratch = Path(tempfile.mkdtemp(prefix="dsmt-verify-"))  # kept when a rank fails: its logs are there
+    with _removed_on_success(scratch):
+        result_file = scratch / "result.json"
         args = [f"--checkpoint={c}" for c in checkpoints]
         args += ["--tp", str(tp), "--pp", str(pp), "--vpp", str(vpp), "--ep", str(ep), "--batch-size", str(batch_size),
                  "--seq-len", str(seq_len), "--result-file", str(result_file)]
         args += ["--reference", str(reference)] if reference is not None else []
         args += ["--save-as", str(save_as)] if save_as is not None else []
-        launch_local_workers(module="toolkit.verify.worker", args=args, nprocs=layout.world_size, timeout_s=timeout_s)
+        launch_local_workers(module="toolkit.verify.worker", args=args, nprocs=layout.world_size,
+                             log_dir=scratch / "logs", timeout_s=timeout_s)
         results = json.loads(result_file.read_text())
     for result in results:
         result["tolerance"] = tolerance
         result["passed"] = result["max_abs_diff"] <= tolerance
     return results
+
+
+@contextlib.contextmanager
+def _removed_on_success(directory: Path):
+    yield
+    shutil.rmtree(directory, ignore_errors=True)

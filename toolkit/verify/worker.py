@@ -178,4 +178,8 @@ def hf_outputs(model, inputs: list[dict]) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from toolkit.rank_output import run_rank
+
+    sys.exit(run_rank(main, command="dsmt verify"))
