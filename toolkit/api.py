@@ -43,12 +43,17 @@ def check(spec: JobSpec, *, source: str = "job spec") -> Report:
     return run_checks(spec=spec, source=source)
 
 
-def generate(spec: JobSpec, *, out_dir: Path, overwrite: bool = False) -> list[Path]:
+def generate(spec: JobSpec, *, out_dir: Path, overwrite: bool = False,
+             templates: Path | None = None) -> list[Path]:
     """`dsmt generate`: the run directory (DeepSpeed JSON, megatron settings, deepspeed / torchrun / SLURM scripts,
-    hostfile, resolved spec), written atomically; raises SpecError (nothing written) when the spec has errors."""
+    hostfile, resolved spec), written atomically; raises SpecError (nothing written) when the spec has errors.
+    `templates`: a directory of site copies of launch/'s templates (`dsmt generate --templates`); a bad template
+    raises DsmtError, again with nothing written."""
+    from toolkit.generate.templates import load_templates
     from toolkit.generate.writer import write_run_dir
 
-    return write_run_dir(spec=spec, out_dir=Path(out_dir), overwrite=overwrite)
+    site_templates = load_templates(site_dir=Path(templates) if templates is not None else None)
+    return write_run_dir(spec=spec, out_dir=Path(out_dir), overwrite=overwrite, templates=site_templates)
 
 
 def train(spec: JobSpec, *, spec_file: Path | None = None) -> list[dict]:

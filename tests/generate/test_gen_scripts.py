@@ -11,6 +11,7 @@ import pytest
 from gen_helpers import SCRIPTS, VARIANTS, render, spec_of
 from toolkit.errors import DsmtError
 from toolkit.generate.scripts import render_sbatch
+from toolkit.generate.templates import load_templates
 from toolkit.generate.writer import write_run_dir
 from toolkit.spec.layout import derive_layout
 
@@ -45,7 +46,8 @@ def test_written_scripts_are_executable(tmp_path):
 def test_hostile_run_dir_stays_one_word(tmp_path):
     hostile = str(tmp_path / 'we ird "q" $(touch PWNED) `touch PWNED2` \\ end')
     spec = spec_of("tiny-cpu")
-    text = render_sbatch(spec=spec, layout=derive_layout(spec), run_dir=hostile)
+    templates = load_templates(site_dir=None)
+    text = render_sbatch(spec=spec, layout=derive_layout(spec), run_dir=hostile, templates=templates)
     line = next(line for line in text.splitlines() if line.startswith("RUN_DIR="))
     out = subprocess.run(["bash", "-c", f'{line}\nprintf %s "$RUN_DIR"'], capture_output=True, text=True,
                          cwd=tmp_path, check=True, env={"PATH": os.environ["PATH"]})

@@ -18,7 +18,9 @@ def build_deepspeed_config(*, spec: JobSpec, layout: RunLayout) -> dict:
         "train_batch_size": layout.global_batch_size * layout.cp,
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,
         "gradient_accumulation_steps": layout.grad_accum_steps,
-        "steps_per_print": training.log_interval,
+        # off: DeepSpeed's own "step=..., skipped=..., lr=..." lines would repeat dsmt's step line (every
+        # training.log_interval steps, rank 0). Ask for them by setting it in the run directory's ds_config.json.
+        "steps_per_print": None,
         "gradient_clipping": training.grad_clip,
         "zero_optimization": _zero_section(spec=spec),
         "bf16": _bf16_section(enabled=training.precision == "bf16"),

@@ -1,12 +1,13 @@
 """.deepspeed_env: environment exported on every node (DeepSpeed forwards it; the scripts source it too).
 
-DeepSpeed splits each line on the first '=' and pdsh exports the value unquoted, so the file holds only
-`NAME=value` lines with no comments or blank lines, and values are restricted to shell-inert characters
-(validated in the schema).
+This module computes the exports; the template launch/deepspeed_env (or a site's copy) writes them. DeepSpeed
+splits each line on the first '=' and pdsh exports the value unquoted, so the file holds only `NAME=value` lines
+with no comments or blank lines, and values are restricted to shell-inert characters (validated in the schema).
 """
 
 from __future__ import annotations
 
+from toolkit.generate.templates import LaunchTemplates
 from toolkit.spec.schema import JobSpec
 
 
@@ -44,5 +45,5 @@ def _cpu_env(*, spec: JobSpec) -> dict[str, str]:
     return env
 
 
-def render_deepspeed_env(*, spec: JobSpec) -> str:
-    return "".join(f"{name}={value}\n" for name, value in environment(spec=spec).items())
+def render_deepspeed_env(*, spec: JobSpec, templates: LaunchTemplates) -> str:
+    return templates.render(name="deepspeed_env", context={"environment": environment(spec=spec)})

@@ -1,4 +1,7 @@
-"""All artifacts of a spec, rendered purely (`render_all`) and written into a run directory atomically."""
+"""All artifacts of a spec, rendered purely (`render_all`) and written into a run directory atomically.
+
+The launch scripts and .deepspeed_env come from the templates of launch/, or a site's copies (`templates`).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from toolkit.generate.hostfile import render_hostfile
 from toolkit.generate.megatron_settings import build_megatron_settings
 from toolkit.generate.scripts import RESOLVED_SPEC, TRAIN_MODULE, render_launch_deepspeed, render_launch_torchrun, render_sbatch
 from toolkit.generate.summary import render_summary
+from toolkit.generate.templates import LaunchTemplates, load_templates
 from toolkit.spec.checks import run_checks
 from toolkit.spec.layout import derive_layout
 from toolkit.spec.load import dump_spec, model_shape
@@ -24,23 +28,28 @@ from toolkit.spec.schema import JobSpec
 EXECUTABLES = ("launch_deepspeed.sh", "launch_torchrun.sh", "job.sbatch")
 
 
-def render_all(*, spec: JobSpec, run_dir: str, train_module: str = TRAIN_MODULE) -> dict[str, str]:
+def render_all(*, spec: JobSpec, run_dir: str, train_module: str = TRAIN_MODULE,
+               templates: LaunchTemplates | None = None) -> dict[str, str]:
     """File name -> content for a spec that passes its checks (raises SpecError with the report otherwise).
 
-    `train_module` is what the scripts launch; tests swap in a probe to exercise the launchers.
+    `train_module` is what the scripts launch; tests swap in a probe to exercise the launchers. `templates`:
+    `load_templates(site_dir=...)` for a site's copies; None renders the shipped ones.
     """
     report = run_checks(spec=spec)
     if not report.ok:
         raise SpecError(report)
+    if templates is None:
+        templates = load_templates(site_dir=None)
     layout, shape = derive_layout(spec), model_shape(spec.model)
+    script_args = {"spec": spec, "layout": layout, "templates": templates, "train_module": train_module}
     return {
         "ds_config.json": _json(build_deepspeed_config(spec=spec, layout=layout)),
         "megatron.json": _json(build_megatron_settings(spec=spec, layout=layout, shape=shape)),
         "hostfile": render_hostfile(spec=spec),
-        "launch_deepspeed.sh": render_launch_deepspeed(spec=spec, layout=layout, train_module=train_module),
-        "launch_torchrun.sh": render_launch_torchrun(spec=spec, layout=layout, train_module=train_module),
-        "job.sbatch": render_sbatch(spec=spec, layout=layout, run_dir=run_dir, train_module=train_module),
-        ".deepspeed_env": render_deepspeed_env(spec=spec),
+        "launch_deepspeed.sh": render_launch_deepspeed(**script_args),
+        "launch_torchrun.sh": render_launch_torchrun(**script_args),
+        "job.sbatch": render_sbatch(**script_args, run_dir=run_dir),
+        ".deepspeed_env": render_deepspeed_env(spec=spec, templates=templates),
         "summary.txt": render_summary(spec=spec, layout=layout, shape=shape),
         RESOLVED_SPEC: dump_spec(spec),
     }
@@ -50,9 +59,10 @@ def _json(data: dict) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-def write_run_dir(*, spec: JobSpec, out_dir: Path, overwrite: bool = False,
-                  train_module: str = TRAIN_MODULE) -> list[Path]:
-    """Render everything, write it to a temporary sibling directory, then rename it into place."""
+def write_run_dir(*, spec: JobSpec, out_dir: Path, overwrite: bool = False, train_module: str = TRAIN_MODULE,
+                  templates: LaunchTemplates | None = None) -> list[Path]:
+    """Render everything (`templates` as for render_all), write it to a temporary sibling directory, then rename
+    it into place: nothing is written when the spec or a template fails."""
     out_dir = out_dir.expanduser().absolute()
     if "\n" in str(out_dir):
         raise DsmtError(f"--out {str(out_dir)!r}: a path with a newline cannot be used in scripts")
@@ -60,7 +70,7 @@ def write_run_dir(*, spec: JobSpec, out_dir: Path, overwrite: bool = False,
         raise DsmtError(f"--out {out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise DsmtError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it")
-    files = render_all(spec=spec, run_dir=str(out_dir), train_module=train_module)
+    files = render_all(spec=spec, run_dir=str(out_dir), train_module=train_module, templates=templates)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

@@ -1,4 +1,4 @@
-"""`dsmt check JOB...` and `dsmt generate JOB --out DIR`: the job spec's two commands."""
+"""`dsmt check JOB...` and `dsmt generate JOB --out DIR [--templates TDIR]`: the job spec's two commands."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ def register(subparsers) -> None:
     generate.add_argument("spec", metavar="JOB", help="job spec file (YAML or JSON)")
     generate.add_argument("--out", required=True, type=Path, help="run directory to create")
     generate.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    generate.add_argument("--templates", type=Path, default=None, metavar="TDIR",
+                          help="a directory of site copies of launch/'s templates (launch_deepspeed.sh, "
+                               "launch_torchrun.sh, job.sbatch, deepspeed_env): each replaces the shipped one")
     _add_set(generate)
     generate.set_defaults(func=run_generate)
 
@@ -42,17 +45,20 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from toolkit.generate.templates import load_templates
     from toolkit.generate.writer import write_run_dir
     from toolkit.spec.checks import check_file
     from toolkit.spec.load import absolutize_paths
 
+    templates = load_templates(site_dir=args.templates)
     spec, report = check_file(args.spec, overrides=args.overrides)
     if spec is None or not report.ok:
         print(report.to_text(), file=sys.stderr)
         return SpecError.exit_code
     spec = absolutize_paths(spec, base_dir=Path.cwd())  # the run directory's copy must not depend on the cwd
-    written = write_run_dir(spec=spec, out_dir=args.out, overwrite=args.overwrite)
-    print(f"dsmt generate: wrote {len(written)} files to {args.out}")
+    written = write_run_dir(spec=spec, out_dir=args.out, overwrite=args.overwrite, templates=templates)
+    source = f" (templates: {templates.describe()})" if args.templates is not None else ""
+    print(f"dsmt generate: wrote {len(written)} files to {args.out}{source}")
     for path in written:
         print(f"  {path.name}")
     print((args.out / "summary.txt").read_text(), end="")

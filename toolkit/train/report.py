@@ -21,6 +21,22 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
+def peak_memory_over_ranks_gib() -> float | None:
+    """The largest `memory_in_use_gib` of all ranks (pipeline stages differ: the first holds the most
+    activations); every rank must call it, at the same step."""
+    import torch
+    import torch.distributed as dist
+
+    local = memory_in_use_gib()
+    if local is None or not dist.is_initialized():
+        return local
+    from toolkit import backend
+
+    peak = torch.tensor([local], dtype=torch.float64, device=backend.current().device)  # NCCL: the rank's GPU
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak.item())
+
+
 def memory_in_use_gib() -> float | None:
     """Peak device memory on CUDA; resident memory of this process on the CPU."""
     import torch
@@ -90,7 +106,8 @@ class RunLog:
     def step(self, *, step: int, stats, engine) -> None:
         tokens_per_s = self.layout.tokens_per_step / stats.step_time_s
         record = {"step": step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                  "step_time_s": stats.step_time_s, "tokens_per_s": tokens_per_s, "memory_gib": memory_in_use_gib()}
+                  "step_time_s": stats.step_time_s, "tokens_per_s": tokens_per_s,
+                  "memory_gib": peak_memory_over_ranks_gib()}  # collective: step() runs on every rank
         self.history.append(record)
         if not self._record(record, event=("Train/Samples/train_loss", stats.loss, step * self.global_batch_size),
                             engine=engine):
@@ -99,7 +116,7 @@ class RunLog:
             norm = "n/a" if stats.grad_norm is None else f"{stats.grad_norm:.3f}"
             memory = "n/a" if record["memory_gib"] is None else f"{record['memory_gib']:.2f} GiB"
             _say(f"step {step:5d} | loss {stats.loss:.4f} | lr {stats.lr:.3e} | grad norm {norm} | "
-                 f"{tokens_per_s:,.0f} tok/s | {stats.step_time_s:.2f} s | mem {memory}")
+                 f"{tokens_per_s:,.0f} tok/s | {stats.step_time_s:.2f} s | max mem {memory}")
 
     def validation(self, *, step: int, result, engine) -> None:
         """One evaluation after `step` training steps (0: before the first)."""
