@@ -88,6 +88,14 @@ def _reattach_console_stderr() -> None:
     os.close(fd)
 
 
+def say_on_console(line: str) -> None:
+    """One line on this rank's console even when its output goes to its file (a node saying it joined)."""
+    if _console_fd is None:
+        print(line, flush=True)
+    else:
+        os.write(_console_fd, (line + "\n").encode())
+
+
 def run_rank(entry, *, command: str) -> int:
     """Run a rank's `entry()` and return its exit code; a failure is reported where the launcher looks for it.
     Under dsmt's launcher the rank is quieted before anything runs; elsewhere `entry` calls `quiet_other_ranks`

@@ -100,9 +100,11 @@ def _node_joined(*, layout) -> None:
 
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return
+    from toolkit.rank_output import say_on_console
+
     per_node, rank = layout.gpus_per_node, dist.get_rank()
-    print(f"dsmt train: node {rank // per_node} of {layout.nodes}: ranks {rank}..{rank + per_node - 1} on "
-          f"{socket.gethostname()}", flush=True)
+    say_on_console(f"dsmt train: node {rank // per_node} of {layout.nodes}: ranks {rank}..{rank + per_node - 1} on "
+                   f"{socket.gethostname()}")  # every node's first rank, its output in a file or not
 
 
 def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
