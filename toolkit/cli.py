@@ -43,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hide_hf_progress_bars() -> None:
+    """transformers' per-load bars ("Loading weights", "Writing model shards"), unless the user set the variable."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # transformers reads the variable once, at its import; one already imported is told directly
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):  # every rank speaks, libraries included (toolkit/rank_output.py)
@@ -50,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (os.environ.get("DSMT_SHOW_WARNINGS") or verbose()):  # megatron/torch fallback and deprecation noise
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
-        # transformers' per-load bars ("Loading weights", "Writing model shards"); read when it is first imported
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        _hide_hf_progress_bars()
     try:
         return int(args.func(args) or 0)
     except DsmtError as err:

@@ -19,7 +19,7 @@ def build_deepspeed_config(*, spec: JobSpec, layout: RunLayout) -> dict:
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,
         "gradient_accumulation_steps": layout.grad_accum_steps,
         # off: DeepSpeed's own "step=..., skipped=..., lr=..." lines would repeat dsmt's step line (every
-        # training.log_interval steps, rank 0). Ask for them by setting it in the run directory's ds_config.json.
+        # training.log_interval steps, rank 0)
         "steps_per_print": None,
         "gradient_clipping": training.grad_clip,
         "zero_optimization": _zero_section(spec=spec),
