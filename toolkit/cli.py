@@ -46,9 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _hide_hf_progress_bars() -> None:
     """transformers' per-load bars ("Loading weights", "Writing model shards"), unless the user set the variable."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # transformers reads the variable once, at its import; one already imported is told directly
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] != "1":
+        return
+    # huggingface_hub reads the variable once, at its import, and transformers copies hub's state at its own;
+    # libraries already imported (a script or the test suite calling main) are told directly
+    hub_utils = sys.modules.get("huggingface_hub.utils")
+    if hub_utils is not None:
+        hub_utils.disable_progress_bars()
     hf_logging = sys.modules.get("transformers.utils.logging")
-    if hf_logging is not None and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+    if hf_logging is not None:
         hf_logging.disable_progress_bar()
 
 
