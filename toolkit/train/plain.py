@@ -128,10 +128,9 @@ class PlainEngine:
 
         start = time.perf_counter()
         lr = self._engine.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler steps after the update)
-        dtype = next(self._engine.module.parameters()).dtype
-        # DeepSpeed casts inputs only for fp16: floating inputs (pixel_values) must match bf16 weights.
-        batches = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
-                   for batch in micro_batches]
+        # DeepSpeed's forward neither moves inputs to the engine's device nor casts them (except for fp16):
+        # batches go to this rank's GPU here, and floating inputs (pixel_values) match bf16 weights.
+        batches = [self._on_device(batch) for batch in micro_batches]
         if self.task in TOKEN_LOSSES:
             loss = self._token_loss_steps(batches)
         else:
@@ -140,6 +139,13 @@ class PlainEngine:
         norm = self._engine.get_global_grad_norm()
         return StepStats(loss=loss.item(), grad_norm=None if norm is None else float(norm), lr=float(lr),
                          step_time_s=time.perf_counter() - start)
+
+    def _on_device(self, batch: dict) -> dict:
+        """A micro-batch on the engine's device (NCCL and the model take only tensors there), floating inputs
+        in the weights' dtype."""
+        dtype = next(self._engine.module.parameters()).dtype
+        device = self._engine.device
+        return {k: (v.to(dtype) if v.is_floating_point() else v).to(device) for k, v in batch.items()}
 
     def _mean_loss_steps(self, batches: list[dict]) -> torch.Tensor:
         """HF's mean loss per micro-batch; returns this rank's share of the global mean."""
@@ -159,9 +165,10 @@ class PlainEngine:
         from transformers.loss import loss_utils
 
         loss_function = getattr(loss_utils, TOKEN_LOSSES[self.task])
-        num_items = sum(_counted_labels(b["labels"], task=self.task) for b in batches).float()  # a 0-dim tensor
+        # 0-dim, on the batches' (the engine's) device: an NCCL group all-reduces only tensors on this rank's GPU.
+        num_items = sum(_counted_labels(b["labels"], task=self.task) for b in batches).float()
         dist.all_reduce(num_items)
-        total = torch.zeros(1)
+        total = torch.zeros(1, device=num_items.device)
         for batch in batches:
             inputs = {k: v for k, v in batch.items() if k != "labels"}
             logits = self._engine(**inputs).logits
@@ -179,11 +186,10 @@ class PlainEngine:
         Collective: every rank passes the same number of micro-batches."""
         import torch.distributed as dist
 
-        from toolkit import backend as backends
         from toolkit.train.engine import EvalSums
 
         sums = torch.zeros(2, dtype=torch.float64)
-        device = backends.current().device
+        device = self._engine.device
         dtype = next(self._engine.module.parameters()).dtype
         training = self._engine.training
         self._engine.eval()
