@@ -93,3 +93,23 @@ def test_check_names_every_expert_parallel_problem(tmp_path, capsys):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     _fails(["check", str(path)], capsys, "ep_vs_data_parallel", "ep=4 does not divide dp×cp=2×1=2", "zero3_with_ep")
+
+
+def test_load_balancing_scale_lives_on_the_losss_device(monkeypatch):
+    """PP = 1 sets megatron's load-balancing gradient scale itself; megatron multiplies it with the aux loss in
+    backward, so on a GPU it must be a CUDA tensor (a 1-element CPU tensor does not mix). `meta` stands in for the
+    GPU: a scale left on the CPU shows as one."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from toolkit.train.moe import set_aux_loss_scale
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
+    set_aux_loss_scale(4, device=torch.device("meta"))
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    assert scale.device.type == "meta" and scale.shape == (1,)
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
+    set_aux_loss_scale(4, device="cpu")
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale.tolist() == [0.5]  # cp / micro-batches

@@ -126,7 +126,7 @@ class HybridEngine:
         scale = MegatronMpu().get_data_parallel_world_size() / max(global_tokens, 1)  # dp (× cp: MegatronMpu)
         step = self._pipeline_step if self.pp_size > 1 else self._deepspeed_step
         if self.is_moe and self.pp_size == 1:
-            moe.set_aux_loss_scale(len(micro_batches))  # megatron's pipeline schedule sets it itself
+            moe.set_aux_loss_scale(len(micro_batches), device=device)  # megatron's pipeline schedule sets its own
         local_sum = step(micro_batches, scale=scale)
         norm = self.engine.get_global_grad_norm()
         aux = moe.aux_loss_value(self.chunks, num_microbatches=len(micro_batches), device=device) if self.is_moe else 0.0

@@ -92,18 +92,19 @@ def deepspeed_sees_experts(*, num_experts: int):
         DeepSpeedEngine._configure_distributed_model = original
 
 
-def set_aux_loss_scale(num_microbatches: int) -> None:
+def set_aux_loss_scale(num_microbatches: int, *, device) -> None:
     """The load-balancing gradient each micro-batch injects is scaled by cp / num_microbatches: summed over the
     micro-batches and averaged over DP × CP by DeepSpeed, the step's load-balancing term is the mean over every
     micro-batch of the global batch, as the LM loss is its per-token mean (each CP rank's term is its share of the
     sequence's, hence the cp). megatron's pipeline schedule sets the same scale itself (schedules.py,
     `forward_step_calc_loss`); DeepSpeed's loop does not, so the PP = 1 driver calls this. A one-element tensor,
-    as megatron's: the scale is kept and later copied into."""
+    as megatron's: the scale is kept and later copied into. On `device`, the loss's: megatron multiplies it with
+    the load-balancing loss in backward, and a one-element CPU tensor does not mix with a CUDA one."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     cp_size = parallel_state.get_context_parallel_world_size()
-    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) * cp_size / num_microbatches)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device) * cp_size / num_microbatches)
 
 
 def aux_loss_value(chunks: list, *, num_microbatches: int, device) -> float:
