@@ -189,22 +189,28 @@ def test_init_adapter_mismatches_are_listed_together(tmp_path):
 
 
 class TELayerNormColumnParallelLinear(torch.nn.Module):
-    """Stands in for Transformer Engine's fused norm + column linear (same class name, same output contract:
-    ((output, normalised input), bias) when `return_layernorm_output`)."""
+    """Stands in for megatron's wrapper of Transformer Engine's fused norm + column linear (same class name, same
+    output contract): ((output, normalised input), None) when `return_layernorm_output`; with a bias that TE returns
+    (`te_return_bias`, a family with an fc1 bias), TE's flat (output, bias, normalised input), passed on as is."""
 
-    def __init__(self, hidden: int, out: int):
+    def __init__(self, hidden: int, out: int, *, te_return_bias: bool = False):
         super().__init__()
         self.norm = torch.nn.RMSNorm(hidden)
         self.weight = torch.nn.Parameter(torch.randn(out, hidden))
+        self.bias = torch.nn.Parameter(torch.randn(out)) if te_return_bias else None
+        self.te_return_bias = te_return_bias
         self.return_layernorm_output = False
 
     def forward(self, x):
         normed = self.norm(x)
         out = normed @ self.weight.t()
+        if self.te_return_bias:
+            return (out, self.bias, normed) if self.return_layernorm_output else (out, self.bias)
         return ((out, normed) if self.return_layernorm_output else out), None
 
 
-def test_te_layernorm_linear_feeds_the_normalised_input(monkeypatch):
+@pytest.mark.parametrize("te_return_bias", [False, True], ids=["no-bias", "returned-bias"])
+def test_te_layernorm_linear_feeds_the_normalised_input(monkeypatch, te_return_bias):
     from megatron.core.tensor_parallel import mappings
 
     monkeypatch.setattr(mappings, "copy_to_tensor_model_parallel_region", lambda x: x)
@@ -215,15 +221,15 @@ def test_te_layernorm_linear_feeds_the_normalised_input(monkeypatch):
         for param in adapter.parameters():
             param.copy_(torch.randn_like(param))
     qkv_rows = lora_mod.linear_shape(settings, "self_attention.linear_qkv")[0]
-    te_linear = TELayerNormColumnParallelLinear(64, qkv_rows)
+    te_linear = TELayerNormColumnParallelLinear(64, qkv_rows, te_return_bias=te_return_bias)
     x = 3.0 * torch.randn(5, 2, 64)
-    plain, _ = te_linear(x)
+    plain, plain_bias = te_linear(x)
     lora_mod.attach(te_linear, adapter)
     assert te_linear.return_layernorm_output and te_linear.return_layernorm_output_gathered is False
     out, bias = te_linear(x)  # the megatron contract: (output, bias), not the nested tuple
     a, b = adapter.matrices()
     expected = plain + 2.0 * te_linear.norm(x) @ a.t() @ b.t()
-    assert bias is None and torch.allclose(out, expected, atol=1e-5)
+    assert bias is plain_bias and torch.allclose(out, expected, atol=1e-5)
     assert not torch.allclose(out, plain + 2.0 * x @ a.t() @ b.t(), atol=1e-3)  # not the raw input
     lora_mod.detach(te_linear)
     assert te_linear.return_layernorm_output is False and torch.equal(te_linear(x)[0], plain)

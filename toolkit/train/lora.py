@@ -214,15 +214,27 @@ class LoraAdapter(torch.nn.Module):
 
 
 def lora_forward_hook(module, inputs, output):
-    """Adds the adapter's delta to a megatron linear's (output, bias). Transformer Engine's layer-norm linear
-    (`return_layernorm_output`, set by `attach`) returns ((output, normalised input), bias): the LoRA input is
-    then that normalised input; for every other linear it is the linear's own input. The adapter is called as a
-    module (ZeRO-3 gathers its parameters); nothing here reads the base weight."""
-    out, bias = output
-    x = inputs[0]
-    if isinstance(out, tuple):
-        out, x = out
+    """Adds the adapter's delta to a megatron linear's output; returns (output, bias) as megatron's callers
+    unpack it. The adapter is called as a module (ZeRO-3 gathers its parameters); nothing here reads the base
+    weight."""
+    out, bias, x = split_linear_output(output, linear_input=inputs[0])
     return out + module.lora(x).to(out.dtype), bias
+
+
+def split_linear_output(output: tuple, *, linear_input: torch.Tensor):
+    """(output, bias, LoRA input) of a megatron linear, by the arity of what it returned. Transformer Engine's
+    layer-norm linear asked for its normalised input (`return_layernorm_output`, set by `attach`) returns
+    ((output, normalised input), None), or, when it returns its bias (`te_return_bias`: a family with an fc1 bias,
+    GPT-2), the flat (output, bias, normalised input) that megatron's wrapper passes on as TE gave it. The LoRA
+    input is then that normalised input; for every other linear, (output, bias) and the linear's own input."""
+    if len(output) == 3:
+        out, bias, normalised = output
+        return out, bias, normalised
+    out, bias = output
+    if isinstance(out, tuple):
+        out, normalised = out
+        return out, bias, normalised
+    return out, bias, linear_input
 
 
 def attach(linear_module: torch.nn.Module, adapter: LoraAdapter) -> None:
