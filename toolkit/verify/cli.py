@@ -16,7 +16,8 @@ def register(subparsers) -> None:
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; ep data-parallel ranks)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="max |Δlogit| allowed (fp32 default 1e-4)")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="max |Δlogit| allowed (default 1e-4: verify runs both models in fp32 with TF32 off, "
+                        "Transformer Engine's GEMMs included)")
     parser.add_argument("--reference", type=Path, default=None,
                         help="HF checkpoint to compare a megatron checkpoint with (default: the one it came from)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -37,5 +38,6 @@ def run(args) -> int:
         verdict = "PASS" if result["passed"] else "FAIL"
         print(f"{verdict}: {result['model_type']} {result['task']} tp={result['tp']} pp={result['pp']} "
               f"vpp={result['vpp']} ep={result['ep']} max|Δlogits|={result['max_abs_diff']:.3e} KL={result['kl_divergence']:.3e} "
-              f"(tolerance {result['tolerance']:.1e}, {result['tokens']} tokens)")
+              f"(tolerance {result['tolerance']:.1e}, {result['tokens']} tokens; {result['math']}, "
+              f"{result['layers']} layers)")
     return 0 if result["passed"] else 1

@@ -23,7 +23,7 @@ def run_verify_many(*, checkpoints: list[Path], tp: int = 1, pp: int = 1, vpp: i
                     save_as: Path | None = None, timeout_s: float = 900.0) -> list[dict]:
     """Several checkpoints in one launch (process start-up dominates on small machines)."""
     from toolkit.models import check_layout, inspect_checkpoint
-    from toolkit.verify.worker import verify_layout
+    from toolkit.verify.worker import TF32_OFF_ENV, verify_layout
 
     layout = verify_layout(tp=tp, pp=pp, vpp=vpp, ep=ep)
     for checkpoint in checkpoints:  # bad paths, configs and layouts fail here, before any process starts
@@ -37,7 +37,7 @@ def run_verify_many(*, checkpoints: list[Path], tp: int = 1, pp: int = 1, vpp: i
         args += ["--reference", str(reference)] if reference is not None else []
         args += ["--save-as", str(save_as)] if save_as is not None else []
         launch_local_workers(module="toolkit.verify.worker", args=args, nprocs=layout.world_size,
-                             log_dir=scratch / "logs", timeout_s=timeout_s)
+                             log_dir=scratch / "logs", timeout_s=timeout_s, env=TF32_OFF_ENV)
         results = json.loads(result_file.read_text())
     for result in results:
         result["tolerance"] = tolerance

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
+
+# The HF reference computes in true fp32, so the megatron side must too. Transformer Engine asks cuBLASLt for
+# TF32 on every fp32 GEMM (CUBLAS_COMPUTE_32F_FAST_TF32; TE has no switch of its own), which after a few layers is
+# far above verify's 1e-4; NVIDIA_TF32_OVERRIDE=0 turns TF32 off in cuBLAS and cuDNN for the whole process, TE's
+# GEMMs included. The libraries read it when they start, so `toolkit.verify.run` puts it in the ranks'
+# environment, and the worker sets torch's own switches (unfused attention, the HF model) as well.
+TF32_OFF_ENV = {"NVIDIA_TF32_OVERRIDE": "0"}
+MATH = "fp32 weights and math, TF32 off"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,6 +109,7 @@ def main(argv=None) -> None:
     from toolkit.parallel import Layout, destroy_process_groups, init_process_groups
 
     args = parse_args(argv)
+    exact_fp32_math()
     backend = backends.current()
     layout = verify_layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
     backends.use_rank_device()  # cuda:<LOCAL_RANK> before the process group (init_process_groups checks it again)
@@ -112,6 +122,13 @@ def main(argv=None) -> None:
     if results[0] is not None:
         args.result_file.write_text(json.dumps(results))
     destroy_process_groups()
+
+
+def exact_fp32_math() -> None:
+    """TF32 off everywhere this process multiplies fp32 matrices (see TF32_OFF_ENV); before CUDA starts."""
+    os.environ.update(TF32_OFF_ENV)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -> dict | None:
@@ -145,8 +162,15 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
     result.update(checkpoint=str(checkpoint), tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep,
                   model_type=info.settings.family.model_type, checkpoint_kind=info.kind, task=task.name,
                   tokens=args.batch_size * args.seq_len,
-                  tied_embeddings=info.settings.tied_embeddings, param_devices=param_devices)
+                  tied_embeddings=info.settings.tied_embeddings, param_devices=param_devices,
+                  math=MATH, layers=_layer_kind(chunks))
     return result
+
+
+def _layer_kind(chunks: list) -> str:
+    """Which layers verify built: Transformer Engine's (where installed) or megatron's local torch layers."""
+    names = {type(module).__module__ for chunk in chunks for module in chunk.modules()}
+    return "transformer_engine" if any("transformer_engine" in name for name in names) else "local"
 
 
 def _param_devices_by_rank(chunks: list) -> list[str]:
