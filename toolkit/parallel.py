@@ -38,6 +38,10 @@ def init_process_groups(*, layout: Layout, dist_backend: str, timeout_s: float =
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
+        # megatron's gloo copies of the DP groups serve its distributed optimizer's CPU paths, which dsmt never
+        # takes (DeepSpeed reduces); created by default, they are one more rendezvous per group over the
+        # hostname's interface, a classic multi-node hang where it resolves to the wrong one.
+        create_gloo_process_groups=False,
     )
 
 

@@ -217,3 +217,37 @@ def test_on_the_cpu_nothing_cuda_is_called(calls, clean_env):
     assert [name for name, _ in calls] == ["init_process_group", "megatron_groups"]
     assert "device_id" not in calls[0][1] and calls[0][1]["backend"] == "gloo"
     assert backends.current().device == torch.device("cpu")
+
+
+def test_megatron_makes_no_gloo_groups_dsmt_never_uses(fake_cuda, clean_env):
+    """megatron's gloo copies of the DP groups are one more rendezvous each over the hostname's interface (a
+    multi-node hang where it resolves to the wrong one); dsmt's DeepSpeed reduction never uses them."""
+    clean_env.setenv("LOCAL_RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "4")
+    init_process_groups(layout=Layout(tp=2, pp=2), dist_backend="nccl")
+    megatron_kwargs = dict(fake_cuda)["megatron_groups"]
+    assert megatron_kwargs["create_gloo_process_groups"] is False
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dsmt_train_launches_with_the_generated_scripts_environment(fake_cuda, clean_env, tmp_path, tp):
+    """`dsmt train` on a GPU box exports what `dsmt generate` writes to .deepspeed_env: the NCCL presets, and
+    CUDA_DEVICE_MAX_CONNECTIONS=1 where megatron's TP communication needs ordered kernel launches."""
+    import toolkit.launch
+    from toolkit.generate.env import environment
+    from toolkit.spec.schema import JobSpec
+    from toolkit.train import cli as train_cli
+
+    spec_fields = cuda_spec(tmp_path / "out")
+    spec_fields["cluster"]["gpus_per_node"] = 4
+    spec_fields["parallel"] = {"tp": tp}
+    spec_fields["training"]["global_batch_size"] = 2 * 4 // tp
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec_fields))
+    launched = {}
+    clean_env.setattr(toolkit.launch, "launch_local_workers", lambda **kw: launched.update(kw))
+    train_cli.launch_training(path=str(path))
+    expected = environment(spec=JobSpec.model_validate(spec_fields))
+    assert launched["env"] == expected
+    assert expected["NCCL_DEBUG"] and expected["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert expected.get("CUDA_DEVICE_MAX_CONNECTIONS") == ("1" if tp > 1 else None)

@@ -76,10 +76,12 @@ def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), r
     if spec.cluster.nodes > 1:
         raise DsmtError(f"cluster.nodes={spec.cluster.nodes}: `dsmt train` starts ranks on this machine only; "
                         f"run `dsmt generate {path} --out run/` and launch run/launch_deepspeed.sh or job.sbatch")
+    from toolkit.generate.env import environment
+
     sets = [f"--set={item}" for item in overrides]
     run_dir_args = ["--run-dir", str(Path(run_dir).expanduser().absolute())] if run_dir is not None else []
-    # On the CPU DeepSpeed would otherwise warn on every rank that it found no GPU (it is told instead).
-    cpu_env = {"DS_ACCELERATOR": "cpu"} if spec.cluster.device == "cpu" else {}
+    # The environment the generated scripts export (.deepspeed_env): NCCL presets and CUDA_DEVICE_MAX_CONNECTIONS=1
+    # on GPUs, DS_ACCELERATOR=cpu and one thread per rank on the CPU; the spec's communication.extra_env last.
     launch_local_workers(module="toolkit.train", args=["--config", str(path), *run_dir_args, *sets],
                          nprocs=world_size_of(spec), log_dir=Path(spec.training.output_dir) / "logs",
-                         timeout_s=None, env=cpu_env)  # a training run takes as long as it takes
+                         timeout_s=None, env=environment(spec=spec))  # a training run takes as long as it takes
