@@ -195,3 +195,28 @@ def test_hostfile_is_what_deepspeed_parses(name):
     spec = spec_of(name)
     pool = runner._parse_hostfile(render(name)["hostfile"].splitlines())
     assert list(pool.values()) == [spec.cluster.gpus_per_node] * spec.cluster.nodes
+
+
+@pytest.mark.parametrize("name, slurm, expected", [
+    ("llama3-70b-8x8-h100", {}, 64),  # 8 cores per GPU rank x 8 ranks per node
+    ("tiny-cpu", {}, 2),  # one per CPU rank
+    ("llama3-70b-8x8-h100", {"cpus_per_task": 48}, 48),  # the site's count wins
+])
+def test_each_nodes_task_gets_cores_for_its_ranks_in_sbatch_and_srun(name, slurm, expected):
+    """Without --cpus-per-task SLURM gives the one torchrun task per node one core, which all its ranks share; srun
+    needs it too (since SLURM 22.05 it no longer inherits sbatch's)."""
+    spec = spec_of(name)
+    spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(
+        update={"slurm": spec.cluster.slurm.model_copy(update=slurm)})})
+    text = render_sbatch(spec=spec, layout=derive_layout(spec), run_dir="/run", templates=load_templates(site_dir=None))
+    assert f"#SBATCH --cpus-per-task={expected}\n" in text
+    assert f"srun --kill-on-bad-exit=1 --cpus-per-task={expected} " in text
+
+
+def test_cpus_per_task_in_extra_sbatch_is_refused_naming_the_field():
+    from pydantic import ValidationError
+
+    from toolkit.spec.schema import SlurmSpec
+
+    with pytest.raises(ValidationError, match="set cluster.slurm.cpus_per_task instead"):
+        SlurmSpec(extra_sbatch=["--cpus-per-task=4"])

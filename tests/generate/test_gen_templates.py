@@ -101,7 +101,7 @@ def test_site_sbatch_renders_through_the_cli(site_run):
     assert "wrote 9 files to run (templates: site/ for job.sbatch; shipped for the rest)" in stdout
     sbatch = (tmp_path / "run" / "job.sbatch").read_text()
     for line in ("#SBATCH --account=proj42\n", "module load cuda/12.4\n",
-                 "srun --kill-on-bad-exit=1 apptainer exec /images/train.sif torchrun \\\n"):
+                 "srun --kill-on-bad-exit=1 --cpus-per-task=2 apptainer exec /images/train.sif torchrun \\\n"):
         assert line in sbatch
     assert sbatch.startswith("#!/usr/bin/env bash\n#SBATCH --job-name=tiny-cpu\n")
     for name in sorted(path.name for path in (tmp_path / "shipped").iterdir()):

@@ -72,6 +72,7 @@ def render_sbatch(*, spec: JobSpec, layout: RunLayout, run_dir: str, templates: 
     context = {"sbatch_directives": sbatch_directives(spec=spec, layout=layout),
                "run_dir_escaped": _double_quoted(run_dir), "setup_lines": list(slurm.setup),
                "srun_args": [quote(word) for word in slurm.srun_args], "gpus_per_node": layout.gpus_per_node,
+               "cpus_per_task": cpus_per_task(spec=spec, layout=layout),
                "master_port": spec.cluster.master_port, "train_module": quote(train_module),
                "resolved_spec": RESOLVED_SPEC}
     return templates.render(name="job.sbatch", context=context)
@@ -81,13 +82,26 @@ def sbatch_directives(*, spec: JobSpec, layout: RunLayout) -> list[str]:
     """The `#SBATCH` options, each one sbatch word: sbatch splits directive lines on blanks, honours '...' / "..."
     quotes and treats an unquoted '#' as a comment, so `shlex.quote` keeps `--account=a b` one option."""
     slurm = spec.cluster.slurm
-    directives = [f"--job-name={spec.cluster.job_name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1"]
+    directives = [f"--job-name={spec.cluster.job_name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
+                  f"--cpus-per-task={cpus_per_task(spec=spec, layout=layout)}"]
     if spec.cluster.device == "cuda":
         directives.append(f"--gpus-per-node={layout.gpus_per_node}")
     for name in ("account", "partition", "time", "qos"):
         if getattr(slurm, name) is not None:
             directives.append(f"--{name}={getattr(slurm, name)}")
     return [quote(d) for d in [*directives, *slurm.extra_sbatch]]
+
+
+CPUS_PER_GPU_RANK = 8  # a GPU rank's host side: its Python process, dataloader workers, NCCL's proxy threads
+
+
+def cpus_per_task(*, spec: JobSpec, layout: RunLayout) -> int:
+    """Cores for each node's one srun task (torchrun and its ranks): cluster.slurm.cpus_per_task, else 8 per GPU
+    rank, or one per rank on the CPU (each computes on one thread)."""
+    if spec.cluster.slurm.cpus_per_task is not None:
+        return spec.cluster.slurm.cpus_per_task
+    per_rank = CPUS_PER_GPU_RANK if spec.cluster.device == "cuda" else 1
+    return per_rank * layout.gpus_per_node
 
 
 def _double_quoted(text: str) -> str:

@@ -78,6 +78,10 @@ class SlurmSpec(Section):
     partition: str | None = None
     time: str | None = None  # walltime in SLURM's format, e.g. 30, 4:00:00, 2-12:00:00
     qos: str | None = None
+    # CPU cores for each node's one task (torchrun and all its ranks). Without it SLURM gives the task one core and
+    # every rank's host side shares it. None: 8 per GPU rank (dataloader and host work; most GPU nodes have more),
+    # or one per rank on CPU runs. Set your nodes' count when they have fewer cores.
+    cpus_per_task: int | None = Field(default=None, ge=1)
     extra_sbatch: list[str] = Field(default_factory=list)  # more #SBATCH options: --exclusive, --constraint=a100
     setup: list[str] = Field(default_factory=list)  # shell lines before srun: module load cuda/12.4, source venv
     srun_args: list[str] = Field(default_factory=list)  # srun words before torchrun: --container-image=...
@@ -130,6 +134,7 @@ SBATCH_OWNED = {
     "--account": "cluster.slurm.account", "-A": "cluster.slurm.account", "--partition": "cluster.slurm.partition",
     "-p": "cluster.slurm.partition", "--time": "cluster.slurm.time", "-t": "cluster.slurm.time",
     "--qos": "cluster.slurm.qos", "-q": "cluster.slurm.qos",
+    "--cpus-per-task": "cluster.slurm.cpus_per_task", "-c": "cluster.slurm.cpus_per_task",
 }
 
 
