@@ -72,6 +72,7 @@ def preflight(*, run_dir: Path, python: str, env: dict[str, str], timeout_s: int
     head = facts(run_dir=run_dir, device=device)
     problems += _reach_problems(launcher=launcher, hosts=checked, answers=answers, failures=failures, python=python)
     problems += compare_nodes(head=head, answers=answers, device=device, slots=spec.cluster.gpus_per_node)
+    problems += kernel_problems(spec=spec, answers=answers)
     master = spec.cluster.master_addr if spec.cluster.master_addr in checked else checked[0]
     problems += _master_port_problems(hosts=checked, answers=answers, port=port, master=master)
     return Report(source=source, problems=tuple(problems))
@@ -274,6 +275,32 @@ def compare_nodes(*, head: dict, answers: dict[str, dict], device: str, slots: i
                                 f"{_versions_text(head['versions'])}, run dir and .deepspeed_env, network settings OK"))
     if device != "cuda":
         problems.append(Problem("info", "preflight_gpu_count", f"device={device}: the GPU count is not applicable"))
+    return problems
+
+
+def kernel_problems(*, spec, answers: dict[str, dict]) -> list[Problem]:
+    """GPU runs: Transformer Engine must import where the layers are TE's (training.attention fused, auto on
+    cuda), and DeepSpeed's fused Adam must load where it is the optimizer (no optimizer offload)."""
+    from toolkit.spec.layout import spec_attention
+
+    if spec.cluster.device != "cuda":
+        return []
+    needs = {"transformer_engine": spec_attention(spec) == "fused",
+             "fused_adam": not spec.parallel.offload_optimizer}
+    fixes = {"transformer_engine": "install transformer-engine for this torch and CUDA on every node (the same "
+                                   "environment), or set training.attention: local (slower, stores the s x s scores)",
+             "fused_adam": "install a DeepSpeed built with DS_BUILD_FUSED_ADAM=1, or make nvcc and ninja available "
+                           "for its JIT build (CUDA_HOME)"}
+    problems = []
+    for host, node in answers.items():
+        kernels = node.get("kernels") or {}
+        for name, needed in needs.items():
+            if needed and kernels.get(name):
+                problems.append(Problem("error", f"preflight_{name}", f"{host}: {kernels[name]}", fixes[name]))
+    if answers and not problems:
+        checked = [name for name, needed in needs.items() if needed]
+        problems.append(Problem("info", "preflight_kernels", f"{len(answers)} node(s): "
+                                f"{', '.join(checked) or 'no GPU kernels needed'} load"))
     return problems
 
 
