@@ -124,14 +124,16 @@ def output_layer_activation_bytes(*, shape: ModelShape, tp: int, sequence_parall
     """Last stage, one micro-batch at the peak of its loss (its backward follows at once).
 
     The final norm and the output layer keep their inputs. The loss (toolkit/train/loss.py) then holds, per token
-    and vocabulary row of this rank: the 16-bit logits (kept by the caller through backward), the fp32 upcast or,
-    on the rank holding the padded rows, its masked copy, and the contiguous [s, b, v] copy that megatron's
-    vocab_parallel_cross_entropy turns in place into the softmax it saves (tensor_parallel/cross_entropy.py).
-    An fp32 run's upcast is the logits themselves."""
+    and vocabulary row of this rank: the 16-bit logits (kept by the caller through backward; the padded rows are
+    masked in place) and megatron's fp32 upcast in vocab_parallel_cross_entropy, which it turns in place into the
+    softmax it saves (tensor_parallel/cross_entropy.py); an fp32 run's upcast is the logits themselves. Backward
+    begins above that, and is the peak: the softmax becomes the fp32 gradient in place and, while the logits are
+    still held, its 16-bit cast joins it (16-bit runs), or (fp32 runs, where logits, softmax and gradient are one
+    tensor) two full-size copies as the output layer's backward makes the transposed gradient contiguous for its
+    two matmuls (measured by tests/plan/test_measured.py, not derived)."""
     a, h, ab = assumptions, shape.hidden_size, assumptions.activation_bytes
     tokens = seq_length // cp * micro_batch_size
     inputs = (_norm_bytes(h=h, a=a) + ab * h) // (tp if sequence_parallel else 1)
     vocab_rows = padded_vocab // tp
-    padded = padded_vocab > shape.vocab_size
-    logits = ab + 4 + (4 if (ab < 4 or padded) else 0)
+    logits = ab + 4 + (ab if ab < 4 else 4)  # the start of backward: logits, fp32 gradient, its cast or copies
     return tokens * (inputs + vocab_rows * logits + LOSS_BYTES_PER_TOKEN)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import torch
 
 
-def mask_padded_vocab(logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
-    """logits [.., vocab/tp] on this TP rank; columns at global index >= vocab_size become -inf."""
+def mask_padded_vocab_(logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
+    """logits [.., vocab/tp] on this TP rank; columns at global index >= vocab_size set to -inf, in place and
+    outside autograd: no copy of the logits in forward (the op that made them does not save them) nor of their
+    gradient in backward (the cross entropy's gradient there is already 0: softmax exp(-inf) = 0, no label)."""
     from megatron.core import parallel_state
 
     per_rank = logits.shape[-1]
@@ -17,16 +19,20 @@ def mask_padded_vocab(logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
     if first + per_rank <= vocab_size:
         return logits
     keep = torch.arange(first, first + per_rank, device=logits.device) < vocab_size
-    return logits.masked_fill(~keep, float("-inf"))
+    with torch.no_grad():
+        logits.masked_fill_(~keep, float("-inf"))
+    return logits
 
 
 def masked_token_loss_sum(logits: torch.Tensor, *, labels: torch.Tensor, loss_mask: torch.Tensor,
                           vocab_size: int) -> torch.Tensor:
     """SUM of the cross entropies of the tokens with loss_mask 1 (fp32). logits [b, s, vocab/tp], labels [b, s].
-    The caller divides by the global batch's number of loss tokens (`toolkit/train/engine.py`)."""
+    The caller divides by the global batch's number of loss tokens (`toolkit/train/engine.py`).
+
+    Memory: one full-size tensor beyond the logits, at most. megatron's vocab_parallel_cross_entropy takes any
+    leading dimensions ([b, s] here, no transposed copy), upcasts 16-bit logits to fp32 itself and turns that copy
+    in place into the softmax it saves for backward; fp32 logits are used in place."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = mask_padded_vocab(logits.float(), vocab_size=vocab_size)
-    # megatron's cross entropy takes [s, b, v] and labels [s, b]
-    per_token = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), labels.transpose(0, 1).contiguous())
-    return (per_token.transpose(0, 1) * loss_mask.to(per_token.dtype)).sum()
+    per_token = vocab_parallel_cross_entropy(mask_padded_vocab_(logits, vocab_size=vocab_size), labels)
+    return (per_token * loss_mask.to(per_token.dtype)).sum()
