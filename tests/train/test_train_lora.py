@@ -40,6 +40,9 @@ RUNS = {
     "phi3-tp2-pp2": dict(model="phi3", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),  # packed qkv, gate_up
     "tp2-dp2-zero3": dict(model="llama", layout=dict(tp=2, pp=1, dp=2, zero=3), targets=None,
                           communication={"param_persistence_threshold_elements": 0}),
+    # Llama-3.2-1B / Qwen2.5-0.5B style: tied embeddings (frozen under LoRA: no copies to synchronise) at PP > 1,
+    # with an odd vocabulary (251 -> padded 256, split over TP)
+    "tied-odd-vocab-tp2-pp2": dict(model="llama_tied", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
 }
 
 
@@ -72,7 +75,9 @@ def lora_runs(tiny_llama, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora-runs")
     models = {"llama": tiny_llama, "gpt2": make_tiny_checkpoint(root / "gpt2", model_type="gpt2", seed=3),
-              "phi3": make_tiny_checkpoint(root / "phi3", model_type="phi3", seed=4)}
+              "phi3": make_tiny_checkpoint(root / "phi3", model_type="phi3", seed=4),
+              "llama_tied": make_tiny_checkpoint(root / "llama-tied", model_type="llama", tie_word_embeddings=True,
+                                                 vocab_size=251, seed=5)}
     specs = {}
     for index, (name, run) in enumerate(RUNS.items()):
         model_dir = models[run["model"]]

@@ -243,7 +243,8 @@ class HybridEngine:
 
     def _allreduce_tied_embedding_grads(self) -> None:
         """With tied embeddings and PP > 1 the first and last stages each hold a copy of the embedding; summing
-        their gradients over megatron's embedding group keeps the copies identical after every step."""
+        their gradients over megatron's embedding group keeps the copies identical after every step. A frozen
+        embedding (LoRA) has no gradient and nothing to keep equal; every rank of the group agrees on that."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
@@ -252,7 +253,7 @@ class HybridEngine:
         for chunk in self.chunks:
             if chunk.pre_process or chunk.post_process:
                 weight = chunk.shared_embedding_or_output_weight()
-                if weight is not None:
+                if weight is not None and weight.requires_grad:
                     dist.all_reduce(accumulated_grad(weight), group=parallel_state.get_embedding_group())
 
     def _global_loss(self, local_sum: torch.Tensor, *, global_tokens: int) -> float:
