@@ -19,12 +19,18 @@ RECOMPUTE = {
 
 
 def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype, init_weights: bool = False,
-                       init_method_std: float = 0.02, recompute: str = "none"):
+                       init_method_std: float = 0.02, recompute: str = "none", attention: str | None = "local"):
+    """megatron's TransformerConfig for this model and layout; `attention` as for `layer_spec` (the fusions
+    depend on the layers: toolkit/adapters/fusions.py; the default builds no fusion that needs TE's layers)."""
     from megatron.core.transformer import TransformerConfig
 
+    from toolkit.adapters.fusions import fusion_fields
+
     backend = backends.current()
+    fusions = fusion_fields(settings=settings, device=backend.name, te_layers=uses_te_layers(attention))
     return TransformerConfig(
-        **settings.transformer_fields,  # shapes, and the family's deltas (activation, norm, biases, qk-norm)
+        # shapes, and the family's deltas (activation, norm, biases, qk-norm); the fused kernels this machine has
+        **{**settings.transformer_fields, **fusions},
         tensor_model_parallel_size=layout.tp,
         # Norm and residual activations split along the sequence over the TP ranks; the norms' gradients are then
         # partial per rank and the engine sums them over TP (`toolkit.train.engine.sum_sequence_parallel_grads`).
@@ -49,6 +55,11 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
     )
 
 
+def uses_te_layers(attention: str | None) -> bool:
+    """Whether `layer_spec(attention=...)` builds Transformer Engine's layers (it refuses fused without TE)."""
+    return attention == "fused" or (attention is None and backends.current().use_transformer_engine)
+
+
 def layer_spec(*, attention: str | None = None, cp_size: int = 1, qk_norm: bool = False, num_experts: int = 0):
     """The layers for the run's attention kind (the spec's resolved `training.attention`): "fused" is Transformer
     Engine's layers (fused / flash attention; context parallelism needs them), "local" megatron's torch layers
@@ -71,7 +82,7 @@ def layer_spec(*, attention: str | None = None, cp_size: int = 1, qk_norm: bool 
         raise AdapterError(f"parallel.cp={cp_size} needs Transformer Engine's attention (ring attention over the CP "
                            "ranks); megatron's local attention has none: set parallel.cp: 1, or train with "
                            "training.attention: fused on GPUs with transformer-engine installed")
-    if attention == "fused" or (attention is None and use_te):
+    if uses_te_layers(attention):
         # TE fuses the layer norms into its linear layers and marks their weights `sequence_parallel` itself.
         if not num_experts:
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
@@ -167,7 +178,7 @@ def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype:
     `parallel_output=False` gathers the vocab-parallel logits on every TP rank (verification); training keeps
     them split for megatron's vocab-parallel cross entropy."""
     config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=init_weights,
-                                init_method_std=init_method_std, recompute=recompute)
+                                init_method_std=init_method_std, recompute=recompute, attention=attention)
     device = backends.current().device
     chunks = []
     for model in model_chunks(config=config, settings=settings, layout=layout, attention=attention,

@@ -38,7 +38,10 @@ def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (), ru
     if settings is not None:
         from toolkit.train.lora_export import init_adapter_problems
 
+        from toolkit.adapters.fusions import fusion_problem
+
         problems += layout_and_build_problems(spec=spec, settings=settings, spec_errors=report.rules("error"))
+        problems.append(fusion_problem(spec=spec, settings=settings))
         problems += init_adapter_problems(spec=spec, settings=settings)
     ds_config, files_found = run_files_problems(spec=spec, run_dir=run_dir, spec_ref=str(path))
     problems += files_found

@@ -1,0 +1,76 @@
+"""Which of megatron-core's fused kernels a model is built with: on wherever the machine has them, off on the CPU.
+
+Decided when the model is built (`toolkit.adapters.build.transformer_config`), from the device, the kind of layers
+(Transformer Engine's or megatron's local ones) and what is importable; `dsmt train --dry-run` names the choice for
+the spec's device. Each fusion computes what the unfused path computes (the same formula in one kernel), so verify
+and training stay exact to their tolerances:
+
+  bias_activation_fusion  megatron's jit-fused SwiGLU / GeGLU / GeLU(+bias) (`fusions/fused_bias_swiglu.py`,
+                          `fused_bias_geglu.py`, `fused_bias_gelu.py`); torch.compile / jit on CUDA, no extra
+                          package. megatron's own rule: silu gated, or gelu gated or with a bias.
+  bias_dropout_fusion     the jit-fused bias + dropout + residual add of every layer.
+  apply_rope_fusion       Transformer Engine's fused RoPE, for the BSHD and the packed THD layouts (without it,
+                          megatron's THD RoPE syncs the host and loops over the records in every layer). Only with
+                          TE's layers: dsmt's local layers rotate packed records by per-token frequencies
+                          (toolkit/adapters/packed.py), which TE's BSHD kernel does not take.
+  masked_softmax_fusion   megatron's fused scale-mask-softmax CUDA kernels (local layers only; the kernels come
+                          from megatron's or apex's compiled extensions, and megatron falls back per call when a
+                          shape does not fit them).
+
+Never on: gradient_accumulation_fusion (it writes megatron-DDP's `main_grad`; DeepSpeed owns the gradients) and
+persist_layer_norm (apex's persistent LayerNorm; TE's layers have their own)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion", "masked_softmax_fusion")
+
+
+def fused_rope_available() -> bool:
+    """Transformer Engine's fused RoPE as megatron-core imports it (None when TE lacks it)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils.fused_apply_rotary_pos_emb is not None or rope_utils.fused_apply_rotary_pos_emb_thd is not None
+
+
+def fused_softmax_available() -> bool:
+    """megatron's fused scale-mask-softmax kernels (compiled CUDA extensions) are importable."""
+    return importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
+
+
+def fusion_fields(*, settings, device: str, te_layers: bool, fused_rope: bool | None = None) -> dict[str, bool]:
+    """TransformerConfig fusion flags for a model of `settings` built on `device` ("cuda" / "cpu") with Transformer
+    Engine's layers (`te_layers`) or the local ones. Encoders (BERT) keep their own post-LN layers unfused.
+    `fused_rope`: whether TE's fused RoPE exists (None: ask megatron-core here)."""
+    fields = dict.fromkeys(FUSIONS, False)
+    if device != "cuda" or settings.encoder is not None:
+        return fields
+    architecture = settings.family.architecture
+    fields["bias_activation_fusion"] = (
+        (architecture.activation == "silu" and architecture.gated_mlp)
+        or (architecture.activation == "gelu" and (architecture.gated_mlp or architecture.linear_bias)))
+    fields["bias_dropout_fusion"] = True
+    fields["apply_rope_fusion"] = (te_layers and architecture.position_embedding == "rope"
+                                   and (fused_rope_available() if fused_rope is None else fused_rope))
+    fields["masked_softmax_fusion"] = not te_layers and fused_softmax_available()
+    return fields
+
+
+def describe(fields: dict[str, bool]) -> str:
+    """One line for the dry run: which fusions are on and which off."""
+    on = [name.removesuffix("_fusion").removeprefix("apply_") for name in FUSIONS if fields[name]]
+    off = [name.removesuffix("_fusion").removeprefix("apply_") for name in FUSIONS if not fields[name]]
+    return f"fused kernels on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'}"
+
+
+def fusion_problem(*, spec, settings):
+    """The dry run's line: the fusions the spec's ranks will choose on its device and layers (the run may be
+    checked on a machine without them; Transformer Engine's layers bring its fused RoPE)."""
+    from toolkit.spec.layout import spec_attention
+    from toolkit.spec.report import Problem
+
+    te_layers = spec_attention(spec) == "fused"
+    fields = fusion_fields(settings=settings, device=spec.cluster.device, te_layers=te_layers, fused_rope=te_layers)
+    where = f"cluster.device={spec.cluster.device}, {'Transformer Engine' if te_layers else 'local'} layers"
+    return Problem("info", "fusions", f"{where}: {describe(fields)}")
