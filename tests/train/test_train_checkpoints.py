@@ -133,6 +133,7 @@ def test_keep_checkpoints_is_validated_by_the_schema():
 
     from toolkit.spec.schema import TrainingSpec
 
-    assert TrainingSpec().keep_checkpoints is None and TrainingSpec(keep_checkpoints=1).keep_checkpoints == 1
+    assert TrainingSpec().keep_checkpoints == 2 and TrainingSpec(keep_checkpoints=1).keep_checkpoints == 1
+    assert TrainingSpec(keep_checkpoints=None).keep_checkpoints is None  # keep every one, when asked
     with pytest.raises(ValidationError, match="keep_checkpoints"):
         TrainingSpec(keep_checkpoints=0)

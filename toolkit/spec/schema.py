@@ -294,7 +294,9 @@ class TrainingSpec(Section):
     grad_clip: float = Field(1.0, ge=0)  # 0: no clipping
     train_steps: int = Field(1000, ge=1)
     checkpoint_interval: int = Field(500, ge=1)  # steps
-    keep_checkpoints: int | None = Field(None, ge=1)  # newest complete checkpoints kept; None: keep every one
+    # Newest complete checkpoints kept (null: every one). Each holds DeepSpeed's files and the layout-free copy:
+    # about 26 bytes per parameter (an 8B model: ~200 GB), so keeping every one fills a disk in a long run.
+    keep_checkpoints: int | None = Field(2, ge=1)
     log_interval: int = Field(10, ge=1)  # steps
     seed: int = Field(1234, ge=0)
     output_dir: str = "runs/dsmt"

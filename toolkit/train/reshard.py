@@ -67,8 +67,8 @@ class LayoutFreeState:
         sharded = {}
         for key, (param, item, _) in shards.items():  # the same keys in the same order on every rank of a DP group
             for name in ("master", *MOMENTS):
-                value = full_value(self.engine, param, state_key=None if name == "master" else name)
-                sharded[f"{name}/{key}"] = make_sharded_optimizer_tensor(item, value.detach().float().cpu(), name)
+                value = full_value(self.engine, param, state_key=None if name == "master" else name)  # collective
+                sharded[f"{name}/{key}"] = make_sharded_optimizer_tensor(item, held_for_save(value, item), name)
         record = self._record(shards)
         if dist.get_rank() == 0:
             (tag_dir / LAYOUT_FREE).mkdir()
@@ -136,6 +136,19 @@ class LayoutFreeState:
             self.engine.lr_scheduler.load_state_dict(record["lr_scheduler"])
         self.engine.global_steps, self.engine.global_samples = record["global_steps"], record["global_samples"]
         return record
+
+
+def held_for_save(value: torch.Tensor, item) -> torch.Tensor:
+    """What this rank keeps of a gathered value until `dist_checkpointing.save`: an fp32 host copy where it writes
+    the item (megatron's main replica: DP rank 0, and TP rank 0 for a TP-replicated norm), else a 4-byte stand-in
+    of the same shape. megatron's torch_dist save drops every other replica before it reads any data
+    (`keep_only_main_replica`), so the other DP replicas need not hold the model's fp32 master weights and both
+    Adam moments in host memory (~24 GB per rank at 8B, TP2 x PP2) at every save."""
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+    if is_main_replica(item.replica_id):
+        return value.detach().float().cpu()
+    return torch.zeros((), dtype=torch.float32).expand(value.shape)
 
 
 def trainable_shards(chunks: list) -> dict:
