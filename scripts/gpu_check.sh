@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU path in one short run (under 8 minutes on one H100/H200): versions, `dsmt verify` at TP1 on a tiny model
-# built on the spot, then 20 bf16 `dsmt train` steps of the llama3.2-1b shape (1.24B parameters, synthetic tokens,
+# The GPU path in one short run (under 8 minutes on one H100/H200): versions, the paths no CPU test runs
+# (scripts/gpu_cases.py: verify under Transformer Engine, bf16 with packing, LoRA on TE layers for Llama and
+# GPT-2, a plain model, MoE with its aux loss; TP2 x PP2 verify too on 4+ GPUs), then 20 bf16 `dsmt train` steps of the llama3.2-1b shape (1.24B parameters, synthetic tokens,
 # megatron init) with the measured step time, MFU and peak memory beside the planner's prediction for that layout.
 #
 #   bash scripts/gpu_check.sh [WORK_DIR]          # default WORK_DIR: a new directory under /tmp
@@ -86,10 +87,10 @@ for dist in ("deepspeed", "megatron-core", "transformers", "transformer-engine",
 EOF
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
-echo "== dsmt verify, TP1, tiny Llama"
-"$PY" -c "import sys; from pathlib import Path; from toolkit.tiny import make_tiny_checkpoint; \
-make_tiny_checkpoint(Path(sys.argv[1]))" "$WORK/tiny-hf"
-timeout 180 "$PY" -m toolkit.cli verify "$WORK/tiny-hf" --tp 1 --pp 1
+echo "== GPU paths: verify under TE, bf16 + packing, LoRA (Llama, GPT-2), a plain model, MoE aux loss"
+# One PASS / FAIL line per case (scripts/gpu_cases.py); a failure is reported at the end, after the timing run.
+CASES_OK=1
+timeout 420 "$PY" scripts/gpu_cases.py "$WORK/cases" || CASES_OK=0
 
 echo "== dsmt train, $STEPS bf16 steps of llama3.2-1b on synthetic tokens, 1 GPU"
 # The planner's preset for this GPU: its peak FLOPs are the MFU denominator.
@@ -121,4 +122,8 @@ echo "== measured vs planned"
 report "$RUN"
 # The 1B run's optimizer checkpoint and exports are ~20 GB: keep only the metrics and the resolved spec.
 rm -rf "$RUN/checkpoints" "$RUN/final-mcore" "$RUN/final-hf"
+if [[ "$CASES_OK" == 0 ]]; then
+  echo "gpu_check: FAILED: a GPU path above says FAIL ($WORK)"
+  exit 1
+fi
 echo "gpu_check: OK ($WORK)"

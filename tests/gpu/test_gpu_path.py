@@ -111,3 +111,15 @@ def test_context_parallel_cp2_matches_cp1(tmp_path):
         losses[cp] = [row["loss"] for row in rows if "loss" in row]
     assert len(losses[2]) == 3
     assert max(abs(a - b) for a, b in zip(losses[1], losses[2])) < 2e-2, losses  # bf16, different reduction order
+
+
+def test_gpu_paths_no_cpu_test_runs(tmp_path):
+    """scripts/gpu_cases.py on this GPU: verify under Transformer Engine, bf16 with packing, LoRA on TE layers
+    (Llama, GPT-2), a plain model, MoE with its aux loss; one PASS / FAIL line per case."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_cases.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
