@@ -19,6 +19,11 @@ VARIANTS = {
     "gemma": dict(model_type="gemma", seed=7),            # GeGLU, (1 + w) norms, sqrt(h) embedding scale, 1 KV head
     "phi3": dict(model_type="phi3", seed=8),              # packed qkv_proj and gate_up_proj
     "gpt2": dict(model_type="gpt2", seed=9),              # learned positions, LayerNorm + biases, Conv1D, GELU
+    # sliding windows of 8 tokens, shorter than verify's 32: every layer (Mistral v0.1, Phi-3-mini-4k), or only the
+    # layers from max_window_layers on (Qwen2: layers 2 and 3, across the PP2 boundary)
+    "mistral_window": dict(model_type="mistral", sliding_window=8, seed=12),
+    "phi3_window": dict(model_type="phi3", sliding_window=8, seed=13),
+    "qwen2_window": dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2, seed=14),
 }
 
 

@@ -25,8 +25,7 @@ def test_the_cpu_builds_with_every_fusion_off():
 
     assert backends.current().name == "cpu"
     config = transformer_config(settings=settings_of("llama"), layout=Layout(), params_dtype=torch.float32)
-    assert [name for name in fusions.FUSIONS if getattr(config, name)] == []
-    assert config.gradient_accumulation_fusion is False and config.persist_layer_norm is False
+    assert [name for name in fusions.FUSIONS + fusions.NEVER if getattr(config, name)] == []
 
 
 @pytest.mark.parametrize("model_type, te_layers, expected", [
@@ -62,7 +61,7 @@ def test_a_gpu_node_with_transformer_engine_builds_a_config_megatron_accepts(mon
     config = transformer_config(settings=settings_of("llama"), layout=Layout(), params_dtype=torch.bfloat16,
                                 attention="fused")
     assert (config.bias_activation_fusion, config.bias_dropout_fusion, config.apply_rope_fusion) == (True, True, True)
-    assert config.masked_softmax_fusion is False and config.gradient_accumulation_fusion is False
+    assert [name for name in fusions.NEVER if getattr(config, name)] == []  # see toolkit/adapters/fusions.py
 
 
 def test_the_dry_run_names_the_fusions_of_the_specs_device():
@@ -71,6 +70,6 @@ def test_the_dry_run_names_the_fusions_of_the_specs_device():
     spec = load_spec(CONFIGS / "llama3-8b-finetune-1x8-h100.yaml")
     problem = fusions.fusion_problem(spec=spec, settings=settings_of("llama"))
     assert problem.message == ("cluster.device=cuda, Transformer Engine layers: fused kernels on: bias_activation, "
-                               "bias_dropout, rope; off: masked_softmax")
+                               "bias_dropout, rope; off: none")
     cpu = fusions.fusion_problem(spec=load_spec(CONFIGS / "tiny-cpu.yaml"), settings=settings_of("llama"))
-    assert cpu.message.endswith("fused kernels on: none; off: bias_activation, bias_dropout, rope, masked_softmax")
+    assert cpu.message.endswith("fused kernels on: none; off: bias_activation, bias_dropout, rope")

@@ -69,12 +69,26 @@ def test_rope_llama3_scaling_supported_and_other_kinds_refused():
 
 
 def test_unreproducible_features_are_refused_by_name():
-    with pytest.raises(AdapterError, match="sliding_window=16 < max_position_embeddings=128"):
-        model_settings(tiny_config("mistral", sliding_window=16))
     with pytest.raises(AdapterError, match="attention_bias=True"):
         model_settings(tiny_config("llama", attention_bias=True))
-    with pytest.raises(AdapterError, match="use_sliding_window=True"):
-        model_settings(tiny_config("qwen2", use_sliding_window=True, sliding_window=16))
+
+
+@pytest.mark.parametrize("model_type, overrides, windowed", [
+    ("mistral", dict(sliding_window=16), [1, 1, 1, 1]),  # Mistral v0.1: every layer
+    ("phi3", dict(sliding_window=16), [1, 1, 1, 1]),  # Phi-3-mini-4k (2047)
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2), [0, 0, 1, 1]),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=3), [0, 0, 0, 1]),
+])
+def test_sliding_windows_reach_megatron_per_layer(model_type, overrides, windowed):
+    """HF's window of w sees w - 1 tokens back and itself: megatron's window_size (w - 1, 0), on the layers HF's
+    layer_types marks sliding (megatron's window_attn_skip_freq, 1 = windowed)."""
+    fields = model_settings(tiny_config(model_type, **overrides)).transformer_fields
+    assert fields["window_size"] == (15, 0) and fields["window_attn_skip_freq"] == windowed
+
+
+def test_no_window_leaves_megatron_full_causal():
+    for model_type, overrides in (("mistral", {}), ("qwen2", dict(sliding_window=16)), ("llama", {})):
+        assert "window_size" not in model_settings(tiny_config(model_type, **overrides)).transformer_fields
 
 
 def test_family_deltas_reach_the_megatron_config():
@@ -98,14 +112,12 @@ def test_family_deltas_reach_the_megatron_config():
     ("phi3", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
                                 "original_max_position_embeddings": 64}),
      "rope_type 'longrope' \\(Phi-3 long-context RoPE scaling, which megatron-core does not implement\\)"),
-    ("phi3", dict(sliding_window=32), "sliding_window=32 < max_position_embeddings=128"),
     ("phi3", dict(resid_pdrop=0.1), "the phi3 adapter trains without dropout"),
     ("gpt2", dict(embd_pdrop=0.1), "embd_pdrop=0.1 != resid_pdrop=0.0"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "only the standard 1/sqrt\\(head_dim\\) attention scale"),
     ("gpt2", dict(activation_function="relu"), "activation_function='relu'; the gpt2 adapter reproduces only"),
     ("gemma", dict(hidden_act="silu"), "hidden_act='silu'; the gemma adapter reproduces only 'gelu_new' / "
                                        "'gelu_pytorch_tanh'"),
-    ("qwen3", dict(use_sliding_window=True), "use_sliding_window=True"),
 ])
 def test_family_features_megatron_cannot_reproduce_are_refused_by_name(model_type, overrides, message):
     with pytest.raises(AdapterError, match=message):
@@ -115,3 +127,13 @@ def test_family_features_megatron_cannot_reproduce_are_refused_by_name(model_typ
 def test_gpt2_keeps_its_dropout_as_megatron_hidden_and_attention_dropout():
     fields = model_settings(tiny_config("gpt2", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.05)).transformer_fields
     assert (fields["hidden_dropout"], fields["attention_dropout"]) == (0.1, 0.05)
+
+
+def test_verify_says_whether_it_compared_past_the_window():
+    from toolkit.verify.worker import window_note
+
+    windowed = model_settings(tiny_config("mistral", sliding_window=16))
+    assert window_note(windowed, seq_len=32) == ("seq_len 32 reaches past the sliding window (16): the window "
+                                                 "compared")
+    assert "inside the sliding window (16): full causal attention" in window_note(windowed, seq_len=16)
+    assert window_note(model_settings(tiny_config("llama")), seq_len=32) is None

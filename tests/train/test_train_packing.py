@@ -2,7 +2,8 @@
 
 One 4-rank gloo launch (this file is its per-rank worker: `torchrun ... test_train_packing.py PLAN.json`) runs, for
 each layout (TP2 x PP2 with megatron's 1F1B schedule; TP2 with sequence parallelism x DP2) and each model (the
-tiny Llama: RoPE at the record positions, toolkit/adapters/packed.py; the tiny GPT-2: learned positions) and
+tiny Llama: RoPE at the record positions, toolkit/adapters/packed.py; the tiny GPT-2: learned positions; a Mistral
+with a sliding window of 8 tokens: the window within each record, toolkit/adapters/window.py) and
 dataset (short text documents plus one longer than a row, split; prompt/completion records), megatron's
 forward-only schedule over every row of the examples, packed and unpacked, through the training task's
 `CausalLM.forward` / `loss_sum`, and sums the token losses over all ranks. The test process computes the same
@@ -168,7 +169,10 @@ def packing_figures(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("packing")
     models = {"llama": str(make_tiny_checkpoint(root / "llama")),
-              "gpt2": str(make_tiny_checkpoint(root / "gpt2", model_type="gpt2", seed=9))}
+              "gpt2": str(make_tiny_checkpoint(root / "gpt2", model_type="gpt2", seed=9)),
+              # a sliding window shorter than the records: megatron's window and the packed mask, combined
+              "mistral-window": str(make_tiny_checkpoint(root / "mistral", model_type="mistral", sliding_window=8,
+                                                         seed=2))}
     data = {"text": {"path": str(short_documents(root / "documents.jsonl"))},
             "sft": {"path": str(PROMPTS), "prompt_field": "prompt", "completion_field": "completion"}}
     plan = root / "plan.json"
@@ -188,7 +192,7 @@ def test_packed_loss_equals_unpacked_and_hf_per_record(packing_figures):
                                          for kind in ("packed", "unpacked", "control"))
             packed_mean, unpacked_mean, control_mean = (f["loss_sum"] / f["tokens"]
                                                         for f in (packed, unpacked, control))
-            print(f"\n{layout:<11}{model:<6}{data:<5} rows packed {packed['rows']} (boundaries "
+            print(f"\n{layout:<11}{model:<15}{data:<5} rows packed {packed['rows']} (boundaries "
                   f"{packed['boundaries']}) / unpacked {unpacked['rows']}, tokens {packed['tokens']}: mean packed "
                   f"{packed_mean:.7f} unpacked {unpacked_mean:.7f} HF {hf_mean:.7f} | packed-unpacked "
                   f"{abs(packed_mean - unpacked_mean):.1e} packed-HF {abs(packed_mean - hf_mean):.1e} | control "

@@ -208,6 +208,7 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
     from megatron.core.models.gpt import GPTModel
 
     from toolkit.adapters.packed import use_position_ids_for_rope
+    from toolkit.adapters.window import keep_explicit_masks_windowed
 
     architecture = settings.family.architecture
     rope = architecture.position_embedding == "rope"
@@ -230,6 +231,7 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
             model.embedding.register_forward_hook(EmbeddingScale(settings.transformer_fields["hidden_size"]))
         if rope:  # packed records: RoPE at the batch's position ids, which restart per record
             use_position_ids_for_rope(model)
+        keep_explicit_masks_windowed(model)  # packed records' masks on windowed local layers
         yield model
 
 

@@ -13,18 +13,16 @@ and training stay exact to their tolerances:
                           megatron's THD RoPE syncs the host and loops over the records in every layer). Only with
                           TE's layers: dsmt's local layers rotate packed records by per-token frequencies
                           (toolkit/adapters/packed.py), which TE's BSHD kernel does not take.
-  masked_softmax_fusion   megatron's fused scale-mask-softmax CUDA kernels (local layers only; the kernels come
-                          from megatron's or apex's compiled extensions, and megatron falls back per call when a
-                          shape does not fit them).
 
-Never on: gradient_accumulation_fusion (it writes megatron-DDP's `main_grad`; DeepSpeed owns the gradients) and
+Never on: masked_softmax_fusion (megatron's fused causal softmax kernel ignores an explicit mask, which packed
+records need, and the sliding window: megatron-core 0.16.1 `FusedScaleMaskSoftmax.forward_fused_softmax`),
+gradient_accumulation_fusion (it writes megatron-DDP's `main_grad`; DeepSpeed owns the gradients) and
 persist_layer_norm (apex's persistent LayerNorm; TE's layers have their own)."""
 
 from __future__ import annotations
 
-import importlib.util
-
-FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion", "masked_softmax_fusion")
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")
+NEVER = ("masked_softmax_fusion", "gradient_accumulation_fusion", "persist_layer_norm")  # see the docstring
 
 
 def fused_rope_available() -> bool:
@@ -32,11 +30,6 @@ def fused_rope_available() -> bool:
     from megatron.core.models.common.embeddings import rope_utils
 
     return rope_utils.fused_apply_rotary_pos_emb is not None or rope_utils.fused_apply_rotary_pos_emb_thd is not None
-
-
-def fused_softmax_available() -> bool:
-    """megatron's fused scale-mask-softmax kernels (compiled CUDA extensions) are importable."""
-    return importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
 
 
 def fusion_fields(*, settings, device: str, te_layers: bool, fused_rope: bool | None = None) -> dict[str, bool]:
@@ -53,7 +46,6 @@ def fusion_fields(*, settings, device: str, te_layers: bool, fused_rope: bool | 
     fields["bias_dropout_fusion"] = True
     fields["apply_rope_fusion"] = (te_layers and architecture.position_embedding == "rope"
                                    and (fused_rope_available() if fused_rope is None else fused_rope))
-    fields["masked_softmax_fusion"] = not te_layers and fused_softmax_available()
     return fields
 
 

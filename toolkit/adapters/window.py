@@ -52,3 +52,39 @@ def sliding_window(hf_config) -> SlidingWindow | None:
         windowed = (True,) * num_layers
     window = SlidingWindow(size=int(size), windowed_layers=windowed)
     return window if window.any else None
+
+
+def window_fields(hf_config) -> dict:
+    """A family's `read_config` part for its sliding window: megatron's window fields, or nothing."""
+    window = sliding_window(hf_config)
+    return window.transformer_fields() if window is not None else {}
+
+
+def keep_explicit_masks_windowed(model) -> None:
+    """megatron's local attention applies a layer's window by building its own sliding-window causal mask, and
+    then drops any mask it was given (fusions/fused_softmax.py, `forward_torch_softmax`): packed records would
+    see each other. On every windowed softmax of `model` (local layers only; Transformer Engine's attention takes
+    the window and the THD records itself) a given mask is combined with the window instead."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+
+    for module in model.modules():
+        if isinstance(module, FusedScaleMaskSoftmax) and module.window_size is not None:
+            module.forward_torch_softmax = _windowed(module)
+
+
+def _windowed(softmax):
+    from megatron.core.transformer.utils import get_sliding_window_causal_mask
+
+    window, plain = softmax.window_size, softmax.forward_torch_softmax
+
+    def forward_torch_softmax(scores, mask, softmax_offset=None):
+        if mask is None:  # megatron's own sliding-window causal mask
+            return plain(scores, mask, softmax_offset)
+        outside = get_sliding_window_causal_mask(scores.shape[-2], scores.shape[-1], window).to(mask.device)
+        softmax.window_size = None  # True = masked in both: the given mask, or outside the window
+        try:
+            return plain(scores, mask | outside, softmax_offset)
+        finally:
+            softmax.window_size = window
+
+    return forward_torch_softmax

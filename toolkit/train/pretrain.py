@@ -26,7 +26,7 @@ RELEASE_FIELDS: dict[str, dict] = {
     "llama3-70b": {**_LLAMA, "rope_theta": 500000.0},
     "llama3-405b": {**_LLAMA, "rope_theta": 500000.0},
     "llama3.2-1b": {**_LLAMA, "rope_theta": 500000.0},
-    # v0.2/v0.3: no sliding window (a window shorter than the context is refused by the mistral family).
+    # v0.2/v0.3: no sliding window (v0.1 has 4096, which the mistral family reproduces per layer).
     "mistral-7b": {**_LLAMA, "model_type": "mistral", "rope_theta": 1000000.0, "sliding_window": None},
     "qwen2-7b": {**_LLAMA, "model_type": "qwen2", "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
     "qwen2-72b": {**_LLAMA, "model_type": "qwen2", "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},

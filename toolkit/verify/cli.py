@@ -39,5 +39,5 @@ def run(args) -> int:
         print(f"{verdict}: {result['model_type']} {result['task']} tp={result['tp']} pp={result['pp']} "
               f"vpp={result['vpp']} ep={result['ep']} max|Δlogits|={result['max_abs_diff']:.3e} KL={result['kl_divergence']:.3e} "
               f"(tolerance {result['tolerance']:.1e}, {result['tokens']} tokens; {result['math']}, "
-              f"{result['layers']} layers)")
+              f"{result['layers']} layers)" + (f"; {result['window']}" if result.get("window") else ""))
     return 0 if result["passed"] else 1

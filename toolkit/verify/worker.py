@@ -163,8 +163,20 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
                   model_type=info.settings.family.model_type, checkpoint_kind=info.kind, task=task.name,
                   tokens=args.batch_size * args.seq_len,
                   tied_embeddings=info.settings.tied_embeddings, param_devices=param_devices,
-                  math=MATH, layers=_layer_kind(chunks))
+                  math=MATH, layers=_layer_kind(chunks), window=window_note(info.settings, seq_len=args.seq_len))
     return result
+
+
+def window_note(settings, *, seq_len: int) -> str | None:
+    """Whether the compared length reaches past the model's sliding window (None: no window): inside it, full
+    causal attention is what HF computes too, and the window itself is not exercised."""
+    window_size = settings.transformer_fields.get("window_size")
+    if window_size is None:
+        return None
+    size = window_size[0] + 1
+    if seq_len <= size:
+        return f"seq_len {seq_len} is inside the sliding window ({size}): full causal attention, the window unused"
+    return f"seq_len {seq_len} reaches past the sliding window ({size}): the window compared"
 
 
 def _layer_kind(chunks: list) -> str:

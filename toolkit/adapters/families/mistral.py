@@ -1,24 +1,11 @@
-"""Mistral (HF `MistralForCausalLM`): the Llama layout. Its sliding-window attention is not reproduced by
-megatron-core's local attention, so it is refused unless the window covers every sequence (see check below)."""
+"""Mistral (HF `MistralForCausalLM`): the Llama layout, with its sliding window (v0.1: 4096) as megatron-core's
+`window_size` (toolkit/adapters/window.py); v0.2 and later ship without one."""
 
 from toolkit.adapters.family import ModelFamily, register
 from toolkit.adapters.families.llama import LLAMA_WEIGHTS, LM_HEAD, ROTARY_BUFFERS, check_llama_config
-
-
-def check_mistral_config(hf_config) -> list[str]:
-    problems = check_llama_config(hf_config)
-    window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < hf_config.max_position_embeddings:
-        problems.append(
-            f"sliding_window={window} < max_position_embeddings={hf_config.max_position_embeddings}: megatron-core's "
-            "attention here is full causal attention, so sequences longer than the window would differ from HF. "
-            f"Fix: set max_position_embeddings <= {window} in config.json (train with seq_length <= {window}), "
-            "or sliding_window to null"
-        )
-    return problems
-
+from toolkit.adapters.window import window_fields
 
 MISTRAL = register(ModelFamily(
     model_type="mistral", hf_architecture="MistralForCausalLM", weights=LLAMA_WEIGHTS, untied_output=LM_HEAD,
-    ignored_hf=ROTARY_BUFFERS, check_config=check_mistral_config,
+    ignored_hf=ROTARY_BUFFERS, check_config=check_llama_config, read_config=window_fields,
 ))

@@ -4,9 +4,9 @@ top-k renormalised. In the table the second `*` is the global expert index (mega
 canonical name; each EP rank builds only its own experts)."""
 
 from toolkit.adapters.family import ModelFamily, register
-from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
-from toolkit.adapters.families.mistral import check_mistral_config
+from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS, check_llama_config
 from toolkit.adapters.families.moe import LLAMA_WITHOUT_MLP, expert_rows, moe_fields, moe_problems
+from toolkit.adapters.window import window_fields
 
 _EXPERT = "model.layers.*.block_sparse_moe.experts.*"
 MIXTRAL_WEIGHTS = LLAMA_WITHOUT_MLP + expert_rows(router="model.layers.*.block_sparse_moe.gate.weight",
@@ -16,11 +16,11 @@ MIXTRAL_WEIGHTS = LLAMA_WITHOUT_MLP + expert_rows(router="model.layers.*.block_s
 
 def read_mixtral_config(hf_config) -> dict:
     return moe_fields(hf_config, num_experts=hf_config.num_local_experts, ffn_hidden_size=hf_config.intermediate_size,
-                      renormalise=True)
+                      renormalise=True) | window_fields(hf_config)
 
 
 def check_mixtral_config(hf_config) -> list[str]:
-    return check_mistral_config(hf_config) + moe_problems(hf_config, renormalise=True)
+    return check_llama_config(hf_config) + moe_problems(hf_config, renormalise=True)
 
 
 MIXTRAL = register(ModelFamily(

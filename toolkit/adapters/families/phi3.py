@@ -1,10 +1,12 @@
 """Phi-3 (HF `Phi3ForCausalLM`): the Llama computation with q, k, v stored as ONE `qkv_proj` ([q ; k ; v] rows)
 and gate / up as ONE `gate_up_proj` ([gate ; up] rows). Long-RoPE scaling (Phi-3 *-128k) has no megatron-core
-equivalent and is refused by name, as are partial rotary embeddings and a sliding window shorter than the context."""
+equivalent and is refused by name, as are partial rotary embeddings. The sliding window (Phi-3-mini-4k: 2047) is
+megatron-core's `window_size` (toolkit/adapters/window.py)."""
 
 from toolkit.adapters.family import ModelFamily, WeightMapping, register
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS, check_llama_config
 from toolkit.adapters.transforms import Kind
+from toolkit.adapters.window import window_fields
 
 M = WeightMapping
 
@@ -29,11 +31,6 @@ def check_phi3_config(hf_config) -> list[str]:
     partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
     if partial != 1.0:
         problems.append(f"partial_rotary_factor={partial}: only full rotary embeddings (1.0) are supported")
-    window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < hf_config.max_position_embeddings:
-        problems.append(f"sliding_window={window} < max_position_embeddings={hf_config.max_position_embeddings}: "
-                        "megatron-core's attention here is full causal attention. Fix: set max_position_embeddings "
-                        f"<= {window} in config.json (train with seq_length <= {window}), or sliding_window to null")
     dropouts = {name: getattr(hf_config, name, 0.0) for name in ("resid_pdrop", "embd_pdrop", "attention_dropout")}
     if any(dropouts.values()):
         problems.append(f"dropout {dropouts}: the phi3 adapter trains without dropout (Phi-3 releases set 0.0); "
@@ -43,5 +40,5 @@ def check_phi3_config(hf_config) -> list[str]:
 
 PHI3 = register(ModelFamily(
     model_type="phi3", hf_architecture="Phi3ForCausalLM", weights=PHI3_WEIGHTS, untied_output=LM_HEAD,
-    ignored_hf=ROTARY_BUFFERS, check_config=check_phi3_config,
+    ignored_hf=ROTARY_BUFFERS, check_config=check_phi3_config, read_config=window_fields,
 ))

@@ -4,6 +4,7 @@
 from toolkit.adapters.family import Architecture, ModelFamily, WeightMapping, register
 from toolkit.adapters.families.llama import LLAMA_WEIGHTS, LM_HEAD, ROTARY_BUFFERS, check_llama_config
 from toolkit.adapters.transforms import Kind
+from toolkit.adapters.window import window_fields
 
 QK_NORMS = (
     WeightMapping("decoder.layers.*.self_attention.q_layernorm.weight", Kind.REPLICATED,
@@ -13,15 +14,8 @@ QK_NORMS = (
 )
 
 
-def check_qwen3_config(hf_config) -> list[str]:
-    problems = check_llama_config(hf_config)
-    if getattr(hf_config, "use_sliding_window", False):
-        problems.append("use_sliding_window=True: megatron-core's attention here is full causal attention. "
-                        "Fix: set use_sliding_window to false (Qwen3 releases ship with it off)")
-    return problems
-
-
 QWEN3 = register(ModelFamily(
     model_type="qwen3", hf_architecture="Qwen3ForCausalLM", weights=LLAMA_WEIGHTS + QK_NORMS, untied_output=LM_HEAD,
-    ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qk_norm=True), check_config=check_qwen3_config,
+    ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qk_norm=True), check_config=check_llama_config,
+    read_config=window_fields,  # use_sliding_window / max_window_layers, as Qwen2's
 ))

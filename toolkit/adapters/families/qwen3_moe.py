@@ -5,9 +5,10 @@ expert index. Layers with a dense MLP (`mlp_only_layers`, `decoder_sparse_step` 
 Qwen3-MoE has them."""
 
 from toolkit.adapters.family import Architecture, ModelFamily, register
-from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
+from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS, check_llama_config
 from toolkit.adapters.families.moe import LLAMA_WITHOUT_MLP, expert_rows, moe_fields, moe_problems
-from toolkit.adapters.families.qwen3 import QK_NORMS, check_qwen3_config
+from toolkit.adapters.families.qwen3 import QK_NORMS
+from toolkit.adapters.window import window_fields
 
 _EXPERT = "model.layers.*.mlp.experts.*"
 QWEN3_MOE_WEIGHTS = LLAMA_WITHOUT_MLP + QK_NORMS + expert_rows(
@@ -22,11 +23,11 @@ def num_experts(hf_config) -> int:
 
 def read_qwen3_moe_config(hf_config) -> dict:
     return moe_fields(hf_config, num_experts=num_experts(hf_config), ffn_hidden_size=hf_config.moe_intermediate_size,
-                      renormalise=bool(hf_config.norm_topk_prob))
+                      renormalise=bool(hf_config.norm_topk_prob)) | window_fields(hf_config)
 
 
 def check_qwen3_moe_config(hf_config) -> list[str]:
-    problems = check_qwen3_config(hf_config) + moe_problems(hf_config, renormalise=bool(hf_config.norm_topk_prob))
+    problems = check_llama_config(hf_config) + moe_problems(hf_config, renormalise=bool(hf_config.norm_topk_prob))
     dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
     step = getattr(hf_config, "decoder_sparse_step", 1)
     if dense or step != 1:
