@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-LAYOUTS = {"tp2-dp2": dict(tp_size=2, pp_size=1, dp_size=2), "pp2-dp2": dict(tp_size=1, pp_size=2, dp_size=2)}
+LAYOUTS = {"tp2-dp2": dict(tp=2, pp=1, dp=2), "pp2-dp2": dict(tp=1, pp=2, dp=2)}
 MICRO, NUM_MICRO, SEQ = 2, 4, 128
 
 
@@ -69,13 +69,13 @@ def worker(args) -> None:
     backend.seed(0)
     examples = synthetic_examples(vocab_size=1024, seq_length=SEQ, num_examples=512, seed=0)
     batches = MicroBatches(examples=examples, micro_batch_size=MICRO, num_microbatches=NUM_MICRO,
-                           dp_rank=parallel_state.get_data_parallel_rank(), dp_size=layout.dp_size, seed=0)
+                           dp_rank=parallel_state.get_data_parallel_rank(), dp_size=layout.dp, seed=0)
     dsmt_chunks, info = load_model_chunks(checkpoint=args.checkpoint, layout=layout)
-    dsmt = HybridEngine(chunks=dsmt_chunks, ds_config=ds_config(layout.dp_size, unmanaged=False),
-                        vocab_size=info.settings.vocab_size, tied_embeddings=False, pp_size=layout.pp_size)
+    dsmt = HybridEngine(chunks=dsmt_chunks, ds_config=ds_config(layout.dp, unmanaged=False),
+                        vocab_size=info.settings.vocab_size, tied_embeddings=False, pp_size=layout.pp)
     hand_chunks, _ = load_model_chunks(checkpoint=args.checkpoint, layout=layout)
     hand_engine, *_ = deepspeed.initialize(model=hand_chunks[0], model_parameters=list(hand_chunks[0].parameters()),
-                                           config=ds_config(layout.dp_size, unmanaged=layout.pp_size > 1), mpu=MegatronMpu())
+                                           config=ds_config(layout.dp, unmanaged=layout.pp > 1), mpu=MegatronMpu())
     times = {"dsmt": [], "hand": []}
     for step in range(args.steps + 2):  # the first two steps of each side are warm-up
         for side in ("dsmt", "hand"):
@@ -84,7 +84,7 @@ def worker(args) -> None:
             if side == "dsmt":
                 dsmt.train_step(batches.batches_for_step(step))
             else:
-                hand_written_step(hand_engine, [hand_engine.module], batches.batches_for_step(step), pp=layout.pp_size)
+                hand_written_step(hand_engine, [hand_engine.module], batches.batches_for_step(step), pp=layout.pp)
             dist.barrier()
             if step >= 2:
                 times[side].append(time.perf_counter() - start)
@@ -112,7 +112,7 @@ def main() -> None:
                                           num_attention_heads=8, num_key_value_heads=4, vocab_size=1024,
                                           max_position_embeddings=SEQ)
         # run from the repository root: `benchmarks` is then importable as a namespace package by the ranks
-        launch_local_workers(module="benchmarks.train_step", nprocs=4, timeout_s=900,
+        launch_local_workers(module="benchmarks.train_step", nprocs=4, timeout_s=900, log_dir=Path(scratch) / "logs",
                              args=["--worker", "--layout", args.layout, "--steps", str(args.steps), "--checkpoint", str(checkpoint)])
 
 
