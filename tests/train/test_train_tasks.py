@@ -33,10 +33,11 @@ def test_masked_lm_counts_masked_tokens_and_ignores_the_padded_vocabulary():
     labels[0, 1], labels[1, 4], labels[1, 5] = 7, 249, 0
     batch = {"input_ids": torch.zeros(2, 6, dtype=torch.long), "labels": labels}
     task = MaskedLM(vocab_size=250)
+    # the loss consumes fp32 logits (megatron's cross entropy turns them into the softmax in place): HF's first
+    hf = torch.nn.functional.cross_entropy(logits[..., :250].flatten(0, 1), labels.flatten(), ignore_index=-100)
     with single_process_group(dist_backend="gloo"):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
         summed = task.loss_sum(logits, batch)
-    hf = torch.nn.functional.cross_entropy(logits[..., :250].flatten(0, 1), labels.flatten(), ignore_index=-100)
     assert task.count(batch) == 3 and torch.allclose(summed / 3, hf)
 
 

@@ -31,7 +31,8 @@ def masked_token_loss_sum(logits: torch.Tensor, *, labels: torch.Tensor, loss_ma
 
     Memory: one full-size tensor beyond the logits, at most. megatron's vocab_parallel_cross_entropy takes any
     leading dimensions ([b, s] here, no transposed copy), upcasts 16-bit logits to fp32 itself and turns that copy
-    in place into the softmax it saves for backward; fp32 logits are used in place."""
+    in place into the softmax it saves for backward; fp32 logits are used in place. So the logits are consumed: the
+    padded columns become -inf, and fp32 logits the softmax (as megatron's own loss consumes GPTModel's output)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     per_token = vocab_parallel_cross_entropy(mask_padded_vocab_(logits, vocab_size=vocab_size), labels)
