@@ -47,11 +47,11 @@ def test_megatron_rotary_gives_transformers_cos_and_sin(seq_len):
     config = longrope_config()
     longrope = rope_settings(config)[1]["longrope"]
 
-    class Host:  # what longrope_rotary reads from a GPTModel
-        rotary_pos_emb = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
-        config = type("Config", (), {"kv_channels": 8})
+    host = torch.nn.Module()  # what longrope_rotary reads from a GPTModel (no attention layers here)
+    host.rotary_pos_emb = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    host.config = type("Config", (), {"kv_channels": 8, "softmax_scale": longrope.softmax_scale(head_dim=8)})
 
-    rotary = longrope_rotary(model=Host, longrope=longrope)
+    rotary = longrope_rotary(model=host, longrope=longrope)
     freqs = rotary(seq_len)[:, 0, 0, :]  # [s, d]
     cos, sin = Phi3RotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), torch.arange(seq_len)[None])
     scale = longrope.attention_factor
@@ -97,3 +97,21 @@ def test_short_branch_logits_equal_transformers(tiny_checkpoints):
     result, = run_verify_many(checkpoints=[tiny_checkpoints["phi3_longrope"]], tp=1, pp=1, seq_len=ORIGINAL - 4,
                               tolerance=1e-4)
     assert result["passed"], result
+
+
+def test_an_attention_that_drops_the_score_scale_is_refused_by_name():
+    from toolkit.adapters.longrope import check_attention_scale
+    from toolkit.errors import DsmtError
+
+    class Attention(torch.nn.Module):  # stands for TE < 1.10, which keeps its own 1/sqrt(d)
+        softmax_scale = 8**-0.5
+
+    model, node = torch.nn.Module(), None
+    for part in ("decoder", "layers", "0", "self_attention"):
+        node, parent = torch.nn.Module(), node or model
+        parent.add_module(part, node)
+    node.add_module("core_attention", Attention())
+    check_attention_scale(model=model, expected=8**-0.5)
+    with pytest.raises(DsmtError, match="decoder.layers.0.self_attention.core_attention \\(Attention\\) scales "
+                                        "attention scores by 0.35.*Transformer Engine >= 1.10"):
+        check_attention_scale(model=model, expected=1.25**2 * 8**-0.5)

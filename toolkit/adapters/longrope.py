@@ -76,8 +76,25 @@ def longrope_rotary(*, model, longrope: LongRope):
             positions = torch.arange(max_seq_len, device=device, dtype=torch.float32) + offset
             return torch.outer(positions, inv_freq)
 
+    check_attention_scale(model=model, expected=model.config.softmax_scale)
     inner = model.rotary_pos_emb
     rotary = LongRopeRotary(kv_channels=model.config.kv_channels, rotary_percent=1.0,
                             rotary_base=longrope.rotary_base, use_cpu_initialization=True, cp_group=inner.cp_group)
     rotary.inv_freq = inner.inv_freq  # megatron's own device placement (moved to the GPU on first use)
     return rotary
+
+
+def check_attention_scale(*, model, expected: float) -> None:
+    """Every attention of `model` must scale its scores by `expected` (the attention factor lives there): megatron's
+    local attention and Transformer Engine's (>= 1.10; older TE drops megatron's softmax_scale) both keep it as
+    `softmax_scale`. Refused by name otherwise, before any forward."""
+    from toolkit.errors import DsmtError
+
+    for name, module in model.named_modules():
+        if name.endswith("self_attention.core_attention"):  # megatron's DotProductAttention or TE's
+            scale = getattr(module, "softmax_scale", None)
+            if scale is None or not math.isclose(scale, expected, rel_tol=1e-12):
+                raise DsmtError(f"{name} ({type(module).__name__}) scales attention scores by {scale}, not the "
+                                f"{expected} that Phi-3 long-RoPE's attention factor needs: this attention ignores "
+                                "megatron's softmax_scale (Transformer Engine < 1.10?). Fix: Transformer Engine >= "
+                                "1.10, or training.attention: local")
