@@ -7,6 +7,11 @@ from toolkit.tiny import make_tiny_checkpoint
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
+# Per-frequency factors (head_dim 8: 4 each) far from 1, so a short / long mix-up or a missing one shows in logits.
+PHI3_LONGROPE = dict(original_max_position_embeddings=16, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.7, 3.1, 6.4],
+    "long_factor": [2.3, 4.1, 9.7, 17.5]})
+
 VARIANTS = {
     "llama": dict(model_type="llama"),
     "llama_tied": dict(model_type="llama", tie_word_embeddings=True),
@@ -24,6 +29,8 @@ VARIANTS = {
     "mistral_window": dict(model_type="mistral", sliding_window=8, seed=12),
     "phi3_window": dict(model_type="phi3", sliding_window=8, seed=13),
     "qwen2_window": dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2, seed=14),
+    # Phi-3 long-RoPE: original length 16, so verify's 32 positions take the long factors (test_longrope.py: short)
+    "phi3_longrope": dict(model_type="phi3", seed=10, **PHI3_LONGROPE),
 }
 
 

@@ -25,7 +25,7 @@ def round_trip(source, tmp_path, *extra):
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama_tied", "qwen2", "qwen2_tied", "mistral", "qwen3", "gemma", "phi3",
-                                     "gpt2"])
+                                     "gpt2", "phi3_longrope"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(variant, tiny_checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -15,7 +15,7 @@ from toolkit.verify.run import run_verify_many
 pytestmark = pytest.mark.multiproc
 
 FAMILY_VARIANTS = ["llama", "llama_tied", "llama3_rope", "qwen2", "qwen2_tied", "mistral", "qwen3", "qwen3_tied", "gemma",
-                   "phi3", "gpt2", "mistral_window", "phi3_window", "qwen2_window"]
+                   "phi3", "gpt2", "mistral_window", "phi3_window", "qwen2_window", "phi3_longrope"]
 TOLERANCE = 1e-4  # fp32; observed ~3e-7
 
 

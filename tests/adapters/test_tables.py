@@ -109,9 +109,10 @@ def test_family_deltas_reach_the_megatron_config():
 
 
 @pytest.mark.parametrize("model_type,overrides,message", [
-    ("phi3", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
-                                "original_max_position_embeddings": 64}),
-     "rope_type 'longrope' \\(Phi-3 long-context RoPE scaling, which megatron-core does not implement\\)"),
+    # long-RoPE itself runs (tests/adapters/test_longrope.py); with partial rotary (Phi-4-mini) it is refused
+    ("phi3", dict(partial_rotary_factor=0.75, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3, "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 64}), "partial_rotary_factor=0.75 \\(Phi-4-mini\\)"),
     ("phi3", dict(resid_pdrop=0.1), "the phi3 adapter trains without dropout"),
     ("gpt2", dict(embd_pdrop=0.1), "embd_pdrop=0.1 != resid_pdrop=0.0"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "only the standard 1/sqrt\\(head_dim\\) attention scale"),

@@ -212,6 +212,8 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
 
     architecture = settings.family.architecture
     rope = architecture.position_embedding == "rope"
+    rope_kwargs = dict(settings.rope_scaling or {})
+    longrope = rope_kwargs.pop("longrope", None)  # Phi-3 long-RoPE: its own rotary module (toolkit/adapters/longrope.py)
     for vp_stage in range(vpp_size):
         vp = vp_stage if vpp_size > 1 else None
         model = GPTModel(
@@ -225,10 +227,14 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
             share_embeddings_and_output_weights=settings.tied_embeddings,
             position_embedding_type=architecture.position_embedding,
             vp_stage=vp,
-            **({"rotary_base": settings.rotary_base, **(settings.rope_scaling or {})} if rope else {}),
+            **({"rotary_base": settings.rotary_base, **rope_kwargs} if rope else {}),
         )
         if architecture.embedding_scale and model.pre_process:
             model.embedding.register_forward_hook(EmbeddingScale(settings.transformer_fields["hidden_size"]))
+        if longrope is not None:
+            from toolkit.adapters.longrope import longrope_rotary
+
+            model.rotary_pos_emb = longrope_rotary(model=model, longrope=longrope)
         if rope:  # packed records: RoPE at the batch's position ids, which restart per record
             use_position_ids_for_rope(model)
         keep_explicit_masks_windowed(model)  # packed records' masks on windowed local layers

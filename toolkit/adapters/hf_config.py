@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from toolkit.adapters.family import AdapterError, HeadTable, ModelFamily, WeightMapping, get_family
+from toolkit.adapters.longrope import longrope_from_hf
 from toolkit.adapters.transforms import ShapeContext, padded_vocab_size
 from toolkit.shapes import VOCAB_PAD_MULTIPLE
 
@@ -82,7 +83,12 @@ def rope_settings(hf_config) -> tuple[float, dict | None, str | None]:
                 f"{_MCORE_LLAMA3_ROPE}; this checkpoint's scaling cannot be reproduced"
             )
         return theta, {"rope_scaling": True, "rope_scaling_factor": float(merged.get("factor", 8.0))}, None
-    return theta, None, f"rope_type {rope_type!r} is not supported (supported: default, llama3)"
+    if rope_type == "longrope":  # Phi-3 long context: a rotary module of its own (toolkit/adapters/longrope.py)
+        if hf_config.model_type != "phi3":
+            return theta, None, f"rope_type 'longrope' is supported for phi3 only (this is {hf_config.model_type})"
+        longrope, problem = longrope_from_hf(hf_config, params=merged, theta=theta)
+        return theta, (None if problem else {"longrope": longrope}), problem
+    return theta, None, f"rope_type {rope_type!r} is not supported (supported: default, llama3; longrope for phi3)"
 
 
 def activation_problems(hf_config, *, family: ModelFamily) -> list[str]:
@@ -191,6 +197,8 @@ def model_settings(hf_config, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MUL
         raise AdapterError(f"{hf_config.model_type} config leaves megatron fields {missing} unset; the "
                            f"{family.model_type} family must read them (ModelFamily.read_config)")
     theta, scaling, _ = rope_settings(hf_config)
+    if scaling and "longrope" in scaling:  # HF's cos/sin magnitude, as a score scale (toolkit/adapters/longrope.py)
+        fields["softmax_scale"] = scaling["longrope"].softmax_scale(head_dim=head_dim)
     encoder = encoder_settings(hf_config, family=family)
     # An encoder without an MLM head has no output layer to tie (BERT configs say tie_word_embeddings=True anyway).
     tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and (encoder is None or encoder.task == "masked_lm")
