@@ -19,6 +19,9 @@ VARIANTS = {
     "gemma": dict(model_type="gemma", seed=7),            # GeGLU, (1 + w) norms, sqrt(h) embedding scale, 1 KV head
     "phi3": dict(model_type="phi3", seed=8),              # packed qkv_proj and gate_up_proj
     "gpt2": dict(model_type="gpt2", seed=9),              # learned positions, LayerNorm + biases, Conv1D, GELU
+    "granite": dict(model_type="granite", seed=10),      # embedding / residual / attention / logits multipliers
+    "starcoder2": dict(model_type="starcoder2", seed=11),  # LayerNorm + biases, GELU MLP, window 8 < seq 32
+    "olmo2": dict(model_type="olmo2", seed=12),          # post-norms, q/k norms over the whole projection
 }
 
 

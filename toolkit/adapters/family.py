@@ -109,6 +109,17 @@ class Architecture:
                     add_qkv_bias=self.qkv_bias or self.linear_bias)
 
 
+@dataclasses.dataclass(frozen=True)
+class Multipliers:
+    """Scalar factors some families put where megatron-core's GPTModel has none (Granite): the embeddings times
+    `embedding`, each attention / MLP output times `residual` before its residual add, the logits divided by
+    `logits_divisor`. Read from the HF config (`ModelFamily.read_multipliers`); 1.0 leaves that place as it is."""
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    logits_divisor: float = 1.0
+
+
 ENCODER_TASKS = ("masked_lm", "sequence_classification")
 
 
@@ -145,6 +156,11 @@ class ModelFamily:
     hf_activation_field: str = "hidden_act"
     # Refuses config features megatron-core cannot reproduce; returns a list of problems (empty when fine).
     check_config: Callable[[object], list[str]] = lambda hf_config: []
+    # HF config -> the family's scalar multipliers (build.py applies them; Granite).
+    read_multipliers: Callable[[object], Multipliers] = lambda hf_config: Multipliers()
+    # Replaces submodules of the layer spec where megatron-core's layer lacks the family's computation (OLMo-2's
+    # post-norms and whole-projection q / k norms): `edit_layer_spec(spec, config=, transformer_engine=)` -> spec.
+    edit_layer_spec: Callable | None = None
     # Encoder families only (BERT): the model is toolkit/adapters/encoder.py's post-LN encoder, not GPTModel, and its
     # head is the one named by config.architectures[0]. Empty for decoder families.
     heads: tuple[HeadTable, ...] = ()
