@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-FAMILIES = {"qwen3": 5, "gemma": 7, "phi3": 8, "gpt2": 9}  # model_type -> seed of its tiny checkpoint
+# model_type -> seed of its tiny checkpoint
+FAMILIES = {"qwen3": 5, "gemma": 7, "phi3": 8, "gpt2": 9, "granite": 10, "starcoder2": 11, "olmo2": 12}
 LAYOUTS = {"tp2-pp2-dp1": dict(tp=2, pp=2, dp=1, zero=1), "tp2-pp2-dp2": dict(tp=2, pp=2, dp=2, zero=1)}
 # The tolerances of test_train_parity.py (fp32, CPU, absolute); `pytest -s` prints the measured figures.
 LOSS_TOLERANCE = 5e-6
