@@ -103,3 +103,16 @@ def test_granite_embedding_and_logits_hooks():
     torch.testing.assert_close(EmbeddingMultiplier(3.0)(None, (), x), x * 3.0)
     logits, bias = LogitsDivisor(2.5)(None, (), (x, None))
     assert torch.equal(logits, x / 2.5) and bias is None
+
+
+def test_olmo2_tp_that_would_replicate_kv_heads_is_refused_before_ranks_start():
+    from toolkit.layout import Layout
+    from toolkit.layout_rules import ModelFacts, layout_problems
+
+    olmo2, llama = (ModelFacts.from_settings(model_settings(tiny_config(t, num_key_value_heads=2)))
+                    for t in ("olmo2", "llama"))
+    layout = Layout(tp=4, pp=1, dp=1)
+    problems = layout_problems(layout=layout, model=olmo2)
+    assert [p.rule for p in problems] == ["kv_heads_vs_tp"] and "q / k norms span all heads" in problems[0].message
+    assert not layout_problems(layout=layout, model=llama)  # Llama replicates each KV head on 2 ranks
+    assert not layout_problems(layout=Layout(tp=2, pp=1, dp=1), model=olmo2)

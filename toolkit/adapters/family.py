@@ -85,6 +85,8 @@ class Architecture:
     normalization: str = "RMSNorm"  # one of NORMALIZATIONS
     zero_centered_norm: bool = False  # the norm scales by (1 + w) (Gemma), megatron's zero-centred gamma
     qk_norm: bool = False  # an RMSNorm over each query and key head, before RoPE (Qwen3)
+    # The q / k norms span all heads (OLMo-2): each TP rank must hold whole KV heads (tp divides num_kv_heads).
+    qk_norm_spans_heads: bool = False
     qkv_bias: bool = False  # biases on q, k, v only (Qwen2)
     linear_bias: bool = False  # biases on every linear layer (GPT-2)
     embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)

@@ -169,6 +169,6 @@ def check_olmo2_config(hf_config) -> list[str]:
 
 OLMO2 = register(ModelFamily(
     model_type="olmo2", hf_architecture="Olmo2ForCausalLM", weights=OLMO2_WEIGHTS, untied_output=LM_HEAD,
-    ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qk_norm=True), check_config=check_olmo2_config,
+    ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qk_norm=True, qk_norm_spans_heads=True), check_config=check_olmo2_config,
     edit_layer_spec=edit_olmo2_layer_spec,
 ))
