@@ -39,6 +39,7 @@ class ModelFacts:
     num_layers: int
     padded_vocab_size: int  # the adapters' padding (toolkit/shapes.py): the same for every tp
     num_experts: int = 0  # MoE: experts per layer (0: a dense model)
+    kv_heads_replicable: bool = True  # False: tp must divide num_kv_heads (OLMo-2's q / k norms span the heads)
 
     @classmethod
     def from_shape(cls, shape, *, vocab_multiple: int) -> "ModelFacts":
@@ -57,7 +58,8 @@ class ModelFacts:
         fields = settings.transformer_fields
         return cls(num_attention_heads=fields["num_attention_heads"], num_kv_heads=fields["num_query_groups"],
                    ffn_hidden_size=fields["ffn_hidden_size"], num_layers=settings.num_layers,
-                   padded_vocab_size=settings.padded_vocab_size, num_experts=fields.get("num_moe_experts") or 0)
+                   padded_vocab_size=settings.padded_vocab_size, num_experts=fields.get("num_moe_experts") or 0,
+                   kv_heads_replicable=not settings.family.architecture.qk_norm_spans_heads)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,7 +96,7 @@ def valid_tp_sizes(*, model: ModelFacts, limit: int) -> list[int]:
     or are a multiple of them (megatron-core replicates each KV head on tp / kv ranks)."""
     kv = model.num_kv_heads
     return [t for t in divisors(limit) if model.num_attention_heads % t == 0 and model.ffn_hidden_size % t == 0
-            and model.padded_vocab_size % t == 0 and (kv % t == 0 or t % kv == 0)]
+            and model.padded_vocab_size % t == 0 and (kv % t == 0 or (t % kv == 0 and model.kv_heads_replicable))]
 
 
 def _tp_problem(rule: str, message: str, *, model: ModelFacts, run: RunFacts | None, layout: Layout) -> Problem:
@@ -136,6 +138,9 @@ def rule_tensor_parallel(*, layout: Layout, model: ModelFacts, run: RunFacts | N
                                                         f"{model.num_attention_heads}"),
         ("kv_heads_vs_tp", kv % tp and tp % kv, f"tp={tp} neither divides nor is a multiple of num_kv_heads={kv} "
                                                  "(KV heads are split, or each replicated on tp/kv ranks)"),
+        ("kv_heads_vs_tp", kv % tp and not tp % kv and not model.kv_heads_replicable,
+         f"tp={tp} does not divide num_kv_heads={kv}, and this model's q / k norms span all heads (OLMo-2), so "
+         "each TP rank needs whole KV heads (none replicated)"),
         ("ffn_vs_tp", model.ffn_hidden_size % tp, f"tp={tp} does not divide ffn_hidden_size={model.ffn_hidden_size}"),
         ("vocab_padding", model.padded_vocab_size % tp, f"tp={tp} does not divide the padded vocabulary "
                                                         f"{model.padded_vocab_size} (model.make_vocab_size_divisible_by "

@@ -29,6 +29,15 @@ _FAMILY_FIELDS = {
     "mixtral": dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
     "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                       norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    # Granite's four scalars away from 1 (attention_multiplier is not 1/sqrt(head_dim) = 0.125), so each shows.
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=2.5,
+                    attention_dropout=0.0),
+    # A window of 8 tokens, shorter than verify's 32-token sequences; biases randomised (make_tiny_checkpoint).
+    "starcoder2": dict(sliding_window=8, norm_epsilon=1e-5, use_bias=True, hidden_act="gelu_pytorch_tanh",
+                       residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=True,
+                       **_TOKEN_IDS),
+    # 4 KV heads (TP 4 keeps whole KV heads per rank, which the whole-projection q / k norms need).
+    "olmo2": dict(num_key_value_heads=4, attention_dropout=0.0, **_TOKEN_IDS),
     "gpt2": dict(n_embd=64, n_inner=96, n_layer=4, n_head=8, n_positions=128, vocab_size=250, resid_pdrop=0.0,
                  embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
                  bos_token_id=1, eos_token_id=2),

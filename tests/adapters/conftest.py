@@ -31,6 +31,9 @@ VARIANTS = {
     "qwen2_window": dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2, seed=14),
     # Phi-3 long-RoPE: original length 16, so verify's 32 positions take the long factors (test_longrope.py: short)
     "phi3_longrope": dict(model_type="phi3", seed=10, **PHI3_LONGROPE),
+    "granite": dict(model_type="granite", seed=10),      # embedding / residual / attention / logits multipliers
+    "starcoder2": dict(model_type="starcoder2", seed=11),  # LayerNorm + biases, GELU MLP, window 8 < seq 32
+    "olmo2": dict(model_type="olmo2", seed=12),          # post-norms, q/k norms over the whole projection
 }
 
 

@@ -25,7 +25,7 @@ def round_trip(source, tmp_path, *extra):
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama_tied", "qwen2", "qwen2_tied", "mistral", "qwen3", "gemma", "phi3",
-                                     "gpt2", "phi3_longrope"])
+                                     "gpt2", "phi3_longrope", "granite", "starcoder2", "olmo2"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(variant, tiny_checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -53,6 +53,16 @@ def test_bf16_sharded_checkpoint_round_trips_in_bf16_and_reshards(tmp_path):
     assert all(torch.equal(original[k], exported[k]) for k in original)
 
 
+@pytest.mark.parametrize("model_type", ["granite", "starcoder2", "olmo2"])
+def test_bf16_round_trip_of_the_newer_families_is_bit_exact(model_type, tmp_path):
+    source = make_tiny_checkpoint(tmp_path / "hf", model_type=model_type, dtype=torch.bfloat16)
+    mcore, back = round_trip(source, tmp_path)
+    assert json.loads((mcore / "dsmt_checkpoint.json").read_text())["params_dtype"] == "bfloat16"
+    original, exported = hf_state(source), hf_state(back)
+    assert sorted(original) == sorted(exported)
+    assert all(exported[k].dtype == torch.bfloat16 and torch.equal(original[k], exported[k]) for k in original)
+
+
 def assert_fails(argv, capsys, *fragments):
     code = dsmt(argv)
     err = capsys.readouterr().err
@@ -74,7 +84,7 @@ def test_missing_and_unreadable_config(tmp_path, capsys):
     assert_fails(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "out")], capsys, "not readable JSON")
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "t5"}))
     assert_fails(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "out")], capsys,
-                 "'t5' has no megatron-core adapter", "supported: bert, gemma, gpt2, llama, mistral")
+                 "'t5' has no megatron-core adapter", "supported: bert, gemma, gpt2, granite, llama, mistral")
     assert no_partial_output(tmp_path)
 
 

@@ -38,6 +38,11 @@ RUNS = {
                          targets=["k_proj", "o_proj", "gate_proj"]),
     "gpt2-tp2-dp2": dict(model="gpt2", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),  # Conv1D, packed qkv
     "phi3-tp2-pp2": dict(model="phi3", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),  # packed qkv, gate_up
+    # Granite's residual multiplier scales the linear_proj / linear_fc2 deltas; OLMo-2's post-norms follow them and
+    # its whole-projection q / k norms follow linear_qkv's delta; StarCoder2: biases, GELU MLP (c_fc / c_proj), tied
+    "granite-tp2-pp2": dict(model="granite", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
+    "olmo2-tp2-pp2": dict(model="olmo2", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
+    "starcoder2-tp2-dp2": dict(model="starcoder2", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),
     "tp2-dp2-zero3": dict(model="llama", layout=dict(tp=2, pp=1, dp=2, zero=3), targets=None,
                           communication={"param_persistence_threshold_elements": 0}),
     # Llama-3.2-1B / Qwen2.5-0.5B style: tied embeddings (frozen under LoRA: no copies to synchronise) at PP > 1,
@@ -77,7 +82,9 @@ def lora_runs(tiny_llama, tmp_path_factory):
     models = {"llama": tiny_llama, "gpt2": make_tiny_checkpoint(root / "gpt2", model_type="gpt2", seed=3),
               "phi3": make_tiny_checkpoint(root / "phi3", model_type="phi3", seed=4),
               "llama_tied": make_tiny_checkpoint(root / "llama-tied", model_type="llama", tie_word_embeddings=True,
-                                                 vocab_size=251, seed=5)}
+                                                 vocab_size=251, seed=5),
+              **{family: make_tiny_checkpoint(root / family, model_type=family, seed=6 + index)
+                 for index, family in enumerate(("granite", "olmo2", "starcoder2"))}}
     specs = {}
     for index, (name, run) in enumerate(RUNS.items()):
         model_dir = models[run["model"]]

@@ -156,6 +156,14 @@ class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
         return torch.nn.functional.layer_norm(x, self.normalized_shape, 1 + self.weight, self.bias, self.eps)
 
 
+def is_local_spec(layer_spec) -> bool:
+    """Whether a layer spec is megatron's local (torch) layers rather than Transformer Engine's: its core attention
+    is megatron's `DotProductAttention`."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return layer_spec.submodules.self_attention.submodules.core_attention is DotProductAttention
+
+
 def decoder_spec(*, config, layer_spec, vp_stage: int | None):
     """What `GPTModel` builds its decoder from: the layers, and a final norm of the layers' kind.
 
@@ -164,7 +172,7 @@ def decoder_spec(*, config, layer_spec, vp_stage: int | None):
     norm as well. Transformer Engine layers keep megatron's choice, TENorm, which handles sequence parallelism."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    if layer_spec.submodules.input_layernorm is not TorchNorm:
+    if not is_local_spec(layer_spec):
         return layer_spec
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=TorchNorm)
@@ -198,6 +206,9 @@ def model_chunks(*, config, settings: ModelSettings, layout: Layout, attention: 
         return encoder_chunks(config=config, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
     spec = layer_spec(attention=attention, cp_size=layout.cp, qk_norm=settings.family.architecture.qk_norm,
                       num_experts=settings.num_experts)
+    spec = with_residual_multiplier(spec, multiplier=settings.multipliers.residual)
+    if settings.family.edit_layer_spec is not None:
+        spec = settings.family.edit_layer_spec(spec, config=config, transformer_engine=not is_local_spec(spec))
     return gpt_chunks(config=config, spec=spec, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
 
 
@@ -235,6 +246,11 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
             from toolkit.adapters.longrope import longrope_rotary
 
             model.rotary_pos_emb = longrope_rotary(model=model, longrope=longrope)
+        multipliers = settings.multipliers
+        if multipliers.embedding != 1.0 and model.pre_process:
+            model.embedding.register_forward_hook(EmbeddingMultiplier(multipliers.embedding))
+        if multipliers.logits_divisor != 1.0 and model.post_process:
+            model.output_layer.register_forward_hook(LogitsDivisor(multipliers.logits_divisor))
         if rope:  # packed records: RoPE at the batch's position ids, which restart per record
             use_position_ids_for_rope(model)
         keep_explicit_masks_windowed(model)  # packed records' masks on windowed local layers
@@ -251,6 +267,60 @@ class EmbeddingScale:
 
     def __call__(self, module, inputs, output: torch.Tensor) -> torch.Tensor:
         return output * torch.tensor(self.factor, dtype=output.dtype, device=output.device)
+
+
+class EmbeddingMultiplier:
+    """Forward hook on megatron's embedding: multiply its output by a config scalar (Granite's
+    `embedding_multiplier`; HF multiplies by the Python float, as here). After megatron's embedding dropout (HF:
+    before); Granite has no embedding dropout."""
+
+    def __init__(self, factor: float):
+        self.factor = float(factor)
+
+    def __call__(self, module, inputs, output: torch.Tensor) -> torch.Tensor:
+        return output * self.factor
+
+
+class LogitsDivisor:
+    """Forward hook on megatron's output layer (output `(logits, bias)`): logits divided by a config scalar
+    (Granite's `logits_scaling`). Elementwise, so exact on vocab-parallel shards and before the loss."""
+
+    def __init__(self, divisor: float):
+        self.divisor = float(divisor)
+
+    def __call__(self, module, inputs, output):
+        logits, bias = output
+        return logits / self.divisor, bias
+
+
+def with_residual_multiplier(spec, *, multiplier: float):
+    """The layer spec with each sublayer's output (attention after linear_proj, MLP after linear_fc2, their biases
+    included) multiplied by `multiplier` before the residual add (Granite's `residual_multiplier`: HF computes
+    `residual + sublayer(x) * m`). Done in the layer's bias-dropout-add, which local and Transformer Engine layers
+    share, so LoRA's delta on linear_proj / linear_fc2 is scaled too, as in HF."""
+    import dataclasses
+
+    if multiplier == 1.0:
+        return spec
+    bda = scaled_bias_dropout_add(multiplier)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attn_bda=bda, mlp_bda=bda))
+
+
+def scaled_bias_dropout_add(multiplier: float):
+    """megatron's `get_bias_dropout_add` with the (output, bias) pair scaled first. A plain function: megatron's
+    `build_module` hands functions to the layer uncalled, and the layer calls it as `bda(training, fused)(...)`."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    def bias_dropout_add(training: bool, fused: bool):
+        add = get_bias_dropout_add(training, fused)
+
+        def scaled(x_with_bias, residual, prob):
+            output, bias = x_with_bias
+            return add((output * multiplier, None if bias is None else bias * multiplier), residual, prob)
+
+        return scaled
+
+    return bias_dropout_add
 
 
 def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:

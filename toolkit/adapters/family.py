@@ -85,6 +85,8 @@ class Architecture:
     normalization: str = "RMSNorm"  # one of NORMALIZATIONS
     zero_centered_norm: bool = False  # the norm scales by (1 + w) (Gemma), megatron's zero-centred gamma
     qk_norm: bool = False  # an RMSNorm over each query and key head, before RoPE (Qwen3)
+    # The q / k norms span all heads (OLMo-2): each TP rank must hold whole KV heads (tp divides num_kv_heads).
+    qk_norm_spans_heads: bool = False
     qkv_bias: bool = False  # biases on q, k, v only (Qwen2)
     linear_bias: bool = False  # biases on every linear layer (GPT-2)
     embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
@@ -107,6 +109,17 @@ class Architecture:
                     normalization=self.normalization, layernorm_zero_centered_gamma=self.zero_centered_norm,
                     qk_layernorm=self.qk_norm, add_bias_linear=self.linear_bias,
                     add_qkv_bias=self.qkv_bias or self.linear_bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class Multipliers:
+    """Scalar factors some families put where megatron-core's GPTModel has none (Granite): the embeddings times
+    `embedding`, each attention / MLP output times `residual` before its residual add, the logits divided by
+    `logits_divisor`. Read from the HF config (`ModelFamily.read_multipliers`); 1.0 leaves that place as it is."""
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    logits_divisor: float = 1.0
 
 
 ENCODER_TASKS = ("masked_lm", "sequence_classification")
@@ -145,6 +158,11 @@ class ModelFamily:
     hf_activation_field: str = "hidden_act"
     # Refuses config features megatron-core cannot reproduce; returns a list of problems (empty when fine).
     check_config: Callable[[object], list[str]] = lambda hf_config: []
+    # HF config -> the family's scalar multipliers (build.py applies them; Granite).
+    read_multipliers: Callable[[object], Multipliers] = lambda hf_config: Multipliers()
+    # Replaces submodules of the layer spec where megatron-core's layer lacks the family's computation (OLMo-2's
+    # post-norms and whole-projection q / k norms): `edit_layer_spec(spec, config=, transformer_engine=)` -> spec.
+    edit_layer_spec: Callable | None = None
     # Encoder families only (BERT): the model is toolkit/adapters/encoder.py's post-LN encoder, not GPTModel, and its
     # head is the one named by config.architectures[0]. Empty for decoder families.
     heads: tuple[HeadTable, ...] = ()

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from toolkit.adapters.family import AdapterError, HeadTable, ModelFamily, WeightMapping, get_family
+from toolkit.adapters.family import AdapterError, HeadTable, ModelFamily, Multipliers, WeightMapping, get_family
 from toolkit.adapters.longrope import longrope_from_hf
 from toolkit.adapters.transforms import ShapeContext, padded_vocab_size
 from toolkit.shapes import VOCAB_PAD_MULTIPLE
@@ -143,6 +143,7 @@ class ModelSettings:
     rotary_base: float
     rope_scaling: dict | None
     encoder: EncoderSettings | None = None  # encoder families (BERT) only
+    multipliers: Multipliers = Multipliers()  # embedding / residual / logits factors (Granite)
 
     @property
     def num_layers(self) -> int:
@@ -207,4 +208,5 @@ def model_settings(hf_config, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MUL
         padded_vocab_size=padded_vocab_size(hf_config.vocab_size, multiple=vocab_pad_multiple),
         max_position_embeddings=hf_config.max_position_embeddings,
         tied_embeddings=tied, rotary_base=float(theta), rope_scaling=scaling, encoder=encoder,
+        multipliers=family.read_multipliers(hf_config),
     )

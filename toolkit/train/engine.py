@@ -283,7 +283,8 @@ def sequence_parallel_params(chunks: list) -> list[torch.nn.Parameter]:
         from its own slice of the sequence (the marks come from dsmt's `TorchNorm`, Transformer Engine's norms and
         fused layer-norm linears, apex's norms, megatron's row-parallel biases);
       * with qk_layernorm (Qwen3), the q / k head norms: one weight shared by all heads, and each TP rank holds
-        only its own heads, so each computes the gradient from those heads alone (SP or not);
+        only its own heads, so each computes the gradient from those heads alone (SP or not); not OLMo-2's
+        whole-projection q / k norms, whose weight is itself split over TP (`tensor_model_parallel`);
       * parameters marked `tensor_parallel_partial_grad=True` (LoRA matrices replicated over TP whose gradient
         each rank computes from its own shard of the base layer: toolkit/train/lora.py).
     Empty for chunks built with none of these."""
@@ -294,7 +295,9 @@ def sequence_parallel_params(chunks: list) -> list[torch.nn.Parameter]:
         qk_layernorm = getattr(config, "qk_layernorm", False)
         for name, param in chunk.named_parameters():
             partial = ((sequence_parallel and getattr(param, "sequence_parallel", False))
-                       or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+                       or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+                           # a TP-sharded q / k norm (OLMo-2's, over the whole projection) holds its own heads' slice
+                           and not getattr(param, "tensor_model_parallel", False))
                        or getattr(param, "tensor_parallel_partial_grad", False))
             if param.requires_grad and partial:
                 found[id(param)] = param
