@@ -161,7 +161,8 @@ def is_local_spec(layer_spec) -> bool:
     is megatron's `DotProductAttention`."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    return layer_spec.submodules.self_attention.submodules.core_attention is DotProductAttention
+    attention = getattr(layer_spec.submodules.self_attention, "submodules", None)
+    return getattr(attention, "core_attention", None) is DotProductAttention
 
 
 def decoder_spec(*, config, layer_spec, vp_stage: int | None):
