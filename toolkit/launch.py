@@ -45,12 +45,31 @@ def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: 
     sys.stderr.flush()
     with open(log_dir / "launcher.log", "w") if quiet else contextlib.nullcontext() as launcher_log:
         try:
-            completed = subprocess.run(command, env=child_env, timeout=timeout_s, stderr=launcher_log)
+            returncode = run_ranks(command, target=["module", module], args=args, nprocs=nprocs, env=child_env,
+                                   stderr=launcher_log, timeout_s=timeout_s)
         except subprocess.TimeoutExpired as err:
             raise DsmtError(f"{module} on {nprocs} ranks did not finish within {err.timeout:.0f} s "
                             f"(rank output: {log_dir})") from err
-    if completed.returncode != 0:
-        raise launched_failure(log_dir=log_dir, nprocs=nprocs, returncode=completed.returncode)
+    if returncode != 0:
+        raise launched_failure(log_dir=log_dir, nprocs=nprocs, returncode=returncode)
+
+
+def run_ranks(command: list[str], *, target: list[str], args: list[str], nprocs: int, env: dict[str, str],
+              stderr=None, stdout=None, timeout_s: float | None, cwd: str | None = None) -> int:
+    """Run torchrun's `command`, or, where warm rank servers serve this launch (DSMT_RANK_SERVERS, the test
+    suite's: toolkit/warm_ranks.py), the same `target` and `args` on forks of them; the exit code."""
+    from toolkit import warm_ranks
+
+    why_cold = warm_ranks.cold_reason(nprocs=nprocs, env=env)
+    warm_ranks.record(target=target, nprocs=nprocs, warm=why_cold is None, why=why_cold)
+    if why_cold is not None:
+        return subprocess.run(command, env=env, timeout=timeout_s, stdout=stdout, stderr=stderr, cwd=cwd).returncode
+    try:  # as subprocess would: the ranks inherit this process's fd 1 and 2 unless given files
+        return warm_ranks.launch(target=target, args=args, nprocs=nprocs, env=env, cwd=cwd, timeout_s=timeout_s,
+                                 stdout_fd=1 if stdout is None else stdout.fileno(),
+                                 stderr_fd=2 if stderr is None else stderr.fileno())
+    except TimeoutError as err:
+        raise subprocess.TimeoutExpired(command, timeout_s) from err
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import pytest
 from toolkit.launch import launch_local_workers
 from toolkit.rank_output import RankFailure
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.cold_ranks]  # torchrun's path; test_warm_ranks.py: the warm one
 PROBE_DIR = Path(__file__).resolve().parent
 
 
