@@ -7,6 +7,7 @@ Every timed step starts after `sync`, so no step pays for the previous one's dir
 step runs R times, interleaved, and the median is printed.
 
     .venv/bin/python benchmarks/convert_speed.py [--layers 16] [--workers 1 2] [--repeats 3] [--workdir DIR]
+    .venv/bin/python benchmarks/convert_speed.py --smoke     # a tiny model once: that it runs (tests do this)
 """
 
 from __future__ import annotations
@@ -57,10 +58,16 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="a 1-layer, hidden-256 model, once, 1 worker: that "
+                        "the benchmark runs (the test suite's check), not a measurement")
     args = parser.parse_args()
     root = args.workdir or Path(tempfile.mkdtemp(prefix="dsmt-bench-"))
     hf = root / "hf"
-    total, largest = write_random_checkpoint(hf, num_layers=args.layers)
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=1024) if args.smoke else {}
+    if args.smoke:
+        args.layers, args.workers, args.repeats = 1, [1], 1
+    total, largest = write_random_checkpoint(hf, num_layers=args.layers, **shape)
     baseline = import_baseline_rss()
     rows: dict[str, list[tuple[float, float, int]]] = {}
     copies, user_copies = [], []

@@ -1,6 +1,7 @@
 """The planner's memory model against live engines on this CPU: model states per rank and activations per case.
 
 Run: python benchmarks/plan_vs_live.py [--out DIR]   (2 launches, 2 and 4 gloo processes; ~2-4 min on 2 cores)
+     python benchmarks/plan_vs_live.py --smoke       (the first launch only; the test suite's check)
 
 Prints, per layout, ZeRO stage, precision and rank, the parameter / gradient / optimizer / buffer bytes DeepSpeed
 holds (tests/plan/live_tensors.py classifies every tensor) next to the planner's prediction for that rank, then
@@ -30,6 +31,8 @@ TOLERANCE = 0.05
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="keep the per-rank JSON here (default: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="the first launch only (2 processes): that the "
+                        "benchmark runs (the test suite's check)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))  # DeepSpeed's JIT op cache
     from toolkit.tiny import make_tiny_checkpoint
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         root = args.out or Path(scratch)
         model_dir = make_tiny_checkpoint(root / "llama")
         launches = []
-        for index, (processes, cases) in enumerate(LAUNCHES):
+        for index, (processes, cases) in enumerate(LAUNCHES[:1] if args.smoke else LAUNCHES):
             start = time.perf_counter()
             launches.append(run_launch(model_dir=model_dir, out_dir=root / f"launch{index}", processes=processes,
                                        cases=cases))

@@ -29,6 +29,10 @@ def pytest_sessionstart(session):
 
     if os.environ.get("DSMT_COLD_RANKS") or SERVERS_ENV in os.environ:
         return
+    import torch
+
+    if torch.cuda.is_available():  # forks cannot use CUDA once a server has looked for it (toolkit/warm_ranks.py)
+        return
     # dsmt's CLI sets it for its ranks (toolkit/cli.py); huggingface_hub reads it at import, so the servers need it
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     directory = tempfile.mkdtemp(prefix="dsmt-warm-ranks-")
@@ -49,8 +53,23 @@ def _cold_ranks_where_marked(request, monkeypatch):
         monkeypatch.delenv("DSMT_RANK_SERVERS", raising=False)
 
 
+_seconds_per_directory: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Setup, call and teardown seconds, summed per test directory (tests/<dir>), for the session's summary."""
+    parts = report.nodeid.split("::")[0].split("/")
+    directory = "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+    _seconds_per_directory[directory] = _seconds_per_directory.get(directory, 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter):
-    """How many launches started warm, and why the others paid their imports."""
+    """Seconds per test directory; how many launches started warm, and why the others paid their imports."""
+    if _seconds_per_directory:
+        total = sum(_seconds_per_directory.values())
+        terminalreporter.write_line(f"seconds per test directory (setup + call + teardown), {total:.0f} s in all:")
+        for name, seconds in sorted(_seconds_per_directory.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"  {seconds:7.1f}  {name}")
     directory = os.environ.get("DSMT_RANK_SERVERS")
     launches_file = os.path.join(directory, "launches.jsonl") if directory else ""
     if not _servers or not os.path.exists(launches_file):

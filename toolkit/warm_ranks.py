@@ -57,7 +57,9 @@ def serve(*, directory: Path, local_rank: int) -> None:
     import torch
 
     if torch.cuda.is_available():  # a fork after CUDA's initialisation cannot use CUDA
-        raise SystemExit("warm rank servers are for CPU ranks; this machine has CUDA: launch ranks with torchrun")
+        refusal = "warm rank servers are for CPU ranks and this machine has CUDA: ranks start through torchrun"
+        server_file(directory, local_rank, "refused").write_text(refusal)
+        raise SystemExit(refusal)
     from toolkit import backend
 
     from toolkit.backend import cpu
@@ -160,8 +162,11 @@ def cold_reason(*, nprocs: int, env: dict[str, str], wait_s: float = 300.0) -> s
     facts = []
     for local_rank in range(nprocs):
         ready = server_file(Path(directory), local_rank, "json")
+        refused = server_file(Path(directory), local_rank, "refused")
         while not ready.exists():
-            if not server_file(Path(directory), local_rank, "sock").parent.exists() or time.monotonic() > deadline:
+            if refused.exists():
+                return refused.read_text()
+            if not Path(directory).is_dir() or time.monotonic() > deadline:
                 return f"no rank server {local_rank} in {directory}"
             time.sleep(0.2)
         facts.append(json.loads(ready.read_text()))

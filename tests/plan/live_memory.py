@@ -180,21 +180,26 @@ LAUNCHES = (
 
 
 def run_launch(*, model_dir: Path, out_dir: Path, processes: int, cases: dict, timeout_s: float = 600) -> list[dict]:
-    """Run one launch of this file under torchrun; the per-rank results."""
+    """Run one launch of this file under torchrun (or the test session's warm ranks: toolkit/warm_ranks.py);
+    the per-rank results."""
     import os
-    import subprocess
+    import tempfile
 
-    from toolkit.launch import free_port
+    from toolkit.launch import free_port, run_ranks
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    args = [str(model_dir), str(out_dir), json.dumps(cases)]
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={processes}",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", __file__, str(model_dir),
-               str(out_dir), json.dumps(cases)]
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", __file__, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
-    if result.returncode != 0:
-        errors = [line for line in (result.stdout + result.stderr).splitlines() if "Error" in line]
-        raise RuntimeError("live_memory launch failed:\n" + "\n".join(errors[:10]) + "\n" + result.stderr[-3000:])
+    with tempfile.TemporaryFile("w+") as output:
+        returncode = run_ranks(command, target=["path", __file__], args=args, nprocs=processes, env=env,
+                               stdout=output, stderr=output, timeout_s=timeout_s)
+        output.seek(0)
+        text = output.read()
+    if returncode != 0:
+        errors = [line for line in text.splitlines() if "Error" in line]
+        raise RuntimeError("live_memory launch failed:\n" + "\n".join(errors[:10]) + "\n" + text[-3000:])
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
 
 

@@ -5,13 +5,11 @@ This file is also the per-rank probe: `torchrun ... test_train_zero3.py SPEC OUT
 Llama at ZeRO-3 and writes what it measured to OUT_DIR/rank{r}.json."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from toolkit.launch import free_port
 from train_helpers import read_metrics, run_dsmt, write_spec
 
 pytestmark = pytest.mark.multiproc
@@ -121,11 +119,9 @@ def probe(spec_path: str, out_dir: str) -> None:
 def test_zero3_builds_partitioned_and_loads_one_parameter_at_a_time(tp, tiny_llama, tmp_path):
     spec = write_spec(tmp_path / "job.yaml", model_dir=tiny_llama, output_dir=tmp_path / "out", tp=tp, dp=2, zero=3,
                       extra=THRESHOLD_0)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={2 * tp}",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", __file__, str(spec), str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    from ranks import run_on_ranks  # tests/ranks.py (the test's import path, not the ranks')
+
+    run_on_ranks(__file__, spec, tmp_path, nprocs=2 * tp, timeout=600)
     for rank in range(2 * tp):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         print(f"rank {rank}: {report}")
