@@ -61,15 +61,20 @@ def run_ranks(command: list[str], *, target: list[str], args: list[str], nprocs:
     from toolkit import warm_ranks
 
     why_cold = warm_ranks.cold_reason(nprocs=nprocs, env=env)
-    warm_ranks.record(target=target, nprocs=nprocs, warm=why_cold is None, why=why_cold)
-    if why_cold is not None:
-        return subprocess.run(command, env=env, timeout=timeout_s, stdout=stdout, stderr=stderr, cwd=cwd).returncode
-    try:  # as subprocess would: the ranks inherit this process's fd 1 and 2 unless given files
-        return warm_ranks.launch(target=target, args=args, nprocs=nprocs, env=env, cwd=cwd, timeout_s=timeout_s,
-                                 stdout_fd=1 if stdout is None else stdout.fileno(),
-                                 stderr_fd=2 if stderr is None else stderr.fileno())
-    except TimeoutError as err:
-        raise subprocess.TimeoutExpired(command, timeout_s) from err
+    if why_cold is None:
+        try:  # as subprocess would: the ranks inherit this process's fd 1 and 2 unless given files
+            returncode = warm_ranks.launch(target=target, args=args, nprocs=nprocs, env=env, cwd=cwd,
+                                           timeout_s=timeout_s, stdout_fd=1 if stdout is None else stdout.fileno(),
+                                           stderr_fd=2 if stderr is None else stderr.fileno())
+            warm_ranks.record(target=target, nprocs=nprocs, warm=True, why=None)
+            return returncode
+        except TimeoutError as err:
+            warm_ranks.record(target=target, nprocs=nprocs, warm=True, why=None)
+            raise subprocess.TimeoutExpired(command, timeout_s) from err
+        except warm_ranks.ServerGone as err:
+            why_cold = str(err)
+    warm_ranks.record(target=target, nprocs=nprocs, warm=False, why=why_cold)
+    return subprocess.run(command, env=env, timeout=timeout_s, stdout=stdout, stderr=stderr, cwd=cwd).returncode
 
 
 @contextlib.contextmanager

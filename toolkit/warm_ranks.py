@@ -197,6 +197,10 @@ def torchrun_env(*, rank: int, nprocs: int, port: int) -> dict[str, str]:
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
+class ServerGone(OSError):
+    """A server stopped after it said it was ready; nothing was started: the launch can start cold."""
+
+
 def launch(*, target: list[str], args: list[str], nprocs: int, env: dict[str, str], stdout_fd: int,
            stderr_fd: int, timeout_s: float | None, cwd: str | None = None) -> int:
     """Run `target` (["module", name] or ["path", script]) with `args` on nprocs warm ranks; the first non-zero
@@ -206,13 +210,17 @@ def launch(*, target: list[str], args: list[str], nprocs: int, env: dict[str, st
     directory, port = Path(os.environ[SERVERS_ENV]), free_port()
     conns: dict[socket.socket, int] = {}
     try:
-        for rank in range(nprocs):
+        for rank in range(nprocs):  # every server answers before any rank starts
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.connect(str(server_file(directory, rank, "sock")))
+            conns[conn] = rank
+            try:
+                conn.connect(str(server_file(directory, rank, "sock")))
+            except OSError as err:
+                raise ServerGone(f"rank server {rank} in {directory} does not answer: {err}") from err
+        for conn, rank in conns.items():
             request = {"target": target, "args": [str(arg) for arg in args], "cwd": cwd or os.getcwd(),
                        "env": {**env, **torchrun_env(rank=rank, nprocs=nprocs, port=port)}}
             send(conn, request, [stdout_fd, stderr_fd])
-            conns[conn] = rank
         rank, returncode = gather(conns, timeout_s=timeout_s)
         if returncode != 0:  # in torchrun's words, which toolkit/rank_output.py reads when a rank left no report
             os.write(stderr_fd, (f"warm ranks (toolkit/warm_ranks.py): a rank failed\nRoot Cause (first observed "

@@ -123,3 +123,17 @@ def test_which_import_time_values_a_fork_can_serve():
     assert same_at_import("CUDA_VISIBLE_DEVICES", server=None, launch="0")
     assert same_at_import("CUDA_VISIBLE_DEVICES", server="0", launch="")
     assert not same_at_import("CUDA_VISIBLE_DEVICES", server="", launch="0")
+
+
+def test_a_server_that_stopped_sends_the_launch_cold(tmp_path, monkeypatch):
+    """Ready files without a listening socket: a server that died after starting. Nothing starts warm."""
+    directory = tmp_path / "servers"
+    directory.mkdir()
+    for rank in range(2):
+        (directory / f"rank{rank}.json").write_text(json.dumps({"pid": 0, "prefixes": [], "env": {},
+                                                                "accelerator": "cpu"}))
+    monkeypatch.setenv(SERVERS_ENV, str(directory))
+    returncode, ranks = probe(tmp_path, "d")
+    assert returncode == 0 and [rank["argv"] for rank in ranks] == [["d"], ["d"]]
+    last = launched(directory)[-1]
+    assert not last["warm"] and last["why"].startswith("rank server 0 in ") and "does not answer" in last["why"]
