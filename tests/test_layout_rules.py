@@ -108,7 +108,7 @@ TABLE = [
 
 def test_every_rule_is_reachable_from_the_table_or_the_unit_tests():
     tabled = set().union(*(expected for _, expected in TABLE))
-    unit = {"layout_sizes", "cp_on_cpu", "fused_attention_on_cpu", "tp_crosses_nodes"}
+    unit = {"layout_sizes", "cp_on_cpu", "fused_attention_on_cpu", "tp_crosses_nodes", "attention_softcap_needs_local"}
     assert LAYOUT_RULES == tabled | unit
     assert MODEL_RULES == LAYOUT_RULES - RUN_RULES  # what the model loader (and the dry run's build) can decide
 
@@ -188,7 +188,7 @@ def trainer_rules(row: dict) -> set[str]:
 RUN_RULES = {"world_size", "batch_divisibility", "vpp_microbatches", "zero_with_pp", "cp_on_cpu", "fused_attention_on_cpu",
              "sequence_parallel_vs_seq_length",
              "cp_needs_fused_attention", "cp_vs_seq_length", "tp_crosses_nodes", "moe_tp_needs_sequence_parallel",
-             "zero3_with_ep"}
+             "zero3_with_ep", "attention_softcap_needs_local"}
 
 
 @pytest.mark.parametrize("row,expected", TABLE, ids=[str(row) for row, _ in TABLE])

@@ -19,7 +19,7 @@ LAYOUT_RULES = frozenset({
     "layout_sizes", "world_size", "heads_vs_tp", "kv_heads_vs_tp", "ffn_vs_tp", "vocab_padding", "layers_vs_pp",
     "vpp_needs_pp", "sequence_parallel_needs_tp", "sequence_parallel_vs_seq_length", "fused_attention_on_cpu", "cp_on_cpu", "cp_needs_fused_attention", "cp_vs_seq_length",
     "ep_needs_experts", "experts_vs_ep", "ep_vs_data_parallel", "moe_tp_needs_sequence_parallel", "zero3_with_ep",
-    "batch_divisibility", "vpp_microbatches", "zero_with_pp", "tp_crosses_nodes",
+    "batch_divisibility", "vpp_microbatches", "zero_with_pp", "tp_crosses_nodes", "attention_softcap_needs_local",
 })
 
 # The rules that need only the layout and the model (no world, batch or device): what the model loader applies.
@@ -40,6 +40,7 @@ class ModelFacts:
     padded_vocab_size: int  # the adapters' padding (toolkit/shapes.py): the same for every tp
     num_experts: int = 0  # MoE: experts per layer (0: a dense model)
     kv_heads_replicable: bool = True  # False: tp must divide num_kv_heads (OLMo-2's q / k norms span the heads)
+    attention_softcap: float | None = None  # HF attn_logit_softcapping (Gemma 2): megatron's local attention only
 
     @classmethod
     def from_shape(cls, shape, *, vocab_multiple: int) -> "ModelFacts":
@@ -50,7 +51,7 @@ class ModelFacts:
                    ffn_hidden_size=shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size,
                    num_layers=shape.num_layers,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, multiple=vocab_multiple),
-                   num_experts=shape.num_experts)
+                   num_experts=shape.num_experts, attention_softcap=shape.attention_softcap)
 
     @classmethod
     def from_settings(cls, settings) -> "ModelFacts":
@@ -59,7 +60,8 @@ class ModelFacts:
         return cls(num_attention_heads=fields["num_attention_heads"], num_kv_heads=fields["num_query_groups"],
                    ffn_hidden_size=fields["ffn_hidden_size"], num_layers=settings.num_layers,
                    padded_vocab_size=settings.padded_vocab_size, num_experts=fields.get("num_moe_experts") or 0,
-                   kv_heads_replicable=not settings.family.architecture.qk_norm_spans_heads)
+                   kv_heads_replicable=not settings.family.architecture.qk_norm_spans_heads,
+                   attention_softcap=settings.attention_softcap)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -198,6 +200,16 @@ def rule_context_parallel(*, layout: Layout, model: ModelFacts, run: RunFacts | 
     return found
 
 
+def rule_attention_softcap(*, layout: Layout, model: ModelFacts, run: RunFacts | None) -> list[Problem]:
+    """Softcapped attention scores (Gemma 2) are reproduced on megatron's local attention only (adapters/softcap.py)."""
+    if run is None or model.attention_softcap is None or run.attention != "fused":
+        return []
+    return [Problem("error", "attention_softcap_needs_local", f"attn_logit_softcapping={model.attention_softcap} "
+                    "with training.attention=fused: Transformer Engine's attention has no logit softcapping, so the "
+                    "model would train without it", "set training.attention: local (megatron's attention, softcapped "
+                    "as HF does; it stores the s x s scores: see dsmt plan for the memory)")]
+
+
 def valid_ep_sizes(*, model: ModelFacts, layout: Layout) -> tuple[int, ...]:
     """ep values that divide the experts and the ranks that share a model replica's weights (dp × cp)."""
     return tuple(e for e in divisors(layout.dp * layout.cp) if model.num_experts % e == 0)
@@ -304,6 +316,7 @@ def rule_sequence_split(*, layout: Layout, model: ModelFacts, run: RunFacts | No
 
 
 RULES: tuple[Rule, ...] = (rule_sizes, rule_world_size, rule_tensor_parallel, rule_pipeline, rule_context_parallel,
+                           rule_attention_softcap,
                            rule_sequence_split, rule_expert_parallel, rule_moe_training, rule_batch,
                            rule_zero_with_pp, rule_tp_within_node)
 

@@ -40,6 +40,8 @@ class ModelShape:
     num_experts: int = 0
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
+    # HF attn_logit_softcapping (Gemma 2): only megatron's local attention reproduces it, so the s x s scores are stored.
+    attention_softcap: float | None = None
 
     @property
     def kv_channels(self) -> int:
@@ -154,7 +156,7 @@ def shape_from_config(config: dict, *, name: str) -> ModelShape:
         ffn_hidden_size=_field(config, "intermediate_size", name), vocab_size=_field(config, "vocab_size", name),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=_gated_mlp(config),
         max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
-        **_moe_fields(config),
+        attention_softcap=config.get("attn_logit_softcapping") or None, **_moe_fields(config),
     )
 
 

@@ -38,6 +38,18 @@ _FAMILY_FIELDS = {
                        **_TOKEN_IDS),
     # 4 KV heads (TP 4 keeps whole KV heads per rank, which the whole-projection q / k norms need).
     "olmo2": dict(num_key_value_heads=4, attention_dropout=0.0, **_TOKEN_IDS),
+    # Gemma 2: softcaps small enough to bend these small logits and scores, a query_pre_attn_scalar that is not
+    # head_dim, a window of 8 on the even (local) layers, 2 KV heads.
+    "gemma2": dict(head_dim=16, num_key_value_heads=2, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                   sliding_window=8, attn_logit_softcapping=0.5, final_logit_softcapping=3.0, attention_dropout=0.0,
+                   tie_word_embeddings=True, **_TOKEN_IDS),
+    # Gemma 3 text: local layers 0 and 2 (pattern 2) with their own RoPE base, the global ones with linear scaling.
+    "gemma3_text": dict(head_dim=16, num_key_value_heads=2, hidden_activation="gelu_pytorch_tanh",
+                        query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2, attention_dropout=0.0,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 1000000.0}},
+                        tie_word_embeddings=True, **_TOKEN_IDS),
     "gpt2": dict(n_embd=64, n_inner=96, n_layer=4, n_head=8, n_positions=128, vocab_size=250, resid_pdrop=0.0,
                  embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
                  bos_token_id=1, eos_token_id=2),

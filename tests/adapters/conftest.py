@@ -34,6 +34,10 @@ VARIANTS = {
     "granite": dict(model_type="granite", seed=10),      # embedding / residual / attention / logits multipliers
     "starcoder2": dict(model_type="starcoder2", seed=11),  # LayerNorm + biases, GELU MLP, window 8 < seq 32
     "olmo2": dict(model_type="olmo2", seed=12),          # post-norms, q/k norms over the whole projection
+    # pre- and post-norms, softcapped scores and logits, query_pre_attn_scalar, local (window 8) / global layers
+    "gemma2": dict(model_type="gemma2", seed=15),
+    # Gemma 2's layer plus q / k head norms, local layers with their own RoPE base, linear scaling on global ones
+    "gemma3": dict(model_type="gemma3_text", seed=16),
 }
 
 

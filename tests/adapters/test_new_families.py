@@ -43,7 +43,7 @@ class _Config:
 
     def __init__(self, **fields):
         self.params_dtype, self.sequence_parallel, self.tensor_model_parallel_size = torch.float32, False, 1
-        self.layernorm_epsilon, self.hidden_size = 1e-6, 12
+        self.layernorm_epsilon, self.hidden_size, self.layernorm_zero_centered_gamma = 1e-6, 12, False
         self.__dict__.update(fields)
 
 
@@ -116,3 +116,143 @@ def test_olmo2_tp_that_would_replicate_kv_heads_is_refused_before_ranks_start():
     assert [p.rule for p in problems] == ["kv_heads_vs_tp"] and "q / k norms span all heads" in problems[0].message
     assert not layout_problems(layout=layout, model=llama)  # Llama replicates each KV head on 2 ranks
     assert not layout_problems(layout=Layout(tp=2, pp=1, dp=1), model=olmo2)
+
+
+def test_softcap_is_hf_eager_order_and_changes_values():
+    from toolkit.adapters.softcap import LogitsSoftcap, softcap
+
+    scores = 4 * torch.randn(2, 3, 5, 5)
+    expected = torch.tanh(scores / 0.5) * 0.5  # transformers' eager_attention_forward, Gemma2ForCausalLM
+    assert torch.equal(softcap(scores, cap=0.5), expected) and (expected - scores).abs().max() > 1.0
+    logits, bias = LogitsSoftcap(3.0)(None, (), (scores, None))
+    assert torch.equal(logits, torch.tanh(scores / 3.0) * 3.0) and bias is None
+
+
+def test_gemma2_softcapped_attention_is_local_and_refused_on_transformer_engine():
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from toolkit.adapters.build import is_local_spec, local_layer_spec
+    from toolkit.adapters.softcap import with_attention_softcap
+
+    spec = local_layer_spec()
+    capped = with_attention_softcap(spec, cap=50.0, transformer_engine=False)
+    core = capped.submodules.self_attention.submodules.core_attention
+    assert core.params == {"attention_softcap": 50.0} and is_local_spec(capped)
+    assert with_attention_softcap(spec, cap=None, transformer_engine=False) is spec
+    with pytest.raises(AdapterError, match=r"attn_logit_softcapping=50.0: Transformer Engine.*training.attention: local"):
+        with_attention_softcap(gpt_layer_specs.get_gpt_layer_local_spec(), cap=50.0, transformer_engine=True)
+
+
+def test_gemma2_and_gemma3_read_their_scale_softcaps_windows_and_ropes():
+    gemma2 = model_settings(tiny_config("gemma2"))
+    fields = gemma2.transformer_fields
+    assert fields["softmax_scale"] == 24 ** -0.5 and fields["window_attn_skip_freq"] == [1, 0, 1, 0]
+    assert fields["window_size"] == (7, 0) and fields["layernorm_zero_centered_gamma"]
+    assert gemma2.quirks == {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0}
+    gemma3 = model_settings(tiny_config("gemma3_text"))
+    assert gemma3.rotary_base == 1e6 and gemma3.rope_scaling == {"linear_factor": 4.0}
+    assert gemma3.quirks["local_rope_theta"] == 100.0 and gemma3.quirks["local_rope_layers"] == (True, False) * 2
+    assert gemma3.attention_softcap is None and gemma3.transformer_fields["qk_layernorm"]
+
+
+@pytest.mark.parametrize("model_type,fields,named", [
+    ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    ("gemma2", dict(attention_bias=True), "attention_bias=True"),
+    ("gemma2", dict(hidden_activation="silu"), "hidden_activation='silu'"),
+    ("gemma3_text", dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                "rope_theta": 1e4},
+                                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+     "rope_parameters.sliding_attention.rope_type='linear'"),
+    ("gemma3_text", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                          "full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}}),
+     "rope_type 'yarn' is not supported"),
+])
+def test_gemma_fields_not_reproduced_are_refused_by_name(model_type, fields, named):
+    with pytest.raises(AdapterError, match=named.replace("(", r"\(").replace(".", r"\.")):
+        model_settings(tiny_config(model_type, **fields))
+
+
+def test_dual_rotary_gives_each_layer_kind_its_own_table():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from toolkit.adapters.families.gemma3 import DualRotary
+    from toolkit.backend import cpu
+
+    cpu.install()  # megatron's rotary moves its frequencies to CUDA unless the CPU backend is in
+    rotaries = [RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=base, use_cpu_initialization=True)
+                for base in (1e6, 100.0)]
+    table = DualRotary(global_rotary=rotaries[0], local_rotary=rotaries[1])(6)
+    global_table, local_table = table.chunk(2, dim=-1)
+    assert torch.equal(global_table, rotaries[0](6)) and torch.equal(local_table, rotaries[1](6))
+    assert not torch.equal(global_table, local_table)
+
+
+def test_linear_rope_scaling_divides_the_inverse_frequencies_as_hf_does():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from toolkit.adapters.hf_config import rope_settings
+
+    config = tiny_config("llama", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    assert rope_settings(config) == (10000.0, {"linear_factor": 4.0}, None)
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["linear"](config, "cpu")
+    megatron = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    assert torch.equal(megatron / 4.0, hf_inv_freq)
+
+
+def test_check_and_dry_run_refuse_softcapped_attention_on_transformer_engine(tmp_path):
+    from toolkit.spec.checks import run_checks
+    from toolkit.spec.load import validate_spec
+    from toolkit.tiny import make_tiny_checkpoint
+    from toolkit.train.dryrun import dry_run
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "gemma2", model_type="gemma2")
+    raw = {"model": {"path": str(checkpoint)},
+           "cluster": {"gpus_per_node": 2, "gpu": "a100-80gb", "device": "cuda"},
+           "training": {"global_batch_size": 4, "micro_batch_size": 2, "seq_length": 32, "precision": "bf16",
+                        "train_steps": 2, "warmup_steps": 1, "attention": "fused", "output_dir": str(tmp_path / "out")},
+           "data": {"synthetic": True}}
+    report = run_checks(spec=validate_spec(raw, source="gemma2"))
+    (problem,) = [p for p in report.problems if p.rule == "attention_softcap_needs_local"]
+    assert "attn_logit_softcapping=0.5 with training.attention=fused" in problem.message
+    assert "training.attention: local" in problem.fix
+    raw["training"]["attention"] = "local"
+    assert "attention_softcap_needs_local" not in run_checks(spec=validate_spec(raw, source="gemma2")).rules("error")
+    raw["training"]["attention"] = "fused"
+    spec_path = tmp_path / "job.yaml"
+    spec_path.write_text(__import__("yaml").safe_dump(raw))
+    found = [p for p in dry_run(spec_path).problems if "attention_softcap_needs_local" in p.rule + p.message]
+    assert len(found) == 1  # said once, by the check the dry run includes
+
+
+def test_plan_of_a_softcapped_model_counts_the_local_attention_it_will_run(tmp_path, capsys):
+    from toolkit.cli import main as dsmt
+
+    config = tiny_config("gemma2", hidden_size=1024, num_hidden_layers=8, intermediate_size=4096, vocab_size=32000)
+    config.save_pretrained(tmp_path)
+    argv = ["plan", str(tmp_path), "--nodes", "1", "--gpus-per-node", "8", "--seq-len", "4096", "--global-batch", "64",
+            "--json"]
+    assert dsmt(argv) == 0
+    planned = capsys.readouterr()
+    assert "attn_logit_softcapping=0.5: Transformer Engine's attention has no softcap" in planned.err
+    assert dsmt(argv + ["--attention", "local"]) == 0
+    local = capsys.readouterr().out
+    assert planned.out == local
+    config.attn_logit_softcapping = None
+    config.save_pretrained(tmp_path)
+    assert dsmt(argv) == 0
+    assert capsys.readouterr().out != local  # fused attention stores no s x s scores: another plan
+
+
+def test_check_names_a_config_field_the_family_cannot_reproduce(tmp_path):
+    from toolkit.spec.checks import run_checks
+    from toolkit.spec.load import validate_spec
+
+    tiny_config("gemma2", use_bidirectional_attention=True).save_pretrained(tmp_path / "gemma2")
+    raw = {"model": {"path": str(tmp_path / "gemma2")},
+           "cluster": {"gpus_per_node": 2, "gpu": "cpu", "device": "cpu", "interconnect": "tcp"},
+           "training": {"global_batch_size": 4, "micro_batch_size": 2, "seq_length": 32, "precision": "fp32",
+                        "train_steps": 2, "warmup_steps": 1, "output_dir": str(tmp_path / "out")},
+           "data": {"synthetic": True}}
+    report = run_checks(spec=validate_spec(raw, source="gemma2"))
+    (problem,) = [p for p in report.problems if p.rule == "model_config"]
+    assert "use_bidirectional_attention=True" in problem.message and not report.ok

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiproc
 
 FAMILY_VARIANTS = ["llama", "llama_tied", "llama3_rope", "qwen2", "qwen2_tied", "mistral", "qwen3", "qwen3_tied", "gemma",
                    "phi3", "gpt2", "mistral_window", "phi3_window", "qwen2_window", "phi3_longrope", "granite",
-                   "starcoder2", "olmo2"]
+                   "starcoder2", "olmo2", "gemma2", "gemma3"]
 TOLERANCE = 1e-4  # fp32; observed ~3e-7
 
 
@@ -72,7 +72,7 @@ def test_tp2_pp2_all_families_and_save(saved_at_tp2pp2):
     saved, results = saved_at_tp2pp2
     assert_all_pass(results, len(FAMILY_VARIANTS))
     assert {r["model_type"] for r in results} == {"llama", "qwen2", "mistral", "qwen3", "gemma", "phi3", "gpt2",
-                                                      "granite", "starcoder2", "olmo2"}
+                                                      "granite", "starcoder2", "olmo2", "gemma2", "gemma3_text"}
     assert (saved / "dsmt_checkpoint.json").is_file()
 
 

@@ -10,15 +10,15 @@ from toolkit.tiny import tiny_config
 
 
 def test_registry_lists_supported_model_types_for_unknown_ones():
-    decoders = ["gemma", "gpt2", "granite", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2", "qwen3", "qwen3_moe",
-                "starcoder2"]
+    decoders = ["gemma", "gemma2", "gemma3_text", "gpt2", "granite", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2",
+                "qwen3", "qwen3_moe", "starcoder2"]
     assert set(decoders) <= set(supported_model_types()) and supported_model_types() == sorted(supported_model_types())
     with pytest.raises(AdapterError, match=r"'gpt_neox'.*supported: .*" + ", ".join(decoders[3:])):
         get_family("gpt_neox")
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "granite",
-                                        "starcoder2", "olmo2"])
+                                        "starcoder2", "olmo2", "gemma2", "gemma3_text"])
 def test_table_covers_every_hf_tensor_of_a_real_hf_model(model_type):
     from transformers import AutoModelForCausalLM
 

@@ -3,6 +3,8 @@ that hold gradients and optimizer state for the adapters only."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from toolkit.plan.assumptions import Assumptions
@@ -108,3 +110,24 @@ def test_check_counts_the_specs_lora_targets(tmp_path):
     path.write_text(json.dumps(full_raw))
     full_spec, full_report = check_file(path)
     assert "memory_fit" in full_report.rules("error")  # full fine-tuning does not fit at this layout
+
+
+def test_trained_embeddings_get_optimizer_state_on_the_stages_that_hold_them():
+    from toolkit.plan.lora import trained_embedding_params
+
+    shape = BUILTIN_SHAPES["llama3-8b"]  # untied: embedding and output layer, 128256 x 4096 each
+    lora = LoraShape(rank=16, train_embeddings=True)
+    per_copy = -(-shape.vocab_size // 2) * shape.hidden_size
+    assert trained_embedding_params(shape=shape, lora=lora, tp=2, pp=1, stage=0) == 2 * per_copy
+    assert [trained_embedding_params(shape=shape, lora=lora, tp=2, pp=3, stage=s) for s in range(3)] == \
+        [per_copy, 0, per_copy]
+    tied = dataclasses.replace(shape, tied_embeddings=True)
+    assert trained_embedding_params(shape=tied, lora=lora, tp=2, pp=1, stage=0) == per_copy  # one tensor
+    assert trained_embedding_params(shape=tied, lora=lora, tp=2, pp=2, stage=1) == per_copy  # the tied copy
+    assert trained_embedding_params(shape=shape, lora=LoraShape(rank=16), tp=2, pp=1, stage=0) == 0
+    layout = PlanLayout(tp=2, pp=2, dp=4, zero_stage=1, micro_batch_size=1)
+    memory = {train: stage_memory(shape=shape, layout=layout, stage=0, assumptions=BF16, training=TrainingShape(
+        seq_length=4096, global_batch_size=32, lora=LoraShape(rank=16, train_embeddings=train)))
+        for train in (False, True)}
+    extra = model_state_bytes(num_params=per_copy, dp=4, zero_stage=1, assumptions=BF16)
+    assert memory[True].optimizer - memory[False].optimizer == extra["optimizer"]

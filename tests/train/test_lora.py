@@ -287,3 +287,31 @@ def test_lora_on_a_model_without_adapter_is_refused(tmp_path):
     spec = SimpleNamespace(training=SimpleNamespace(lora=LoraSpec()))
     with pytest.raises(DsmtError, match="training.lora: model_type 'bloom' has no megatron-core adapter"):
         run._plain_parts(spec=spec, layout=None, hf_dir=tmp_path, ds_config={}, output_dir=tmp_path)
+
+
+def test_init_adapter_with_trained_embeddings_is_refused_with_the_merge_as_fix(tmp_path):
+    from toolkit.train.lora_export import read_init_adapter
+
+    settings = model_settings(tiny_config("llama", num_hidden_layers=1))
+    modules = resolve_targets(settings.family, ["q_proj"])
+    tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4)}
+    _write_adapter(tmp_path / "a", config={"r": 4, "lora_alpha": 16, "target_modules": ["q_proj"],
+                                           "modules_to_save": ["embed_tokens"]}, tensors=tensors)
+    with pytest.raises(LoraError, match=r"modules_to_save=\['embed_tokens'\].*merge_and_unload"):
+        read_init_adapter(tmp_path / "a", settings=settings, modules=modules,
+                          lora=LoraSpec(rank=4, alpha=16, targets=["q_proj"]))
+
+
+@pytest.mark.parametrize("model_type,tied,expected", [("llama", False, ["embed_tokens", "lm_head"]),
+                                                      ("llama", True, ["embed_tokens"]), ("gpt2", True, ["wte"])])
+def test_trained_embeddings_are_peft_modules_to_save(model_type, tied, expected):
+    from toolkit.train.lora_export import peft_config
+
+    settings = model_settings(tiny_config(model_type, tie_word_embeddings=tied))
+    lora = LoraSpec(rank=4, alpha=8, train_embeddings=True)
+    config = peft_config(settings=settings, modules=resolve_targets(settings.family, None), lora=lora, base_model="m")
+    assert sorted(config.modules_to_save) == sorted(expected) and config.ensure_weight_tying == tied
+    plain = peft_config(settings=settings, modules=resolve_targets(settings.family, None),
+                        lora=LoraSpec(rank=4, alpha=8), base_model="m")
+    assert plain.modules_to_save is None

@@ -43,11 +43,19 @@ RUNS = {
     "granite-tp2-pp2": dict(model="granite", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
     "olmo2-tp2-pp2": dict(model="olmo2", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
     "starcoder2-tp2-dp2": dict(model="starcoder2", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),
+    # Gemma 2: post-norms after linear_proj / linear_fc2's deltas, softcapped scores and logits, tied; Gemma 3: q / k
+    # head norms after linear_qkv's delta, two RoPEs
+    "gemma2-tp2-pp2": dict(model="gemma2", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
+    "gemma3-tp2-dp2": dict(model="gemma3_text", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),
     "tp2-dp2-zero3": dict(model="llama", layout=dict(tp=2, pp=1, dp=2, zero=3), targets=None,
                           communication={"param_persistence_threshold_elements": 0}),
     # Llama-3.2-1B / Qwen2.5-0.5B style: tied embeddings (frozen under LoRA: no copies to synchronise) at PP > 1,
     # with an odd vocabulary (251 -> padded 256, split over TP)
     "tied-odd-vocab-tp2-pp2": dict(model="llama_tied", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
+    # the same with the tied embedding trained too (PEFT's modules_to_save): its two copies, on the first and the
+    # last stage, kept equal by summing their gradients, exported once in final-hf-adapter
+    "tied-embeddings-tp2-pp2": dict(model="llama_tied", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None,
+                                    lora={"train_embeddings": True}),
 }
 
 
@@ -84,12 +92,13 @@ def lora_runs(tiny_llama, tmp_path_factory):
               "llama_tied": make_tiny_checkpoint(root / "llama-tied", model_type="llama", tie_word_embeddings=True,
                                                  vocab_size=251, seed=5),
               **{family: make_tiny_checkpoint(root / family, model_type=family, seed=6 + index)
-                 for index, family in enumerate(("granite", "olmo2", "starcoder2"))}}
+                 for index, family in enumerate(("granite", "olmo2", "starcoder2", "gemma2", "gemma3_text"))}}
     specs = {}
     for index, (name, run) in enumerate(RUNS.items()):
         model_dir = models[run["model"]]
         adapter = write_init_adapter(model_dir, root / f"init-{name}", targets=run["targets"], seed=11 + index)
-        lora = {"rank": RANK, "alpha": ALPHA, "targets": run["targets"], "init_adapter": str(adapter)}
+        lora = {"rank": RANK, "alpha": ALPHA, "targets": run["targets"], "init_adapter": str(adapter),
+                **run.get("lora", {})}
         training = {**PARITY_TRAINING, "grad_clip": LORA_GRAD_CLIP, "lora": lora, **run.get("training", {})}
         extra = {"training": training, "parallel": run.get("parallel", {}),
                  "communication": run.get("communication", {})}
@@ -137,8 +146,12 @@ def _peft_vs_merged(model_dir, output_dir) -> tuple[float, float]:
             delta = delta.t()
         name = module + ".weight"
         base_gap = max(base_gap, (exported[name] - delta - original_state[name]).abs().max().item())
-    untouched = [k for k in exported if k.removesuffix(".weight") not in
-                 {key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in adapter}]
+    # modules_to_save (trained embeddings): whole tensors, which must be final-hf's own
+    saved = {key.removeprefix("base_model.model.") for key in adapter if ".lora_" not in key}
+    base_gap = max([base_gap] + [(exported[k] - adapter["base_model.model." + k]).abs().max().item()
+                                 for k in saved if k in exported])
+    touched = {key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in adapter}
+    untouched = [k for k in exported if k.removesuffix(".weight") not in touched and k not in saved]
     base_gap = max([base_gap] + [(exported[k] - original_state[k]).abs().max().item() for k in untouched])
     return logits_gap, base_gap
 
@@ -164,9 +177,14 @@ def test_lora_run_matches_peft_reference(name, lora_runs):
         "loss_rel": max(abs(r["loss"] - x) / x for r, x in zip(metrics, reference.losses)),
         "grad_norm_rel": max(abs(r["grad_norm"] - x) / x for r, x in zip(metrics, reference.grad_norms)),
         "adapter": max((exported[k] - reference.adapter[k]).abs().max().item() for k in exported),
-        "moved": max((reference.adapter[k] - start[k]).abs().max().item() for k in exported),
+        "moved": max((reference.adapter[k] - start[k]).abs().max().item() for k in start),
     }
     figures["peft_vs_merged_logits"], figures["base_minus_delta"] = _peft_vs_merged(model_dir, output_dir)
+    train_embeddings = RUNS[name].get("lora", {}).get("train_embeddings", False)
+    if train_embeddings:
+        embedding = exported["base_model.model.model.embed_tokens.weight"]
+        original = load_file(model_dir / "model.safetensors")["model.embed_tokens.weight"]
+        figures["embedding_moved"] = (embedding - original).abs().max().item()
     print(f"\n{name:<24}" + " | ".join(f"{key} {value:.2e}" for key, value in figures.items()))
     print(f"{'':<24}dsmt loss {[round(r['loss'], 6) for r in metrics]} grad_norm "
           f"{[round(r['grad_norm'], 5) for r in metrics]}")
@@ -174,6 +192,10 @@ def test_lora_run_matches_peft_reference(name, lora_runs):
           f"{[round(x, 5) for x in reference.grad_norms]}")
     config = json.loads((output_dir / "final-hf-adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (RANK, ALPHA, "LORA")
+    if train_embeddings:  # trained, exported once, tied under both names
+        assert config["modules_to_save"] == ["embed_tokens"] and config["ensure_weight_tying"], config
+        assert torch.equal(embedding, exported["base_model.model.lm_head.weight"])
+        assert figures["embedding_moved"] > 1e-3, figures
     assert figures["loss_rel"] <= 1e-5 and figures["grad_norm_rel"] <= 1e-5, figures
     assert figures["adapter"] <= 2e-6 and figures["moved"] > 1e-3, figures
     assert figures["peft_vs_merged_logits"] <= 1e-4 and figures["base_minus_delta"] <= 1e-6, figures

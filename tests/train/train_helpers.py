@@ -118,6 +118,7 @@ def parity_figures(*, name: str, spec_path: Path, output_dir: Path, model_dir: P
     figures = {
         "loss": max(abs(r["loss"] - x) for r, x in zip(metrics, reference.losses)),
         "grad_norm": max(abs(r["grad_norm"] - x) for r, x in zip(metrics, reference.grad_norms)),
+        "grad_norm_relative": max(abs(r["grad_norm"] - x) / x for r, x in zip(metrics, reference.grad_norms)),
         "weight": max((exported[k].float() - reference.state_dict[k]).abs().max().item() for k in exported),
         "moved": max((reference.state_dict[k] - start[k]).abs().max().item() for k in exported),
     }

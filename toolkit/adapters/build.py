@@ -160,9 +160,13 @@ def is_local_spec(layer_spec) -> bool:
     """Whether a layer spec is megatron's local (torch) layers rather than Transformer Engine's: its core attention
     is megatron's `DotProductAttention`."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     attention = getattr(layer_spec.submodules.self_attention, "submodules", None)
-    return getattr(attention, "core_attention", None) is DotProductAttention
+    core = getattr(attention, "core_attention", None)
+    if isinstance(core, ModuleSpec):  # a family's local attention with its parameters (toolkit/adapters/softcap.py)
+        core = core.module
+    return isinstance(core, type) and issubclass(core, DotProductAttention)
 
 
 def decoder_spec(*, config, layer_spec, vp_stage: int | None):
@@ -209,7 +213,8 @@ def model_chunks(*, config, settings: ModelSettings, layout: Layout, attention: 
                       num_experts=settings.num_experts)
     spec = with_residual_multiplier(spec, multiplier=settings.multipliers.residual)
     if settings.family.edit_layer_spec is not None:
-        spec = settings.family.edit_layer_spec(spec, config=config, transformer_engine=not is_local_spec(spec))
+        spec = settings.family.edit_layer_spec(spec, config=config, settings=settings,
+                                               transformer_engine=not is_local_spec(spec))
     return gpt_chunks(config=config, spec=spec, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
 
 
@@ -226,6 +231,7 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
     rope = architecture.position_embedding == "rope"
     rope_kwargs = dict(settings.rope_scaling or {})
     longrope = rope_kwargs.pop("longrope", None)  # Phi-3 long-RoPE: its own rotary module (toolkit/adapters/longrope.py)
+    linear_factor = rope_kwargs.pop("linear_factor", None)  # HF's linear RoPE scaling
     for vp_stage in range(vpp_size):
         vp = vp_stage if vpp_size > 1 else None
         model = GPTModel(
@@ -247,11 +253,15 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
             from toolkit.adapters.longrope import longrope_rotary
 
             model.rotary_pos_emb = longrope_rotary(model=model, longrope=longrope)
+        if linear_factor is not None:  # HF: inv_freq /= factor (megatron's own interpolation rounds differently)
+            model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / linear_factor
         multipliers = settings.multipliers
         if multipliers.embedding != 1.0 and model.pre_process:
             model.embedding.register_forward_hook(EmbeddingMultiplier(multipliers.embedding))
         if multipliers.logits_divisor != 1.0 and model.post_process:
             model.output_layer.register_forward_hook(LogitsDivisor(multipliers.logits_divisor))
+        if settings.family.edit_model is not None:
+            settings.family.edit_model(model, settings=settings)
         if rope:  # packed records: RoPE at the batch's position ids, which restart per record
             use_position_ids_for_rope(model)
         keep_explicit_masks_windowed(model)  # packed records' masks on windowed local layers

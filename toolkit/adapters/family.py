@@ -161,8 +161,15 @@ class ModelFamily:
     # HF config -> the family's scalar multipliers (build.py applies them; Granite).
     read_multipliers: Callable[[object], Multipliers] = lambda hf_config: Multipliers()
     # Replaces submodules of the layer spec where megatron-core's layer lacks the family's computation (OLMo-2's
-    # post-norms and whole-projection q / k norms): `edit_layer_spec(spec, config=, transformer_engine=)` -> spec.
+    # post-norms and whole-projection q / k norms):
+    # `edit_layer_spec(spec, config=, settings=, transformer_engine=)` -> spec.
     edit_layer_spec: Callable | None = None
+    # HF config -> the family's settings that megatron's TransformerConfig has no field for (Gemma 2's softcaps,
+    # Gemma 3's local RoPE base), kept in `ModelSettings.quirks` for the family's edit hooks.
+    read_quirks: Callable[[object], dict] = lambda hf_config: {}
+    # Changes a built GPTModel (a pipeline stage) where the change is outside the layers (Gemma 2's final-logit
+    # softcap, Gemma 3's per-layer RoPE): `edit_model(model, settings=)`, in place.
+    edit_model: Callable | None = None
     # Encoder families only (BERT): the model is toolkit/adapters/encoder.py's post-LN encoder, not GPTModel, and its
     # head is the one named by config.architectures[0]. Empty for decoder families.
     heads: tuple[HeadTable, ...] = ()

@@ -70,11 +70,15 @@ def rope_settings(hf_config) -> tuple[float, dict | None, str | None]:
     """(rope_theta, megatron rope-scaling kwargs or None, problem or None), for transformers 4 and 5 configs."""
     params = getattr(hf_config, "rope_parameters", None) or {}
     scaling = getattr(hf_config, "rope_scaling", None) or {}
+    # Per layer type (Gemma 3): the global layers' RoPE is the model's; the local layers' is the family's own.
+    params, scaling = (part.get("full_attention", part) or {} for part in (params, scaling))
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     merged = {**scaling, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type == "default":
         return theta, None, None
+    if rope_type == "linear":  # HF divides the inverse frequencies by the factor; so does build.py
+        return theta, {"linear_factor": float(merged["factor"])}, None
     if rope_type == "llama3":
         wrong = {k: merged.get(k) for k, v in _MCORE_LLAMA3_ROPE.items() if float(merged.get(k, v)) != v}
         if wrong:
@@ -88,7 +92,7 @@ def rope_settings(hf_config) -> tuple[float, dict | None, str | None]:
             return theta, None, f"rope_type 'longrope' is supported for phi3 only (this is {hf_config.model_type})"
         longrope, problem = longrope_from_hf(hf_config, params=merged, theta=theta)
         return theta, (None if problem else {"longrope": longrope}), problem
-    return theta, None, f"rope_type {rope_type!r} is not supported (supported: default, llama3; longrope for phi3)"
+    return theta, None, f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3; longrope for phi3)"
 
 
 def activation_problems(hf_config, *, family: ModelFamily) -> list[str]:
@@ -144,6 +148,14 @@ class ModelSettings:
     rope_scaling: dict | None
     encoder: EncoderSettings | None = None  # encoder families (BERT) only
     multipliers: Multipliers = Multipliers()  # embedding / residual / logits factors (Granite)
+    # The family's own settings megatron has no field for (`ModelFamily.read_quirks`: Gemma 2's softcaps).
+    quirks: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def attention_softcap(self) -> float | None:
+        """HF's `attn_logit_softcapping` (Gemma 2): scores -> cap * tanh(scores / cap) before the mask; only
+        megatron's local attention reproduces it (toolkit/adapters/softcap.py)."""
+        return self.quirks.get("attn_logit_softcapping")
 
     @property
     def num_layers(self) -> int:
@@ -208,5 +220,5 @@ def model_settings(hf_config, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MUL
         padded_vocab_size=padded_vocab_size(hf_config.vocab_size, multiple=vocab_pad_multiple),
         max_position_embeddings=hf_config.max_position_embeddings,
         tied_embeddings=tied, rotary_base=float(theta), rope_scaling=scaling, encoder=encoder,
-        multipliers=family.read_multipliers(hf_config),
+        multipliers=family.read_multipliers(hf_config), quirks=family.read_quirks(hf_config),
     )

@@ -121,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
     shape = load_model_shape(args.model)
     cluster = _cluster(args)
     training = TrainingShape(seq_length=args.seq_len, global_batch_size=args.global_batch, lora=_lora(args))
+    if shape.attention_softcap is not None and args.attention == "fused":
+        print(f"note: attn_logit_softcapping={shape.attention_softcap}: Transformer Engine's attention has no softcap, "
+              "so the run uses megatron's local attention (training.attention: local); planned with it (the s x s "
+              "scores stored)", file=sys.stderr)
+        args.attention = "local"
     result = plan(shape=shape, training=training, cluster=cluster, assumptions=_assumptions(args),
                   allow_offload=args.allow_offload, max_micro_batch_size=args.max_mbs)
     if args.explain:

@@ -24,6 +24,17 @@ PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 class LoraShape:
     rank: int
     projections: frozenset[str] = frozenset(PROJECTIONS)  # which of PROJECTIONS carry an adapter
+    train_embeddings: bool = False  # training.lora.train_embeddings: the embedding and output layer train too
+
+
+def trained_embedding_params(*, shape: ModelShape, lora: LoraShape, tp: int, pp: int, stage: int) -> int:
+    """Embedding parameters one GPU of `stage` trains with `train_embeddings` (vocab-parallel over tp): the input
+    embedding on the first stage, the output layer on the last (untied, or the tied copy when pp > 1)."""
+    if not lora.train_embeddings:
+        return 0
+    per_copy = -(-shape.vocab_size // tp) * shape.hidden_size
+    copies = (stage == 0) + (stage == pp - 1 and (not shape.tied_embeddings or pp > 1))
+    return copies * per_copy
 
 
 def projection_sizes(shape: ModelShape) -> dict[str, tuple[int, int]]:

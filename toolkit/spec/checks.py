@@ -16,6 +16,7 @@ from toolkit.layout_rules import ModelFacts, RunFacts, layout_problems, run_prob
 from toolkit.spec.layout import (derive_layout, padded_vocab_size, parallel_layout, requested_global_batch,
                                  spec_attention, spec_model_type, world_size_of)
 from toolkit.spec.loopback import loopback_problems
+from toolkit.spec.model_checks import check_model_adapter
 from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
 from toolkit.spec.report import Problem, Report, SpecError
 from toolkit.spec.schema import JobSpec
@@ -191,7 +192,8 @@ def _lora_shape(spec: JobSpec):
     except DsmtError:
         return None
     projections = {p for m in modules for p in projections_of(linear=m.linear, kind=m.kind.value, slot=m.slot)}
-    return LoraShape(rank=spec.training.lora.rank, projections=frozenset(projections))
+    return LoraShape(rank=spec.training.lora.rank, projections=frozenset(projections),
+                     train_embeddings=spec.training.lora.train_embeddings)
 
 
 def _memory_fixes(spec: JobSpec, *, global_batch_size: int) -> str:
@@ -336,7 +338,7 @@ def check_sync_batchnorm(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
 CHECKS: tuple[Check, ...] = (
     check_layout, check_vocab_padding, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node,
     check_lengths_and_intervals, check_data, check_validation_data, check_builtin_tokenizer, check_memory_fit,
-    check_encoder_model, check_sync_batchnorm, check_lora, check_packing,
+    check_encoder_model, check_sync_batchnorm, check_lora, check_packing, check_model_adapter,
 )
 
 

@@ -251,13 +251,16 @@ class LoraSpec(Section):
 
     `targets` are HF module names as PEFT matches them (the last name component, e.g. q_proj, v_proj, down_proj;
     GPT-2: c_attn, c_proj, c_fc); None: every linear of attention and MLP. `init_adapter`: a PEFT adapter
-    directory (adapter_config.json + adapter_model.safetensors) to start from instead of PEFT's initialisation."""
+    directory (adapter_config.json + adapter_model.safetensors) to start from instead of PEFT's initialisation.
+    `train_embeddings`: the input embedding and the output layer train as well (PEFT's `modules_to_save`; a tied
+    pair stays one tensor, PEFT's `ensure_weight_tying`), exported in final-hf-adapter next to the LoRA matrices."""
 
     rank: int = 8
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     targets: list[str] | None = None
     init_adapter: str | None = None
+    train_embeddings: bool = False
 
     @field_validator("rank")
     @classmethod

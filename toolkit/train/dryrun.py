@@ -34,7 +34,8 @@ def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (), ru
         return Report(source=source, problems=report.problems)
     problems = list(report.problems) + trainer_problems(spec=spec)
     settings, model_found = model_settings_of(spec=spec)
-    problems += model_found
+    said = {(p.rule, p.message) for p in report.problems}  # dsmt check's check_model_adapter reads the config too
+    problems += [p for p in model_found if (p.rule, p.message) not in said]
     if settings is not None:
         from toolkit.train.lora_export import init_adapter_problems
 
@@ -148,7 +149,8 @@ def layout_and_build_problems(*, spec, settings, spec_errors: set[str]) -> list[
     if layout.world_size != spec.cluster.nodes * spec.cluster.gpus_per_node:
         return []  # reported by dsmt check's world_size
     # The same rules on the checkpoint's own numbers (its config.json may differ from what `dsmt check` read).
-    layout_found = layout_errors(layout=layout, model=ModelFacts.from_settings(settings), run=spec_run_facts(spec))
+    layout_found = [p for p in layout_errors(layout=layout, model=ModelFacts.from_settings(settings),
+                                             run=spec_run_facts(spec)) if p.rule not in spec_errors]
     if layout_found:
         return [Problem("error", "model_layout", f"[{p.rule}] {p.message}", p.fix, p.valid) for p in layout_found]
     try:

@@ -299,7 +299,7 @@ def apply_lora(chunks: list, *, settings, lora, seed: int) -> int:
     for chunk in chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
-    count = 0
+    count = train_embeddings(chunks) if lora.train_embeddings else 0
     for chunk in chunks:
         if chunk.pre_process and chunk.config.recompute_granularity is not None:
             # With the embedding frozen its output needs no gradient, and megatron's (reentrant) recompute then
@@ -308,6 +308,21 @@ def apply_lora(chunks: list, *, settings, lora, seed: int) -> int:
         for layer in chunk.decoder.layers:
             count += _adapt_layer(layer, chunk.config, modules=modules, settings=settings, lora=lora, seed=seed,
                                   initial=initial, tp_rank=tp_rank, tp_size=tp_size, device=device)
+    return count
+
+
+def train_embeddings(chunks: list) -> int:
+    """Unfreeze the input embedding (first stage) and the output layer (last stage: the untied head, or at PP > 1
+    the tied copy, which the engine keeps equal to the embedding by summing their gradients); returns the number of
+    parameters this rank trains there. PEFT's `modules_to_save`: the whole tensor trains, initialised from the base."""
+    count = 0
+    for chunk in chunks:
+        weights = [chunk.embedding.word_embeddings.weight] if chunk.pre_process else []
+        if chunk.post_process and chunk.output_layer.weight is not None:
+            weights.append(chunk.output_layer.weight)  # None at PP 1 when tied: the embedding's own weight
+        for weight in weights:
+            weight.requires_grad_(True)
+            count += weight.numel()
     return count
 
 

@@ -5,7 +5,8 @@
   merged    `merged_lora(chunks)`: inside, each adapted linear's weight is W + scaling * B A (fp32, cast back) in a
             new tensor and the adapters are detached, so the existing megatron-checkpoint -> HF export writes a
             plain model with the unchanged weight table; on exit the unmerged weights and adapters come back.
-  adapter   `save_peft_adapter`: PEFT's files written by rank 0 from the layers of every PP stage (and VPP chunk),
+  adapter   `gather_peft_adapter` then `write_peft_adapter`: PEFT's files written by rank 0 from the layers of every
+            PP stage (and VPP chunk), after the merged export (trained embeddings are read from it),
             keys as PEFT names them (base_model.model.<module>.lora_A.weight), config from peft's LoraConfig.
 At ZeRO-3 both read whole tensors only inside `params_on_cpu` (toolkit/train/zero3.py: every parameter gathered into
 a CPU copy); outside it a partitioned base weight or adapter is an empty shard, and `require_whole` raises.
@@ -58,6 +59,10 @@ def read_init_adapter(path, *, settings, modules, lora) -> dict[str, torch.Tenso
         problems.append(f"r={config.get('r')} in the adapter, training.lora.rank={lora.rank}")
     if float(config.get("lora_alpha", -1)) != float(lora.alpha):
         problems.append(f"lora_alpha={config.get('lora_alpha')} in the adapter, training.lora.alpha={lora.alpha}")
+    if config.get("modules_to_save"):
+        problems.append(f"modules_to_save={config['modules_to_save']}: dsmt starts trained embeddings from the base "
+                        "checkpoint only; merge this adapter into the model (PeftModel.merge_and_unload, then "
+                        "save_pretrained) and fine-tune the merged checkpoint")
     for option, plain in (("use_rslora", False), ("use_dora", False), ("bias", "none")):
         if config.get(option, plain) != plain:
             problems.append(f"{option}={config.get(option)!r}: dsmt's LoRA supports {option}={plain!r} only")
@@ -119,24 +124,36 @@ def local_adapter_state(chunks: list) -> dict[str, torch.Tensor]:
     return state
 
 
+def embedding_names(settings) -> tuple[str, str]:
+    """HF tensor names of the input embedding and the output layer (its untied row, also for a tied model)."""
+    embedding = next(row.hf[0] for row in settings.family.weights if row.megatron == "embedding.word_embeddings.weight")
+    return embedding, settings.family.untied_output.hf[0]
+
+
 def peft_config(*, settings, modules, lora, base_model: str):
-    """peft's own LoraConfig for the run's adapter."""
+    """peft's own LoraConfig for the run's adapter; with trained embeddings their modules as `modules_to_save`
+    (a tied pair: the embedding, kept tied to the output layer by `ensure_weight_tying`, as peft writes it)."""
     from peft import LoraConfig
 
+    extra = {}
+    if lora.train_embeddings:
+        embedding, output = (name.removesuffix(".weight") for name in embedding_names(settings))
+        extra = {"modules_to_save": [embedding.rsplit(".", 1)[-1]] + ([] if settings.tied_embeddings
+                                                                     else [output.rsplit(".", 1)[-1]]),
+                 "ensure_weight_tying": settings.tied_embeddings}
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                       target_modules=sorted({module.name for module in modules}), bias="none", task_type="CAUSAL_LM",
                       fan_in_fan_out=any(row.transposed for row in settings.family.weights
                                          if row.megatron.endswith("linear_qkv.weight")),
-                      base_model_name_or_path=base_model)
+                      base_model_name_or_path=base_model, **extra)
 
 
-def save_peft_adapter(chunks: list, *, settings, lora, out_dir: Path, base_model: str) -> None:
-    """Write final-hf-adapter: rank 0 gathers the adapter tensors of every pipeline stage (from the TP-rank-0,
-    DP-rank-0 rank of each; the tensors are full on every TP rank) and writes PEFT's files. Collective. At ZeRO-3,
-    call it inside `params_on_cpu`."""
+def gather_peft_adapter(chunks: list, *, settings, lora) -> dict[str, torch.Tensor] | None:
+    """The LoRA matrices of every pipeline stage, on rank 0 (None elsewhere), gathered from the TP-rank-0,
+    DP-rank-0 rank of each stage (the tensors are full on every TP rank). Collective. At ZeRO-3, call it inside
+    `params_on_cpu`."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from safetensors.torch import save_file
 
     from toolkit.train.lora import resolve_targets
 
@@ -145,18 +162,58 @@ def save_peft_adapter(chunks: list, *, settings, lora, out_dir: Path, base_model
     local = local_adapter_state(chunks) if first_replica else {}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)
-    if dist.get_rank() == 0:
-        state = {key: value.contiguous() for part in gathered for key, value in part.items()}
-        modules = resolve_targets(settings.family, lora.targets)
-        expected = {k for k in expected_adapter_shapes(settings=settings, modules=modules)}
-        if set(state) != expected:
-            raise LoraError(f"adapter export gathered {len(state)} tensors, expected {len(expected)}; missing: "
-                            f"{sorted(expected - set(state))[:5]}")
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        peft_config(settings=settings, modules=modules, lora=lora, base_model=base_model).save_pretrained(out_dir)
-        save_file(dict(sorted(state.items())), out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
-    dist.barrier()
+    if dist.get_rank() != 0:
+        return None
+    state = {key: value.contiguous() for part in gathered for key, value in part.items()}
+    expected = set(expected_adapter_shapes(settings=settings, modules=resolve_targets(settings.family, lora.targets)))
+    if set(state) != expected:
+        raise LoraError(f"adapter export gathered {len(state)} tensors, expected {len(expected)}; missing: "
+                        f"{sorted(expected - set(state))[:5]}")
+    return state
+
+
+def write_peft_adapter(state: dict, *, settings, lora, out_dir: Path, base_model: str, hf_dir: Path) -> None:
+    """Write final-hf-adapter (rank 0): peft's config and the LoRA matrices and, with trained embeddings, their
+    tensors as peft saves `modules_to_save` (base_model.model.<module>.weight; a tied pair under both names), read
+    from the merged export `hf_dir`, so the embeddings are gathered and unpadded once. Written into a temporary
+    directory renamed at the end: a failure leaves no adapter that looks whole."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from toolkit.train.lora import resolve_targets
+
+    state = dict(state)
+    if lora.train_embeddings:
+        state.update(trained_embeddings(settings=settings, hf_dir=hf_dir))
+    out_dir = Path(out_dir)
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    modules = resolve_targets(settings.family, lora.targets)
+    peft_config(settings=settings, modules=modules, lora=lora, base_model=base_model).save_pretrained(partial)
+    save_file(dict(sorted(state.items())), partial / WEIGHTS_FILE, metadata={"format": "pt"})
+    shutil.rmtree(out_dir, ignore_errors=True)
+    partial.rename(out_dir)
+
+
+def trained_embeddings(*, settings, hf_dir: Path) -> dict[str, torch.Tensor]:
+    """PEFT key -> the trained embedding (and untied output layer) of the exported HF checkpoint `hf_dir`."""
+    from safetensors import safe_open
+
+    embedding, output = embedding_names(settings)
+    wanted = {embedding: embedding} | {output: (embedding if settings.tied_embeddings else output)}
+    found = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as tensors:
+            for key, source in wanted.items():
+                if source in tensors.keys():
+                    # a copy each: a tied pair read twice shares the file's storage, which safetensors refuses
+                    found[f"{PEFT_PREFIX}{key}"] = tensors.get_tensor(source).clone()
+    if len(found) != len(wanted):
+        raise LoraError(f"training.lora.train_embeddings: {sorted(set(wanted.values()))} not all found in the "
+                        f"export {hf_dir}: the adapter would miss trained embeddings")
+    return found
 
 
 def init_adapter_problems(*, spec, settings) -> list:

@@ -275,22 +275,28 @@ def _export(*, hybrid, info, spec, output_dir: Path) -> None:
     from toolkit.convert.checkpoint import run_on_rank0
     from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
     from toolkit.models import save_mcore_checkpoint
-    from toolkit.train.lora_export import merged_lora, save_peft_adapter
+    from toolkit.train.lora_export import gather_peft_adapter, merged_lora, write_peft_adapter
     from toolkit.train.zero3 import params_on_cpu
 
     mcore_dir, hf_dir = output_dir / "final-mcore", output_dir / "final-hf"
     lora = spec.training.lora
+    adapter = None
     with params_on_cpu(hybrid.engine.module):
         # LoRA: final-mcore / final-hf get W + scaling * B A (merged into copies: the engine keeps the adapters)
         with merged_lora(hybrid.chunks) if lora is not None else contextlib.nullcontext():
             save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
                                   params_dtype=params_dtype(spec.training.precision), overwrite=True)
         if lora is not None:  # PEFT's files, for PeftModel.from_pretrained(original model, final-hf-adapter)
-            save_peft_adapter(hybrid.chunks, settings=info.settings, lora=lora,
-                              out_dir=output_dir / "final-hf-adapter", base_model=info.source_checkpoint())
-    run_on_rank0(lambda progress: convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True,
-                                                      progress=progress).line(),
-                 status_file=output_dir / ".final-hf.status.json", what=f"export of {hf_dir}")
+            adapter = gather_peft_adapter(hybrid.chunks, settings=info.settings, lora=lora)
+
+    def export(progress) -> str:
+        line = convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True, progress=progress).line()
+        if lora is not None:  # after final-hf: trained embeddings are read from it
+            write_peft_adapter(adapter, settings=info.settings, lora=lora, out_dir=output_dir / "final-hf-adapter",
+                               base_model=info.source_checkpoint(), hf_dir=hf_dir)
+        return line
+
+    run_on_rank0(export, status_file=output_dir / ".final-hf.status.json", what=f"export of {hf_dir}")
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,7 @@ import torch
 
 from toolkit.adapters.family import AdapterError, Architecture, ModelFamily, WeightMapping, register
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS, check_llama_config
+from toolkit.adapters.post_norms import NormThenAdd, fp32_rms_norm
 from toolkit.adapters.transforms import Kind
 
 M = WeightMapping
@@ -42,51 +43,6 @@ OLMO2_WEIGHTS = (
     M(D + "mlp_bda.norm.weight", Kind.REPLICATED, (L + "post_feedforward_layernorm.weight",)),
     M("decoder.final_layernorm.weight", Kind.REPLICATED, ("model.norm.weight",)),
 )
-
-
-def fp32_rms_norm(x: torch.Tensor, *, weight: torch.Tensor, eps: float, sum_of_squares=None, width: int) -> torch.Tensor:
-    """HF's Olmo2RMSNorm over the last dim of `x` (flattened), the mean of squares over `width` elements:
-    fp32, weight applied before the cast back. `sum_of_squares(s)` completes a partial sum (TP all-reduce)."""
-    flat = x.to(torch.float32)
-    squares = flat.pow(2).sum(-1, keepdim=True)
-    if sum_of_squares is not None:
-        squares = sum_of_squares(squares)
-    return (weight * (flat * torch.rsqrt(squares / width + eps))).to(x.dtype)
-
-
-class PostNorm(torch.nn.Module):
-    """HF's Olmo2RMSNorm over the hidden size (the post-attention / post-MLP norm). Weight marked
-    `sequence_parallel` (each TP rank normalises its sequence slice under sequence parallelism)."""
-
-    def __init__(self, config, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = config.sequence_parallel
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp32_rms_norm(x, weight=self.weight, eps=self.eps, width=x.shape[-1])
-
-
-class NormThenAdd(torch.nn.Module):
-    """A `*_bda` slot of megatron's TransformerLayer: normalise the sublayer's output (its bias added first), then
-    megatron's bias-dropout-add onto the residual. A module so the norm belongs to the layer (`self_attn_bda.norm`)."""
-
-    def __init__(self, *, config):
-        super().__init__()
-        self.norm = PostNorm(config, config.hidden_size, config.layernorm_epsilon)
-
-    def forward(self, training: bool, fused: bool):
-        from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-
-        add = get_bias_dropout_add(training, fused)
-
-        def norm_then_add(output_with_bias, residual, dropout_prob):
-            output, bias = output_with_bias
-            output = output if bias is None else output + bias
-            return add((self.norm(output), None), residual, dropout_prob)
-
-        return norm_then_add
 
 
 class ProjectionRMSNorm(torch.nn.Module):
@@ -135,7 +91,7 @@ class KeyProjectionRMSNorm(ProjectionRMSNorm):
     heads_field = "num_query_groups"
 
 
-def edit_olmo2_layer_spec(spec, *, config, transformer_engine: bool):
+def edit_olmo2_layer_spec(spec, *, config, settings, transformer_engine: bool):
     """megatron's layer spec (local or TE) with OLMo-2's norms (see the module doc)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
