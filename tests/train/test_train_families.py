@@ -27,8 +27,9 @@ LAYOUTS = {"tp2-pp2-dp1": dict(tp=2, pp=2, dp=1, zero=1), "tp2-pp2-dp2": dict(tp
 LOSS_TOLERANCE = 5e-6
 GRAD_NORM_TOLERANCE = 1e-5
 # fp32 summation error grows with the norm: Gemma 3's tiny model starts near 15 (the others below 10), where 1e-5 is
-# 7e-7 of the value; a norm this large may instead differ by at most 2e-6 of itself (measured 1.3e-6).
-GRAD_NORM_RELATIVE_TOLERANCE = 2e-6
+# 7e-7 of the value; a norm this large may instead differ by at most 3e-6 of itself (measured 1.7e-6; the reference
+# runs HF's sdpa attention for Gemma 3, whose logits differ from HF's own eager attention by 2.0e-6 on this model).
+GRAD_NORM_RELATIVE_TOLERANCE = 3e-6
 WEIGHT_TOLERANCE = 2e-6
 
 
