@@ -156,8 +156,13 @@ def shape_from_config(config: dict, *, name: str) -> ModelShape:
         ffn_hidden_size=_field(config, "intermediate_size", name), vocab_size=_field(config, "vocab_size", name),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=_gated_mlp(config),
         max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
-        attention_softcap=config.get("attn_logit_softcapping") or None, **_moe_fields(config),
+        attention_softcap=_attention_softcap(config), **_moe_fields(config),
     )
+
+
+def _attention_softcap(config: dict) -> float | None:
+    """Gemma 2's attn_logit_softcapping (Gemma 3 configs carry the field, but transformers does not apply it)."""
+    return (config.get("attn_logit_softcapping") or None) if config.get("model_type") == "gemma2" else None
 
 
 def _moe_fields(config: dict) -> dict:

@@ -256,3 +256,45 @@ def test_check_names_a_config_field_the_family_cannot_reproduce(tmp_path):
     report = run_checks(spec=validate_spec(raw, source="gemma2"))
     (problem,) = [p for p in report.problems if p.rule == "model_config"]
     assert "use_bidirectional_attention=True" in problem.message and not report.ok
+
+
+def test_gemma3_layer_table_is_its_half_and_contiguous_for_fused_rope():
+    from toolkit.adapters.families.gemma3 import layer_table
+
+    tables = torch.randn(6, 1, 1, 16)
+    for local, half in ((False, tables[..., :8]), (True, tables[..., 8:])):
+        table = layer_table(tables, local=local)
+        # TE's fused RoPE reads freqs as a dense [s, 1, 1, d] array: a strided view would feed it wrong rows
+        assert torch.equal(table, half) and table.is_contiguous()
+
+
+def test_zero_centred_norm_in_bf16_is_hf_gemma_norm_to_the_bit():
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from toolkit.adapters.build import ZeroCenteredRMSNorm
+
+    torch.manual_seed(2)
+    ours, hf = ZeroCenteredRMSNorm(64, eps=1e-6).to(torch.bfloat16), Gemma2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.copy_(0.3 * torch.randn(64))
+        hf.weight.copy_(ours.weight)
+    x = (3 * torch.randn(4, 7, 64)).to(torch.bfloat16)
+    assert torch.equal(ours(x), hf(x))
+
+
+def test_verify_builds_softcapped_models_on_local_attention_even_where_te_is():
+    from toolkit.adapters.build import attention_for
+
+    gemma2, llama = model_settings(tiny_config("gemma2")), model_settings(tiny_config("llama"))
+    assert attention_for(settings=gemma2, attention=None) == "local"  # TE's layers would refuse the softcap
+    assert attention_for(settings=llama, attention=None) is None  # the machine decides (TE where installed)
+    assert attention_for(settings=gemma2, attention="fused") == "fused"  # a run's own choice: the rule refuses it
+
+
+def test_gemma_configs_dsmt_cannot_read_as_hf_does_are_refused():
+    config = tiny_config("gemma2")
+    config.layer_types = None  # what transformers < 4.53 leaves
+    with pytest.raises(AdapterError, match="without layer_types"):
+        model_settings(config)
+    with pytest.raises(AdapterError, match=r"attn_logit_softcapping=50\.0: transformers' Gemma 3 attention ignores"):
+        model_settings(tiny_config("gemma3_text", attn_logit_softcapping=50.0))

@@ -143,10 +143,12 @@ class TorchNorm:
 
 class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
     """RMSNorm scaled by (1 + weight), weight stored zero-centred (Gemma's norm; megatron's
-    `layernorm_zero_centered_gamma`, which Transformer Engine's norms implement the same way)."""
+    `layernorm_zero_centered_gamma`, which Transformer Engine's norms implement the same way). In fp32 with one cast
+    back, as HF's GemmaRMSNorm: (1 + w) rounded to bf16 would be off by up to 2^-9 per channel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.rms_norm(x, self.normalized_shape, 1 + self.weight, self.eps)
+        normed = torch.nn.functional.rms_norm(x.float(), self.normalized_shape, 1 + self.weight.float(), self.eps)
+        return normed.to(x.dtype)
 
 
 class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
@@ -183,6 +185,14 @@ def decoder_spec(*, config, layer_spec, vp_stage: int | None):
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=TorchNorm)
 
 
+def attention_for(*, settings: ModelSettings, attention: str | None) -> str | None:
+    """The attention kind to build: the caller's; when it leaves the choice to the machine (verify, convert: None),
+    local for a model with softcapped scores (only megatron's local attention has them; TE's would be refused)."""
+    if attention is None and settings.attention_softcap is not None:
+        return "local"
+    return attention
+
+
 def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype = torch.float32,
                        parallel_output: bool = True, init_weights: bool = False, init_method_std: float = 0.02,
                        recompute: str = "none", attention: str | None = None) -> list:
@@ -190,6 +200,7 @@ def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype:
 
     `parallel_output=False` gathers the vocab-parallel logits on every TP rank (verification); training keeps
     them split for megatron's vocab-parallel cross entropy."""
+    attention = attention_for(settings=settings, attention=attention)
     config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=init_weights,
                                 init_method_std=init_method_std, recompute=recompute, attention=attention)
     device = backends.current().device

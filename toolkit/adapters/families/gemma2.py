@@ -62,6 +62,9 @@ def read_softcaps(hf_config) -> dict:
 def check_gemma2_config(hf_config) -> list[str]:
     problems = [p.replace("llama adapter", f"{hf_config.model_type} adapter (released Gemma sets it false)")
                 for p in check_llama_config(hf_config)]
+    if getattr(hf_config, "layer_types", None) is None:  # window.py would window every layer
+        problems.append(f"{hf_config.model_type} config without layer_types (transformers < 4.53 does not write it): "
+                        "dsmt reads which layers are local from it; upgrade transformers (pip install -U transformers)")
     if getattr(hf_config, "use_bidirectional_attention", False):
         problems.append("use_bidirectional_attention=True (an embedding model's attention): dsmt trains causal "
                         "language models; set it false, or use the checkpoint with its own tools")

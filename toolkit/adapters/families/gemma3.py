@@ -50,11 +50,16 @@ def local_rope_theta(hf_config) -> tuple[float | None, str | None]:
 
 def read_gemma3_quirks(hf_config) -> dict:
     local = tuple(kind == SLIDING for kind in hf_config.layer_types)
-    return {**read_softcaps(hf_config), "local_rope_theta": local_rope_theta(hf_config)[0], "local_rope_layers": local}
+    # transformers' Gemma3Attention never passes attn_logit_softcapping to its attention (check_gemma3_config)
+    return {**read_softcaps(hf_config), "attn_logit_softcapping": None,
+            "local_rope_theta": local_rope_theta(hf_config)[0], "local_rope_layers": local}
 
 
 def check_gemma3_config(hf_config) -> list[str]:
     problems = check_gemma2_config(hf_config)
+    if getattr(hf_config, "attn_logit_softcapping", None):
+        problems.append(f"attn_logit_softcapping={hf_config.attn_logit_softcapping}: transformers' Gemma 3 attention "
+                        "ignores it (released Gemma 3 sets null), so what it would mean is unclear; set it to null")
     _, problem = local_rope_theta(hf_config)
     if problem:
         problems.append(problem)
@@ -81,6 +86,13 @@ class DualRotary(torch.nn.Module):
         return torch.cat(tables, dim=-1)
 
 
+def layer_table(tables: torch.Tensor, *, local: bool) -> torch.Tensor:
+    """A layer's half of `DualRotary`'s tables, contiguous: Transformer Engine's fused RoPE reads the frequencies
+    through a raw pointer as a dense [s, 1, 1, d] array, so a strided view would give it the wrong rows."""
+    global_table, local_table = tables.chunk(2, dim=-1)
+    return (local_table if local else global_table).contiguous()
+
+
 @functools.cache
 def per_layer_rope_attention_class():
     """megatron's SelfAttention (local or TE submodules alike) that keeps its layer's half of `DualRotary`'s table."""
@@ -93,8 +105,7 @@ def per_layer_rope_attention_class():
 
         def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
             if rotary_pos_emb is not None:
-                global_table, local_table = rotary_pos_emb.chunk(2, dim=-1)
-                rotary_pos_emb = local_table if self.local_rope else global_table
+                rotary_pos_emb = layer_table(rotary_pos_emb, local=self.local_rope)
             return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
     return PerLayerRopeSelfAttention
