@@ -51,7 +51,8 @@ class ModelFacts:
                    ffn_hidden_size=shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size,
                    num_layers=shape.num_layers,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, multiple=vocab_multiple),
-                   num_experts=shape.num_experts, attention_softcap=shape.attention_softcap)
+                   num_experts=shape.num_experts, attention_softcap=shape.attention_softcap,
+                   kv_heads_replicable=shape.kv_heads_replicable)
 
     @classmethod
     def from_settings(cls, settings) -> "ModelFacts":

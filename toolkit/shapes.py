@@ -42,6 +42,8 @@ class ModelShape:
     moe_ffn_hidden_size: int = 0
     # HF attn_logit_softcapping (Gemma 2): only megatron's local attention reproduces it, so the s x s scores are stored.
     attention_softcap: float | None = None
+    # False: tp must divide num_kv_heads (OLMo-2's q / k norms span the heads; the family's `qk_norm_spans_heads`)
+    kv_heads_replicable: bool = True
 
     @property
     def kv_channels(self) -> int:
@@ -156,7 +158,8 @@ def shape_from_config(config: dict, *, name: str) -> ModelShape:
         ffn_hidden_size=_field(config, "intermediate_size", name), vocab_size=_field(config, "vocab_size", name),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=_gated_mlp(config),
         max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
-        attention_softcap=_attention_softcap(config), **_moe_fields(config),
+        attention_softcap=_attention_softcap(config),
+        kv_heads_replicable=not _family_architecture(config).qk_norm_spans_heads, **_moe_fields(config),
     )
 
 
@@ -175,14 +178,21 @@ def _moe_fields(config: dict) -> dict:
             "moe_ffn_hidden_size": config.get("moe_intermediate_size") or config["intermediate_size"]}
 
 
+def _family_architecture(config: dict):
+    """The layer deltas of the config's adapter family (Llama's defaults when dsmt has no adapter for it)."""
+    from toolkit.adapters.family import Architecture, get_family, supported_model_types
+
+    model_type = config.get("model_type")
+    return get_family(model_type).architecture if model_type in supported_model_types() else Architecture()
+
+
 def _gated_mlp(config: dict) -> bool:
     """The family's own answer when dsmt has an adapter for it (Gemma's GeGLU is gated with a GELU), else a
     SwiGLU activation name says so."""
-    from toolkit.adapters.family import supported_model_types, get_family
+    from toolkit.adapters.family import supported_model_types
 
-    model_type = config.get("model_type")
-    if model_type in supported_model_types():
-        return get_family(model_type).architecture.gated_mlp
+    if config.get("model_type") in supported_model_types():
+        return _family_architecture(config).gated_mlp
     return config.get("hidden_act", "silu") in ("silu", "swiglu")
 
 

@@ -298,3 +298,22 @@ def test_gemma_configs_dsmt_cannot_read_as_hf_does_are_refused():
         model_settings(config)
     with pytest.raises(AdapterError, match=r"attn_logit_softcapping=50\.0: transformers' Gemma 3 attention ignores"):
         model_settings(tiny_config("gemma3_text", attn_logit_softcapping=50.0))
+
+
+def test_check_applies_the_family_layout_rules_from_the_shape(tmp_path):
+    from toolkit.shapes import load_model_shape
+
+    tiny_config("olmo2", num_key_value_heads=2).save_pretrained(tmp_path / "olmo2")
+    tiny_config("llama", num_key_value_heads=2).save_pretrained(tmp_path / "llama")
+    assert not load_model_shape(tmp_path / "olmo2").kv_heads_replicable
+    assert load_model_shape(tmp_path / "llama").kv_heads_replicable
+    from toolkit.spec.checks import run_checks
+    from toolkit.spec.load import validate_spec
+
+    raw = {"model": {"path": str(tmp_path / "olmo2")}, "parallel": {"tp": 4},
+           "cluster": {"gpus_per_node": 4, "gpu": "cpu", "device": "cpu", "interconnect": "tcp"},
+           "training": {"global_batch_size": 4, "micro_batch_size": 4, "seq_length": 32, "precision": "fp32",
+                        "train_steps": 2, "warmup_steps": 1, "output_dir": str(tmp_path / "out")},
+           "data": {"synthetic": True}}
+    errors = [p for p in run_checks(spec=validate_spec(raw, source="olmo2")).problems if p.rule == "kv_heads_vs_tp"]
+    assert len(errors) == 1 and "q / k norms span all heads" in errors[0].message

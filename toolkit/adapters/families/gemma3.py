@@ -63,7 +63,7 @@ def check_gemma3_config(hf_config) -> list[str]:
     _, problem = local_rope_theta(hf_config)
     if problem:
         problems.append(problem)
-    unknown = sorted(set(hf_config.layer_types) - {SLIDING, FULL})
+    unknown = sorted(set(getattr(hf_config, "layer_types", None) or ()) - {SLIDING, FULL})
     if unknown:
         problems.append(f"layer_types {unknown}: the gemma3_text adapter knows {SLIDING!r} and {FULL!r}")
     return problems
