@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                         "benchmark runs (the test suite's check)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))  # DeepSpeed's JIT op cache
-    from toolkit.tiny import make_tiny_checkpoint
+    from toolkit.demo.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as scratch:
         root = args.out or Path(scratch)

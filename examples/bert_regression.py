@@ -69,7 +69,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.make_tiny and not args.model.exists():
-        from toolkit.tiny_encoder import make_tiny_bert
+        from toolkit.demo.tiny_encoder import make_tiny_bert
 
         make_tiny_bert(args.model, architecture="BertForSequenceClassification", num_labels=1)
         print(f"--make-tiny: a tiny random BERT regression model in {args.model}")

@@ -9,7 +9,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("pathlib").Path(__f
 os.environ["PATH"] = os.path.dirname(__import__("sys").executable) + os.pathsep + os.environ.get("PATH", "")
 
 
-# --- warm ranks (toolkit/warm_ranks.py): one fork server per local rank for the whole session ----------------
+# --- warm ranks (toolkit/launch/warm_ranks.py): one fork server per local rank for the whole session ----------------
 import json  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -25,13 +25,13 @@ _servers: list = []
 def pytest_sessionstart(session):
     """Start the servers in the background (~6 s of imports each); a launch waits for those it needs.
     DSMT_COLD_RANKS=1 runs every launch through torchrun, as a user's would be."""
-    from toolkit.warm_ranks import SERVERS_ENV
+    from toolkit.launch.warm_ranks import SERVERS_ENV
 
     if os.environ.get("DSMT_COLD_RANKS") or SERVERS_ENV in os.environ:
         return
     import torch
 
-    if torch.cuda.is_available():  # forks cannot use CUDA once a server has looked for it (toolkit/warm_ranks.py)
+    if torch.cuda.is_available():  # forks cannot use CUDA once a server has looked for it (toolkit/launch/warm_ranks.py)
         return
     # dsmt's CLI sets it for its ranks (toolkit/cli.py); huggingface_hub reads it at import, so the servers need it
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -40,7 +40,7 @@ def pytest_sessionstart(session):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     log = open(os.path.join(directory, "servers.log"), "w")
     for local_rank in range(WARM_RANKS):
-        _servers.append(subprocess.Popen([sys.executable, "-m", "toolkit.warm_ranks", "--dir", directory,
+        _servers.append(subprocess.Popen([sys.executable, "-m", "toolkit.launch.warm_ranks", "--dir", directory,
                                           "--local-rank", str(local_rank)], env=env, cwd=repo,
                                          stdout=log, stderr=log))
     os.environ[SERVERS_ENV] = directory

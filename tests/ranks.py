@@ -1,5 +1,5 @@
 """One way for tests to start a script on N local gloo ranks: `torchrun` on 127.0.0.1 (or the same on the test
-session's warm rank servers, toolkit/warm_ranks.py), one BLAS thread per rank, warnings off, the repository
+session's warm rank servers, toolkit/launch/warm_ranks.py), one BLAS thread per rank, warnings off, the repository
 importable; a failed launch fails the test with the output's tail."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_on_ranks(script: Path | str, *args: str, nprocs: int, timeout: int = 600,
                  env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --nproc_per_node=nprocs script args...`; `env` adds variables."""
-    from toolkit.launch import free_port, run_ranks
+    from toolkit.launch.local import free_port, run_ranks
 
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})}

@@ -1,9 +1,9 @@
 """`dsmt demo`'s directory: a re-run replaces the previous demo whole, a failed or interrupted one leaves it as it
-was, and a directory the demo did not write is never touched (toolkit/demo_files.py)."""
+was, and a directory the demo did not write is never touched (toolkit/demo/files.py)."""
 
 import pytest
 
-from toolkit.demo_files import MARKER, replace_workdir
+from toolkit.demo.files import MARKER, replace_workdir
 from toolkit.errors import DsmtError
 
 

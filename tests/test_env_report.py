@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.cuda.nccl
 
-from toolkit import env_report
-from toolkit.env_report import choose_backend, collect_environment, format_text
+from toolkit.launch import env_report
+from toolkit.launch.env_report import choose_backend, collect_environment, format_text
 
 REPO = Path(__file__).resolve().parents[1]
 REPORTED_DISTRIBUTIONS = ("torch", "deepspeed", "megatron-core", "transformers")

@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 
-from toolkit.layout import Layout
-from toolkit.layout_rules import LAYOUT_RULES, MODEL_RULES, ModelFacts, RunFacts, layout_problems, require_valid_layout
-from toolkit.parallel import LayoutError
+from toolkit.parallel.layout import Layout
+from toolkit.parallel.rules import (LAYOUT_RULES, MODEL_RULES, ModelFacts, RunFacts, layout_problems,
+                                    require_valid_layout)
+from toolkit.parallel.groups import LayoutError
 
 # 12 heads, 2 KV heads: tp 4, 6 and 12 replicate each KV head on tp/2 ranks (megatron-core allows it); a vocabulary
 # of 1152 = 9 × 128 is divisible by every tp that divides the heads.
@@ -148,7 +149,7 @@ def plan_rules(row: dict) -> set[str]:
     from toolkit.plan.hardware import get_gpu
     from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
     from toolkit.plan.search import layout_violations
-    from toolkit.shapes import shape_from_config
+    from toolkit.models.shapes import shape_from_config
 
     shape = shape_from_config(MOE_HF if row.get("moe") else HF, name="row")
     tp, pp, cp = row.get("tp", 1), row.get("pp", 1), row.get("cp", 1)
@@ -170,7 +171,7 @@ def trainer_rules(row: dict) -> set[str]:
     import transformers
 
     from toolkit.adapters.hf_config import model_settings
-    from toolkit.models import check_layout
+    from toolkit.models.chunks import check_layout
 
     config = transformers.MixtralConfig(**MOE_HF) if row.get("moe") else transformers.LlamaConfig(**HF)
     settings = model_settings(config)
@@ -204,7 +205,7 @@ def test_planner_never_proposes_a_tp_group_across_nodes():
     from toolkit.plan.hardware import get_gpu
     from toolkit.plan.layout import Cluster, TrainingShape
     from toolkit.plan.search import enumerate_layouts
-    from toolkit.shapes import shape_from_config
+    from toolkit.models.shapes import shape_from_config
 
     cluster = Cluster(nodes=3, gpus_per_node=8, gpu=get_gpu("h100-80gb"))
     layouts = list(enumerate_layouts(shape=shape_from_config(HF, name="row"), cluster=cluster,

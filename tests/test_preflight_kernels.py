@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import preflight_probe
-from toolkit.preflight import kernel_problems
+from toolkit.launch import preflight_probe
+from toolkit.launch.preflight import kernel_problems
 from toolkit.spec.load import load_spec
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

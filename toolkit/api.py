@@ -61,7 +61,7 @@ def train(spec: JobSpec, *, spec_file: Path | None = None) -> list[dict]:
     (the training lines of training.output_dir/metrics.jsonl: `validation_history` has the evaluations). The spec
     is written to `spec_file` (default OUTPUT_DIR/job.yaml) for the ranks to read."""
     from toolkit.spec.load import dump_spec
-    from toolkit.train.cli import launch_training
+    from toolkit.train.job.cli import launch_training
 
     report = check(spec)
     if not report.ok:

@@ -13,19 +13,19 @@ import sys
 import warnings
 
 from toolkit.errors import DsmtError
-from toolkit.rank_output import VERBOSE_ENV, verbose
+from toolkit.launch.rank_output import VERBOSE_ENV, verbose
 
 # Each module defines `register(subparsers)`, which adds its sub-command(s) and sets `func` on the parser
 # (`func(args) -> int`, the exit code).
 COMMAND_MODULES = [
-    "toolkit.convert.cli",     # dsmt convert hf-to-mcore | mcore-to-hf
-    "toolkit.verify.cli",      # dsmt verify
-    "toolkit.train.cli",       # dsmt train
-    "toolkit.demo",            # dsmt demo
-    "toolkit.spec.cli",        # dsmt check, dsmt generate
-    "toolkit.plan.cli",        # dsmt plan
-    "toolkit.preflight",       # dsmt preflight
-    "toolkit.env_report",      # dsmt env
+    "toolkit.convert.cli",         # dsmt convert hf-to-mcore | mcore-to-hf
+    "toolkit.verify.cli",          # dsmt verify
+    "toolkit.train.job.cli",       # dsmt train
+    "toolkit.demo.run",            # dsmt demo
+    "toolkit.spec.cli",            # dsmt check, dsmt generate
+    "toolkit.plan.cli",            # dsmt plan
+    "toolkit.launch.preflight",    # dsmt preflight
+    "toolkit.launch.env_report",   # dsmt env
 ]
 
 
@@ -60,7 +60,7 @@ def _hide_hf_progress_bars() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "verbose", False):  # every rank speaks, libraries included (toolkit/rank_output.py)
+    if getattr(args, "verbose", False):  # every rank speaks, libraries included (toolkit/launch/rank_output.py)
         os.environ[VERBOSE_ENV] = "1"
     if not (os.environ.get("DSMT_SHOW_WARNINGS") or verbose()):  # megatron/torch fallback and deprecation noise
         warnings.filterwarnings("ignore", category=UserWarning)

@@ -9,7 +9,7 @@ import torch
 from toolkit.adapters.family import AdapterError
 from toolkit.adapters.hf_config import load_hf_config, model_settings
 from toolkit.adapters.load import check_hf_coverage, expand_table
-from toolkit.tiny_encoder import TINY_BERT, TINY_BERT_HEADS, make_tiny_bert
+from toolkit.demo.tiny_encoder import TINY_BERT, TINY_BERT_HEADS, make_tiny_bert
 
 HEADS = TINY_BERT_HEADS
 
@@ -90,9 +90,9 @@ def megatron_outputs(checkpoint, inputs: dict) -> torch.Tensor:
     from megatron.core import parallel_state
 
     from toolkit import backend as backends
-    from toolkit.launch import single_process_group
-    from toolkit.models import load_model_chunks
-    from toolkit.parallel import Layout
+    from toolkit.launch.local import single_process_group
+    from toolkit.models.chunks import load_model_chunks
+    from toolkit.parallel.groups import Layout
 
     with single_process_group(dist_backend="gloo"):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
@@ -135,9 +135,9 @@ def test_gradients_equal_hf_for_every_parameter(name, tiny_berts):
     from toolkit import backend as backends
     from toolkit.adapters import transforms
     from toolkit.adapters.load import canonical_parameters
-    from toolkit.launch import single_process_group
-    from toolkit.models import load_model_chunks
-    from toolkit.parallel import Layout
+    from toolkit.launch.local import single_process_group
+    from toolkit.models.chunks import load_model_chunks
+    from toolkit.parallel.groups import Layout
 
     inputs = encoder_inputs()
     inputs["input_ids"][:, 3] = 0  # [PAD] looked up at a real position
@@ -169,9 +169,9 @@ def test_embedding_norm_runs_before_dropout(tiny_berts):
     """HF: LayerNorm(word + position + type) then dropout; the norm is a pre-hook of megatron's dropout module."""
     from megatron.core import parallel_state
 
-    from toolkit.launch import single_process_group
-    from toolkit.models import load_model_chunks
-    from toolkit.parallel import Layout
+    from toolkit.launch.local import single_process_group
+    from toolkit.models.chunks import load_model_chunks
+    from toolkit.parallel.groups import Layout
 
     with single_process_group(dist_backend="gloo"):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)

@@ -4,8 +4,8 @@ import torch
 
 from toolkit.adapters.build import build_model_chunks
 from toolkit.adapters.hf_config import load_hf_config, model_settings
-from toolkit.launch import single_process_group
-from toolkit.parallel import Layout
+from toolkit.launch.local import single_process_group
+from toolkit.parallel.groups import Layout
 
 
 def test_every_tp_sharded_weight_is_marked_with_its_partition_dim(tiny_checkpoints):

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from toolkit.cli import main as dsmt
 from tests.adapters.conftest import VARIANTS
-from toolkit.tiny import make_tiny_checkpoint
+from toolkit.demo.tiny import make_tiny_checkpoint
 
 
 def hf_state(directory):

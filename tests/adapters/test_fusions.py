@@ -10,8 +10,8 @@ from toolkit import backend as backends
 from toolkit.adapters import fusions
 from toolkit.adapters.build import transformer_config
 from toolkit.adapters.hf_config import model_settings
-from toolkit.parallel import Layout
-from toolkit.tiny import tiny_config
+from toolkit.parallel.groups import Layout
+from toolkit.demo.tiny import tiny_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -43,7 +43,7 @@ def test_gpu_fusions_follow_the_model_and_the_layers(model_type, te_layers, expe
 def test_encoders_keep_their_layers_unfused():
     from transformers import AutoConfig
 
-    from toolkit.tiny_encoder import TINY_BERT
+    from toolkit.demo.tiny_encoder import TINY_BERT
 
     settings = model_settings(AutoConfig.for_model("bert", architectures=["BertForMaskedLM"], **TINY_BERT))
     assert not any(fusions.fusion_fields(settings=settings, device="cuda", te_layers=True, fused_rope=True).values())

@@ -8,7 +8,7 @@ from toolkit.adapters.family import AdapterError, WeightMapping, get_family
 from toolkit.adapters.hf_config import model_settings
 from toolkit.adapters.load import check_hf_coverage
 from toolkit.adapters.transforms import Kind
-from toolkit.tiny import make_tiny_checkpoint, tiny_config
+from toolkit.demo.tiny import make_tiny_checkpoint, tiny_config
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
@@ -103,7 +103,7 @@ def test_load_balancing_scale_lives_on_the_losss_device(monkeypatch):
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from toolkit.train.moe import set_aux_loss_scale
+    from toolkit.train.engine.moe import set_aux_loss_scale
 
     monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
     monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)

@@ -9,7 +9,7 @@ tied BERT MLM, whose embedding lives on both stages); later launches load those 
 
 import pytest
 
-from toolkit.tiny_encoder import TINY_BERT_HEADS
+from toolkit.demo.tiny_encoder import TINY_BERT_HEADS
 from toolkit.verify.run import run_verify_many
 
 pytestmark = pytest.mark.multiproc
@@ -25,7 +25,7 @@ BERT_HEADS = TINY_BERT_HEADS
 
 @pytest.fixture(scope="module")
 def berts(tmp_path_factory):
-    from toolkit.tiny_encoder import make_tiny_bert
+    from toolkit.demo.tiny_encoder import make_tiny_bert
 
     root = tmp_path_factory.mktemp("bert-verify")
     return [make_tiny_bert(root / name, **kwargs) for name, kwargs in BERT_HEADS.items()]

@@ -16,7 +16,7 @@ import yaml
 
 from toolkit import backend as backends
 from toolkit.errors import DsmtError
-from toolkit.parallel import Layout, init_process_groups
+from toolkit.parallel.groups import Layout, init_process_groups
 
 LAUNCHER_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "WORLD_SIZE", "RANK")
 REPO = Path(__file__).resolve().parents[2]
@@ -113,7 +113,7 @@ def test_model_build_puts_the_chunks_on_the_ranks_own_gpu(fake_cuda, clean_env):
 
     from toolkit.adapters import build
     from toolkit.adapters.hf_config import model_settings
-    from toolkit.tiny import tiny_config
+    from toolkit.demo.tiny import tiny_config
 
     moved_to = []
 
@@ -138,7 +138,7 @@ def test_model_build_puts_the_chunks_on_the_ranks_own_gpu(fake_cuda, clean_env):
 
 
 def test_verify_worker_selects_the_device_before_its_process_group(fake_cuda, clean_env, tmp_path):
-    import toolkit.parallel
+    import toolkit.parallel.groups
     from toolkit.verify import worker
 
     class Stop(Exception):
@@ -148,7 +148,7 @@ def test_verify_worker_selects_the_device_before_its_process_group(fake_cuda, cl
         fake_cuda.append(("init_process_groups", kwargs))
         raise Stop
 
-    clean_env.setattr(toolkit.parallel, "init_process_groups", fake_init)
+    clean_env.setattr(toolkit.parallel.groups, "init_process_groups", fake_init)
     clean_env.setenv("LOCAL_RANK", "1")
     with pytest.raises(Stop):
         worker.main(["--checkpoint", str(tmp_path), "--tp", "2", "--result-file", str(tmp_path / "r.json")])
@@ -177,12 +177,12 @@ def test_matching_spec_device_gives_the_detected_backend(fake_cuda):
 
 def test_train_refuses_a_cuda_spec_on_this_cpu_machine_before_any_process_group(clean_env, calls, tmp_path):
     """`train()`'s first step; before the fix it trained on the CPU with gloo."""
-    import toolkit.parallel
+    import toolkit.parallel.groups
     from toolkit.spec.schema import JobSpec
-    from toolkit.train.run import train
+    from toolkit.train.job.run import train
 
     clean_env.setattr(torch.cuda, "is_available", lambda: False)
-    clean_env.setattr(toolkit.parallel, "init_process_groups", lambda **kw: calls.append(("init_process_groups", kw)))
+    clean_env.setattr(toolkit.parallel.groups, "init_process_groups", lambda **kw: calls.append(("init_process_groups", kw)))
     spec = JobSpec.model_validate(cuda_spec(tmp_path / "out"))
     with pytest.raises(backends.DeviceError, match="cluster.device=cuda"):
         train(spec=spec)
@@ -233,10 +233,10 @@ def test_megatron_makes_no_gloo_groups_dsmt_never_uses(fake_cuda, clean_env):
 def test_dsmt_train_launches_with_the_generated_scripts_environment(fake_cuda, clean_env, tmp_path, tp):
     """`dsmt train` on a GPU box exports what `dsmt generate` writes to .deepspeed_env: the NCCL presets, and
     CUDA_DEVICE_MAX_CONNECTIONS=1 where megatron's TP communication needs ordered kernel launches."""
-    import toolkit.launch
+    import toolkit.launch.local
     from toolkit.generate.env import environment
     from toolkit.spec.schema import JobSpec
-    from toolkit.train import cli as train_cli
+    from toolkit.train.job import cli as train_cli
 
     spec_fields = cuda_spec(tmp_path / "out")
     spec_fields["cluster"]["gpus_per_node"] = 4
@@ -245,7 +245,7 @@ def test_dsmt_train_launches_with_the_generated_scripts_environment(fake_cuda, c
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec_fields))
     launched = {}
-    clean_env.setattr(toolkit.launch, "launch_local_workers", lambda **kw: launched.update(kw))
+    clean_env.setattr(toolkit.launch.local, "launch_local_workers", lambda **kw: launched.update(kw))
     train_cli.launch_training(path=str(path))
     expected = environment(spec=JobSpec.model_validate(spec_fields))
     assert launched["env"] == expected

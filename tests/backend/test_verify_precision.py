@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from toolkit.tiny import make_tiny_checkpoint
+from toolkit.demo.tiny import make_tiny_checkpoint
 from toolkit.verify import run as verify_run
 from toolkit.verify import worker
 

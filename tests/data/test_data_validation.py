@@ -1,5 +1,5 @@
 """Validation data (toolkit/data/validation.py): the held-out split, the validation file's checks, the cache keys
-of the two sides; the evaluation's row layout and schedule (toolkit/train/evaluate.py); metrics truncation."""
+of the two sides; the evaluation's row layout and schedule (toolkit/train/job/evaluate.py); metrics truncation."""
 
 import json
 
@@ -10,7 +10,7 @@ from toolkit.data import validation
 from toolkit.data.cache import prepare_cache, open_cache
 from toolkit.errors import DsmtError
 from toolkit.spec.schema import DataSpec
-from toolkit.train.evaluate import eval_steps, rank_rows
+from toolkit.train.job.evaluate import eval_steps, rank_rows
 
 TEXTS = [f"story number {i} is about a cat." for i in range(20)]
 
@@ -88,7 +88,7 @@ def test_eval_schedule():
 
 
 def test_resumed_metrics_keep_the_step0_validation(tmp_path):
-    from toolkit.train.report import RunLog
+    from toolkit.train.job.report import RunLog
 
     lines = [{"step": 0, "val_loss": 5.0}, {"step": 1, "loss": 5.1}, {"step": 2, "loss": 5.0},
              {"step": 2, "val_loss": 4.9}, {"step": 3, "loss": 4.8}]

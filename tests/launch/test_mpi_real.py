@@ -33,9 +33,9 @@ def test_openmpi_launcher_trains_two_ranks(tmp_path):
 
 
 def test_mpi_ranks_become_torch_ranks():
-    """What toolkit.parallel.init_process_groups does first: OMPI_COMM_WORLD_* -> RANK / WORLD_SIZE / LOCAL_RANK,
+    """What toolkit.parallel.groups.init_process_groups does first: OMPI_COMM_WORLD_* -> RANK / WORLD_SIZE / LOCAL_RANK,
     unless a launcher already set RANK."""
-    from toolkit.parallel import adopt_mpi_ranks
+    from toolkit.parallel.groups import adopt_mpi_ranks
 
     ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
     env = dict(ompi)

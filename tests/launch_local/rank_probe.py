@@ -9,7 +9,7 @@ import sys
 import time
 
 from toolkit.errors import DsmtError
-from toolkit.rank_output import run_rank, this_rank
+from toolkit.launch.rank_output import run_rank, this_rank
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""dsmt's local launcher (toolkit/launch.py + toolkit/rank_output.py) with real torchrun and 2 ranks: rank 0
+"""dsmt's local launcher (toolkit/launch/local.py + toolkit/launch/rank_output.py) with real torchrun and 2 ranks: rank 0
 speaks, rank 1 writes its file, a failure comes back once as a dsmt error with the rank's message and exit code,
 without torchrun's traceback on the console."""
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.launch import launch_local_workers
-from toolkit.rank_output import RankFailure
+from toolkit.launch.local import launch_local_workers
+from toolkit.launch.rank_output import RankFailure
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.cold_ranks]  # torchrun's path; test_warm_ranks.py: the warm one
 PROBE_DIR = Path(__file__).resolve().parent

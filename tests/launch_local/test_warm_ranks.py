@@ -1,4 +1,4 @@
-"""The test session's warm rank servers (toolkit/warm_ranks.py) against what torchrun gives a rank: fresh state
+"""The test session's warm rank servers (toolkit/launch/warm_ranks.py) against what torchrun gives a rank: fresh state
 per launch, the rank's own hash seed, the caller's environment and output, a failure named, a timeout stopped,
 and a launch that a fork cannot serve exactly (an import-time variable changed) started cold."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.launch import launch_local_workers, run_ranks
-from toolkit.rank_output import RankFailure
-from toolkit.warm_ranks import SERVERS_ENV
+from toolkit.launch.local import launch_local_workers, run_ranks
+from toolkit.launch.rank_output import RankFailure
+from toolkit.launch.warm_ranks import SERVERS_ENV
 
 pytestmark = pytest.mark.multiproc
 HERE = Path(__file__).resolve().parent
@@ -27,7 +27,7 @@ def servers(tmp_path_factory, monkeypatch):
         yield Path(os.environ[SERVERS_ENV])
         return
     directory = tmp_path_factory.mktemp("warm")
-    started = [subprocess.Popen([sys.executable, "-m", "toolkit.warm_ranks", "--dir", str(directory),
+    started = [subprocess.Popen([sys.executable, "-m", "toolkit.launch.warm_ranks", "--dir", str(directory),
                                  "--local-rank", str(k)], env={**os.environ, "OMP_NUM_THREADS": "1"},
                                 cwd=HERE.parents[1], stderr=subprocess.DEVNULL) for k in range(2)]
     monkeypatch.setenv(SERVERS_ENV, str(directory))
@@ -45,7 +45,7 @@ def probe(tmp_path: Path, *args: str, env: dict | None = None, timeout_s: float 
     out = tmp_path / "out.txt"
     with open(out, "w") as stdout, open(tmp_path / "err.txt", "w") as stderr:
         returncode = run_ranks([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                f"--master_port={__import__('toolkit.launch').launch.free_port()}", str(PROBE),
+                                f"--master_port={__import__('toolkit.launch.local').launch.local.free_port()}", str(PROBE),
                                 *args], target=["path", str(PROBE)], args=list(args), nprocs=2,
                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=stdout,
                                stderr=stderr, timeout_s=timeout_s, cwd=str(tmp_path))
@@ -113,7 +113,7 @@ def test_a_timeout_stops_every_rank(servers, tmp_path):
 
 
 def test_which_import_time_values_a_fork_can_serve():
-    from toolkit.warm_ranks import same_at_import
+    from toolkit.launch.warm_ranks import same_at_import
 
     assert same_at_import("HF_HOME", server="/a", launch="/a")
     assert not same_at_import("HF_HOME", server="/a", launch="/b")

@@ -62,7 +62,7 @@ def _use_layout(*, tp: int, pp: int, dp: int) -> None:
     from megatron.core import parallel_state
 
     from toolkit import backend as backends
-    from toolkit.parallel import Layout, init_process_groups
+    from toolkit.parallel.groups import Layout, init_process_groups
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -90,11 +90,11 @@ def states_case(case: dict, *, model_dir: str) -> dict:
 
     from live_tensors import BuildTracker, Moments
     from toolkit.generate.deepspeed_config import build_deepspeed_config
-    from toolkit.models import load_model_chunks
-    from toolkit.parallel import Layout
+    from toolkit.models.chunks import load_model_chunks
+    from toolkit.parallel.groups import Layout
     from toolkit.spec.layout import derive_layout
     from toolkit.spec.load import validate_spec
-    from toolkit.train.engine import HybridEngine
+    from toolkit.train.engine.hybrid import HybridEngine
 
     spec = validate_spec(job_spec(model_dir=model_dir, **case), source="live_memory")
     layout = derive_layout(spec)
@@ -130,8 +130,8 @@ def activations_case(case: dict, *, model_dir: str, world: int) -> dict:
     import torch
 
     from live_tensors import measure_forward
-    from toolkit.models import load_model_chunks
-    from toolkit.parallel import Layout
+    from toolkit.models.chunks import load_model_chunks
+    from toolkit.parallel.groups import Layout
     from toolkit.plan.memory import stage_activation_bytes, stage_memory, stage_params_per_gpu
     from toolkit.spec.load import validate_spec
 
@@ -180,12 +180,12 @@ LAUNCHES = (
 
 
 def run_launch(*, model_dir: Path, out_dir: Path, processes: int, cases: dict, timeout_s: float = 600) -> list[dict]:
-    """Run one launch of this file under torchrun (or the test session's warm ranks: toolkit/warm_ranks.py);
+    """Run one launch of this file under torchrun (or the test session's warm ranks: toolkit/launch/warm_ranks.py);
     the per-rank results."""
     import os
     import tempfile
 
-    from toolkit.launch import free_port, run_ranks
+    from toolkit.launch.local import free_port, run_ranks
 
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [str(model_dir), str(out_dir), json.dumps(cases)]

@@ -225,7 +225,7 @@ def measure_forward(chunk, *, batch: dict, vocab_size: int) -> dict:
     """One forward + loss + backward: the saved-for-backward bytes by part, and the live-bytes peak of the forward
     and of the whole step (the parameters' gradients are allocated beforehand, so backward adds to them in place
     and only activation memory and its gradients are counted)."""
-    from toolkit.train.loss import masked_token_loss_sum
+    from toolkit.train.engine.loss import masked_token_loss_sum
 
     for param in chunk.parameters():
         param.grad = torch.zeros_like(param)

@@ -11,7 +11,7 @@ from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.layout import PlanLayout, TrainingShape
 from toolkit.plan.lora import LoraShape, lora_params
 from toolkit.plan.memory import model_state_bytes, persistent_params, stage_memory, stage_params_per_gpu
-from toolkit.shapes import BUILTIN_SHAPES
+from toolkit.models.shapes import BUILTIN_SHAPES
 
 BF16 = Assumptions.for_precision("bf16")
 
@@ -83,7 +83,7 @@ def test_check_counts_the_specs_lora_targets(tmp_path):
     directory): q and v only hold fewer adapter bytes than every projection."""
     import json
 
-    from toolkit.shapes import load_model_shape
+    from toolkit.models.shapes import load_model_shape
     from toolkit.spec.checks import planner_inputs, check_file
 
     shape = BUILTIN_SHAPES["llama3-8b"]

@@ -14,7 +14,7 @@ MICRO, SEQ, VOCAB, PADDED = 2, 512, 16000, 16384  # the last 384 rows are paddin
 def tp_group():
     from megatron.core import parallel_state
 
-    from toolkit.launch import single_process_group
+    from toolkit.launch.local import single_process_group
 
     with single_process_group(dist_backend="gloo"):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
@@ -26,7 +26,7 @@ def tp_group():
 def test_loss_peak_is_one_fp32_copy_of_the_logits_and_the_value_is_torchs(tp_group, dtype):
     from live_tensors import LiveBytes
 
-    from toolkit.train.loss import masked_token_loss_sum
+    from toolkit.train.engine.loss import masked_token_loss_sum
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(MICRO, SEQ, PADDED, generator=generator).to(dtype).requires_grad_()

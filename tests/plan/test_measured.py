@@ -2,7 +2,7 @@
 
 tests/plan/live_memory.py builds this rank's GPTModel chunk with `load_model_chunks` (megatron-core's local spec,
 as `dsmt train` builds it on a CPU: torch RMSNorm, unfused DotProductAttention, megatron's SwiGLU) and runs one
-forward + the training loss (toolkit/train/loss.py) + backward on random tokens, measuring
+forward + the training loss (toolkit/train/engine/loss.py) + backward on random tokens, measuring
 (tests/plan/live_tensors.py):
   * the bytes autograd saves for backward in the transformer layers (distinct storages, parameters excluded), and
   * the peak, over forward, loss and backward, of the bytes allocated since the step began and still alive

@@ -17,7 +17,7 @@ from toolkit.plan.hardware import get_gpu
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import estimate_memory, stage_params_per_gpu
 from toolkit.plan.timing import estimate_step_time, layer_forward_flops
-from toolkit.shapes import BUILTIN_SHAPES, ModelShape
+from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape
 
 H100 = get_gpu("h100-80gb")
 MIXTRAL = BUILTIN_SHAPES["mixtral-8x7b"]

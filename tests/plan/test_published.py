@@ -21,7 +21,7 @@ from toolkit.plan.memory import (activation_bytes_per_layer, estimate_memory, la
                                  micro_batches_in_flight, model_state_bytes)
 from toolkit.plan.schedule import simulate_pipeline
 from toolkit.plan.timing import estimate_step_time, ring_time_s, training_flops
-from toolkit.shapes import BUILTIN_SHAPES
+from toolkit.models.shapes import BUILTIN_SHAPES
 
 # Korthikanti's Megatron-LM of 2022: unfused (non-flash) attention with the fused softmax kernel, dropout, norms
 # that keep only their input (apex / TE), as Assumptions describes them.

@@ -16,7 +16,7 @@ from toolkit.plan.hardware import GPU_PRESETS, get_gpu
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import estimate_memory
 from toolkit.plan.search import SIMPLICITY_ORDER, evaluate, layout_violations, plan, rank_candidates, simplicity_key
-from toolkit.shapes import BUILTIN_SHAPES
+from toolkit.models.shapes import BUILTIN_SHAPES
 
 LLAMA70 = BUILTIN_SHAPES["llama3-70b"]
 H100x64 = Cluster(nodes=8, gpus_per_node=8, gpu=get_gpu("h100-80gb"))

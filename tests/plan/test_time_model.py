@@ -13,7 +13,7 @@ from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import stage_params_per_gpu
 from toolkit.plan.timing import (dp_overlap_share, elementwise_bytes, estimate_step_time, group_bandwidth_gbps,
                                  ring_time_s)
-from toolkit.shapes import BUILTIN_SHAPES
+from toolkit.models.shapes import BUILTIN_SHAPES
 
 H100 = get_gpu("h100-80gb")
 LLAMA8 = BUILTIN_SHAPES["llama3-8b"]

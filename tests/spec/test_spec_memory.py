@@ -8,7 +8,7 @@ from toolkit.cli import main
 from toolkit.plan.hardware import get_gpu
 from toolkit.plan.layout import PlanLayout, TrainingShape
 from toolkit.plan.memory import estimate_memory
-from toolkit.shapes import BUILTIN_SHAPES
+from toolkit.models.shapes import BUILTIN_SHAPES
 from toolkit.spec.checks import check_file
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from toolkit.tiny import make_tiny_checkpoint
+from toolkit.demo.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from toolkit.convert.progress import proc_status_bytes
 from toolkit.errors import DsmtError
-from toolkit.train import reshard
-from toolkit.train.run import main
+from toolkit.train.checkpoint import reshard
+from toolkit.train.job.run import main
 
 _save = reshard.LayoutFreeState.save
 

@@ -24,11 +24,11 @@ def worker(out_dir: str) -> None:
     from megatron.core import parallel_state
 
     from toolkit import backend as backends
-    from toolkit.layout import Layout
-    from toolkit.parallel import destroy_process_groups, init_process_groups
-    from toolkit.train.engine import context_parallel_slices, global_loss_tokens
-    from toolkit.train.tasks import CausalLM
-    from toolkit.train.mpu import MegatronMpu
+    from toolkit.parallel.layout import Layout
+    from toolkit.parallel.groups import destroy_process_groups, init_process_groups
+    from toolkit.train.engine.hybrid import context_parallel_slices, global_loss_tokens
+    from toolkit.train.engine.tasks import CausalLM
+    from toolkit.train.engine.mpu import MegatronMpu
 
     init_process_groups(layout=Layout(cp=2, dp=2), dist_backend=backends.current().dist_backend)
     dp_rank = parallel_state.get_data_parallel_rank()  # what the data loader reads with (no CP)
@@ -59,7 +59,7 @@ def deepspeed_batch_as_parsed() -> list[int]:
     from toolkit.generate.deepspeed_config import build_deepspeed_config
     from toolkit.spec.layout import derive_layout
     from toolkit.spec.load import validate_spec
-    from toolkit.train.mpu import MegatronMpu
+    from toolkit.train.engine.mpu import MegatronMpu
 
     spec = validate_spec({"model": {"builtin": "llama3-8b"}, "cluster": {"gpus_per_node": 4},
                           "parallel": {"cp": 2, "zero_stage": 1},

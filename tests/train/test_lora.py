@@ -1,4 +1,4 @@
-"""LoRA unit tests (toolkit/train/lora.py, lora_export.py): targets, megatron-layout assembly, merge, counting,
+"""LoRA unit tests (toolkit/train/lora/adapters.py, export.py): targets, megatron-layout assembly, merge, counting,
 init-adapter checks, Transformer Engine wiring. One process, no torch.distributed."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from toolkit.adapters.family import get_family
 from toolkit.adapters.hf_config import model_settings
 from toolkit.adapters.transforms import Kind
 from toolkit.spec.schema import LoraSpec
-from toolkit.tiny import tiny_config
-from toolkit.train import lora as lora_mod
-from toolkit.train.lora import LoraAdapter, LoraError, count_lora_params, module_shape, resolve_targets
+from toolkit.demo.tiny import tiny_config
+from toolkit.train.lora import adapters as lora_mod
+from toolkit.train.lora.adapters import LoraAdapter, LoraError, count_lora_params, module_shape, resolve_targets
 
 LLAMA_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -168,7 +168,7 @@ def _write_adapter(path, *, config: dict, tensors: dict):
 
 
 def test_init_adapter_mismatches_are_listed_together(tmp_path):
-    from toolkit.train.lora_export import read_init_adapter
+    from toolkit.train.lora.export import read_init_adapter
 
     settings = model_settings(tiny_config("llama", num_hidden_layers=1))
     modules = resolve_targets(settings.family, ["q_proj", "v_proj"])
@@ -251,7 +251,7 @@ def test_zero3_gathers_what_the_adapter_reads(monkeypatch):
     merge / export refuse a partition (the empty shard a ZeRO-3 parameter holds outside a gather)."""
     from megatron.core.tensor_parallel import mappings
 
-    from toolkit.train.lora_export import local_adapter_state, require_whole
+    from toolkit.train.lora.export import local_adapter_state, require_whole
 
     monkeypatch.setattr(mappings, "copy_to_tensor_model_parallel_region", lambda x: x)
     settings = model_settings(tiny_config("llama"))
@@ -277,11 +277,11 @@ def test_zero3_gathers_what_the_adapter_reads(monkeypatch):
 
 
 def test_lora_on_a_model_without_adapter_is_refused(tmp_path):
-    """A model trained by the plain HF trainer (toolkit/train/plain.py) has no megatron layers to adapt."""
+    """A model trained by the plain HF trainer (toolkit/train/plain/engine.py) has no megatron layers to adapt."""
     from types import SimpleNamespace
 
     from toolkit.errors import DsmtError
-    from toolkit.train import run
+    from toolkit.train.job import run
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bloom"}))
     spec = SimpleNamespace(training=SimpleNamespace(lora=LoraSpec()))
@@ -290,7 +290,7 @@ def test_lora_on_a_model_without_adapter_is_refused(tmp_path):
 
 
 def test_init_adapter_with_trained_embeddings_is_refused_with_the_merge_as_fix(tmp_path):
-    from toolkit.train.lora_export import read_init_adapter
+    from toolkit.train.lora.export import read_init_adapter
 
     settings = model_settings(tiny_config("llama", num_hidden_layers=1))
     modules = resolve_targets(settings.family, ["q_proj"])
@@ -306,7 +306,7 @@ def test_init_adapter_with_trained_embeddings_is_refused_with_the_merge_as_fix(t
 @pytest.mark.parametrize("model_type,tied,expected", [("llama", False, ["embed_tokens", "lm_head"]),
                                                       ("llama", True, ["embed_tokens"]), ("gpt2", True, ["wte"])])
 def test_trained_embeddings_are_peft_modules_to_save(model_type, tied, expected):
-    from toolkit.train.lora_export import peft_config
+    from toolkit.train.lora.export import peft_config
 
     settings = model_settings(tiny_config(model_type, tie_word_embeddings=tied))
     lora = LoraSpec(rank=4, alpha=8, train_embeddings=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import yaml
 
-from toolkit.tiny import make_tiny_checkpoint
-from toolkit.train.dryrun import dry_run
+from toolkit.demo.tiny import make_tiny_checkpoint
+from toolkit.train.job.dryrun import dry_run
 
 
 def _peft_adapter(model_dir, out_dir, *, rank: int, targets: list[str]):

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from toolkit.train import plain
-from toolkit.train.plain import PlainEngine
+from toolkit.train.plain import engine as plain
+from toolkit.train.plain.engine import PlainEngine
 
 DEVICE = torch.device("meta")
 VOCAB = 11

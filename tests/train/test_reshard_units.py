@@ -1,4 +1,4 @@
-"""toolkit/train/reshard.py without a launch: the pieces the 4-rank resharding test (test_train_reshard.py) cannot
+"""toolkit/train/checkpoint/reshard.py without a launch: the pieces the 4-rank resharding test (test_train_reshard.py) cannot
 single out. Adam's state is created without moving a weight, the step count is found and set where each Adam
 keeps it (per parameter in torch / DeepSpeed's CPU Adam, per group in FusedAdam, the GPU default), shape
 mismatches are listed, and a plain HF model at another layout is refused by name."""
@@ -10,8 +10,8 @@ import torch
 
 from toolkit import backend
 from toolkit.errors import DsmtError
-from toolkit.launch import single_process_group
-from toolkit.train import checkpoints, reshard
+from toolkit.launch.local import single_process_group
+from toolkit.train.checkpoint import checkpoints, reshard
 from test_train_checkpoints import FakeEngine
 
 LAYOUT_A = {"tp": 2, "pp": 2, "vpp": 1, "cp": 1, "dp": 1, "ep": 1, "zero_stage": 1, "world_size": 4}
@@ -49,7 +49,7 @@ def test_shape_problems_list_every_difference():
 
 
 def test_plain_model_at_another_layout_is_refused(tmp_path):
-    from toolkit.parallel import Layout, init_process_groups
+    from toolkit.parallel.groups import Layout, init_process_groups
 
     with single_process_group(dist_backend=backend.current().dist_backend):
         init_process_groups(layout=Layout(), dist_backend=backend.current().dist_backend)

@@ -1,4 +1,4 @@
-"""Host memory of a checkpoint's layout-free copy (toolkit/train/reshard.py): the fp32 master weights and both Adam
+"""Host memory of a checkpoint's layout-free copy (toolkit/train/checkpoint/reshard.py): the fp32 master weights and both Adam
 moments are gathered over DP by DeepSpeed on every replica, but kept in host memory only where megatron's
 dist_checkpointing writes them (DP rank 0). Before, every replica held a full copy at every save (~24 GB per rank
 at 8B, TP2 x PP2). Two DP ranks, ZeRO-1, fp32, a 25M-parameter Llama (a 290 MB shard, far above RSS noise),
@@ -17,7 +17,7 @@ BUFFER_SLACK = 32 * 2**20  # dist_checkpointing's own buffers, metadata, threads
 def test_only_the_writing_replica_holds_the_layout_free_copy(tmp_path):
     from ranks import run_on_ranks
 
-    from toolkit.tiny import make_tiny_checkpoint
+    from toolkit.demo.tiny import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "model", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                                  seed=3)

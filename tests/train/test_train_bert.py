@@ -4,7 +4,7 @@ The HF architecture decides the task: a BertForSequenceClassification with num_l
 per sample over the global batch) on `data.label_field`, a BertForMaskedLM masked LM on text (HF's 15 % masking,
 per masked token over the global batch). Each at TP2 x DP2 (DeepSpeed's loop), PP2 x DP2 (megatron's 1F1B
 schedule; for the MLM the tied embedding lives on both stages) and TP2 x DP2 with sequence parallelism, fp32,
-5 steps, cosine LR, weight decay and clipping, all through `toolkit.train.run.train(spec=...)` (spec -> layout
+5 steps, cosine LR, weight decay and clipping, all through `toolkit.train.job.run.train(spec=...)` (spec -> layout
 -> build -> engine -> export) in ONE 4-rank gloo launch (train_helpers.train_in_one_launch).
 Per step the logged loss, lr and pre-clip grad norm are compared with the reference's, and the exported final-hf
 (which must load with AutoModelForSequenceClassification / AutoModelForMaskedLM) with the reference's weights.
@@ -54,7 +54,7 @@ def write_run_spec(path: Path, *, model_dir: Path, output_dir: Path, model: str,
 
 @pytest.fixture(scope="module")
 def bert_models(tmp_path_factory):
-    from toolkit.tiny_encoder import make_tiny_bert
+    from toolkit.demo.tiny_encoder import make_tiny_bert
 
     root = tmp_path_factory.mktemp("bert-train")
     return {"regression": make_tiny_bert(root / "regression", architecture="BertForSequenceClassification",

@@ -11,9 +11,9 @@ import torch
 
 from toolkit import backend
 from toolkit.errors import DsmtError
-from toolkit.launch import single_process_group
-from toolkit.train import checkpoints
-from toolkit.train.checkpoints import COMPLETE_MARKER, LATEST, latest_complete, prune
+from toolkit.launch.local import single_process_group
+from toolkit.train.checkpoint import checkpoints
+from toolkit.train.checkpoint.checkpoints import COMPLETE_MARKER, LATEST, latest_complete, prune
 
 
 class FakeEngine:
@@ -29,7 +29,7 @@ class FakeEngine:
 
 @pytest.fixture
 def process_group():
-    from toolkit.parallel import Layout, init_process_groups
+    from toolkit.parallel.groups import Layout, init_process_groups
 
     with single_process_group(dist_backend=backend.current().dist_backend):
         init_process_groups(layout=Layout(), dist_backend=backend.current().dist_backend)

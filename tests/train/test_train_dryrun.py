@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from toolkit.cli import main as dsmt
-from toolkit.train.dryrun import dry_run
+from toolkit.train.job.dryrun import dry_run
 from train_helpers import STORIES
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
@@ -101,7 +101,7 @@ def test_real_data_with_a_checkpoint_and_a_fitting_tokenizer_passes(tiny_llama, 
 
 
 def test_builtin_with_a_tokenizer_too_large_for_the_shape(tmp_path):
-    from toolkit.tiny import make_tiny_checkpoint
+    from toolkit.demo.tiny import make_tiny_checkpoint
 
     big = make_tiny_checkpoint(tmp_path / "big", vocab_size=300)
     raw = cpu_spec(output_dir=tmp_path / "out", model={"builtin": "tiny-llama"},

@@ -1,13 +1,13 @@
 """Qwen3, Gemma, Phi-3 and GPT-2 train through dsmt like the independent one-process HF + torch reference.
 
-Each family's tiny checkpoint (toolkit/tiny.py: q/k head norms and head_dim 16; GeGLU, (1 + w) norms, sqrt(h)
+Each family's tiny checkpoint (toolkit/demo/tiny.py: q/k head norms and head_dim 16; GeGLU, (1 + w) norms, sqrt(h)
 embedding scale and one KV head; packed qkv_proj / gate_up_proj; learned positions, LayerNorm with biases, Conv1D
 weights) trains 6 steps at TP2 x PP2 x DP1 and TP2 x PP2 x DP2, ZeRO-1, fp32, with the parity settings of
 test_train_parity.py (warmup + cosine LR, weight decay on matrices, clipping that acts on every step, per-token
 loss over the global batch). Per step the logged loss and pre-clip grad norm, and at the end the exported
 final-hf weights, are compared with reference.py, which reads and tokenises the data itself.
 
-Two gloo launches (4 and 8 ranks) run all families one after the other through `toolkit.train.run.train(spec=...)`
+Two gloo launches (4 and 8 ranks) run all families one after the other through `toolkit.train.job.run.train(spec=...)`
 (train_helpers.train_in_one_launch).
 """
 
@@ -35,7 +35,7 @@ WEIGHT_TOLERANCE = 2e-6
 
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    from toolkit.tiny import make_tiny_checkpoint
+    from toolkit.demo.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("family-hf")
     return {family: make_tiny_checkpoint(root / family, model_type=family, seed=seed, **OVERRIDES.get(family, {}))

@@ -1,4 +1,4 @@
-"""dsmt LoRA runs (toolkit/train/lora.py) against a one-process HF + peft reference (reference_lora.py), and their
+"""dsmt LoRA runs (toolkit/train/lora/adapters.py) against a one-process HF + peft reference (reference_lora.py), and their
 exports against peft: all runs in ONE 4-rank launch.
 
 Both sides start from the same nonzero PEFT adapter (B != 0 at step 0, so every LoRA matrix gets a gradient from
@@ -65,7 +65,7 @@ def write_init_adapter(model_dir, out_dir, *, targets, seed: int):
     from transformers import AutoModelForCausalLM
 
     from toolkit.adapters.family import get_family
-    from toolkit.train.lora import resolve_targets
+    from toolkit.train.lora.adapters import resolve_targets
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -84,7 +84,7 @@ def write_init_adapter(model_dir, out_dir, *, targets, seed: int):
 def lora_runs(tiny_llama, tmp_path_factory):
     from ranks import run_on_ranks
 
-    from toolkit.tiny import make_tiny_checkpoint
+    from toolkit.demo.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("lora-runs")
     models = {"llama": tiny_llama, "gpt2": make_tiny_checkpoint(root / "gpt2", model_type="gpt2", seed=3),
@@ -221,7 +221,7 @@ def test_lora_resume_continues_the_run(lora_runs):
 
 @pytest.mark.multiproc
 def test_tp2_lora_gradients_equal_tp1(lora_runs):
-    """The gradient claims of toolkit/train/lora.py, one backward of the same batch at TP1 and TP2 (with and without
+    """The gradient claims of toolkit/train/lora/adapters.py, one backward of the same batch at TP1 and TP2 (with and without
     SP): with the engine's TP sum every LoRA gradient equals TP1's; without it, the gradients marked partial
     (A everywhere, B of column bases, B of row bases under SP) differ, and B of row bases without SP already
     equals TP1's (so it must not be summed: it is not marked)."""
@@ -248,13 +248,13 @@ def lora_grads(*, model_dir: str, adapter_dir: str, tp: int, sp: bool, summed: b
     from megatron.core import parallel_state
 
     from toolkit import backend as backends
-    from toolkit.models import load_model_chunks
-    from toolkit.parallel import Layout, init_process_groups
+    from toolkit.models.chunks import load_model_chunks
+    from toolkit.parallel.groups import Layout, init_process_groups
     from toolkit.spec.schema import LoraSpec
-    from toolkit.train.engine import sum_sequence_parallel_grads
-    from toolkit.train.lora import LINEARS, adapted_linears, apply_lora
-    from toolkit.train.lora_export import peft_key
-    from toolkit.train.loss import masked_token_loss_sum
+    from toolkit.train.engine.hybrid import sum_sequence_parallel_grads
+    from toolkit.train.lora.adapters import LINEARS, adapted_linears, apply_lora
+    from toolkit.train.lora.export import peft_key
+    from toolkit.train.engine.loss import masked_token_loss_sum
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -325,7 +325,7 @@ def resume_after_step_3(spec_path: str) -> None:
     from megatron.core import parallel_state
 
     from toolkit.spec.load import load_spec
-    from toolkit.train.run import train
+    from toolkit.train.job.run import train
 
     spec = load_spec(spec_path)
     output_dir = Path(spec.training.output_dir)

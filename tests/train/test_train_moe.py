@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from toolkit.tiny import make_tiny_checkpoint
+from toolkit.demo.tiny import make_tiny_checkpoint
 from train_helpers import PARITY_STEPS, PARITY_TRAINING, STORIES, read_metrics, run_dsmt, write_spec
 
 SEQ = 32

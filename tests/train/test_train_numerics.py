@@ -17,7 +17,7 @@ from toolkit.generate.deepspeed_config import build_deepspeed_config
 from toolkit.spec.layout import derive_layout
 from toolkit.spec.checks import run_checks
 from toolkit.spec.load import validate_spec
-from toolkit.train.engine import accumulated_grad, check_driver, mark_tied_output_copies, weight_decay_groups
+from toolkit.train.engine.hybrid import accumulated_grad, check_driver, mark_tied_output_copies, weight_decay_groups
 
 BASE = {
     "model": {"config": {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -72,7 +72,7 @@ def test_deepspeed_engine_really_holds_fp32_gradients_under_bf16(zero):
     ZeRO-2 a separate fp32 accumulation buffer; ZeRO-3 fp32 gradient partitions."""
     import deepspeed
 
-    from toolkit.launch import single_process_group
+    from toolkit.launch.local import single_process_group
 
     config = ds_config_for(spec_with(parallel={"zero_stage": zero}))
     config.update(train_batch_size=2, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1)
@@ -158,8 +158,8 @@ def test_the_installed_deepspeed_runs_unmanaged_at_pp_above_1():
     which ignores the key, would not: see the test above)."""
     import deepspeed
 
-    from toolkit.launch import single_process_group
-    from toolkit.train.engine import engine_config
+    from toolkit.launch.local import single_process_group
+    from toolkit.train.engine.hybrid import engine_config
 
     config = ds_config_for(spec_with(training={"precision": "fp32"}))
     config.update(train_batch_size=2, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1)

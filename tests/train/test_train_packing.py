@@ -43,7 +43,7 @@ def megatron_loss_sum(*, chunks, examples, vocab_size: int, unmasked: bool = Fal
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from toolkit.train.tasks import CausalLM
+    from toolkit.train.engine.tasks import CausalLM
 
     task = CausalLM(vocab_size=vocab_size)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -88,9 +88,9 @@ def worker(plan_path: str) -> None:
 
     from toolkit import backend as backends
     from toolkit.data import build_examples
-    from toolkit.layout import Layout
-    from toolkit.models import load_model_chunks
-    from toolkit.parallel import init_process_groups
+    from toolkit.parallel.layout import Layout
+    from toolkit.models.chunks import load_model_chunks
+    from toolkit.parallel.groups import init_process_groups
     from toolkit.spec.schema import DataSpec
 
     plan = json.loads(Path(plan_path).read_text())
@@ -165,7 +165,7 @@ def packing_figures(tmp_path_factory):
     from ranks import run_on_ranks
     from train_helpers import PROMPTS
 
-    from toolkit.tiny import make_tiny_checkpoint
+    from toolkit.demo.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("packing")
     models = {"llama": str(make_tiny_checkpoint(root / "llama")),
@@ -236,7 +236,7 @@ def test_fused_attention_gets_thd_packed_seq_params(monkeypatch):
     from megatron.core import parallel_state
 
     from toolkit.adapters import packed
-    from toolkit.train.tasks import CausalLM
+    from toolkit.train.engine.tasks import CausalLM
 
     monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 1)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 1)
@@ -261,7 +261,7 @@ def test_packing_refuses_context_parallel_and_thd_rows_at_pp(monkeypatch):
 
     from toolkit.adapters import packed
     from toolkit.errors import DsmtError
-    from toolkit.train.tasks import CausalLM
+    from toolkit.train.engine.tasks import CausalLM
 
     batch = {"tokens": torch.zeros(2, 4, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 0, 1]] * 2)}
     monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)

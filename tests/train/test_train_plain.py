@@ -1,9 +1,9 @@
-"""Models without a megatron-core adapter train with DeepSpeed ZeRO data parallelism only (toolkit/train/plain.py).
+"""Models without a megatron-core adapter train with DeepSpeed ZeRO data parallelism only (toolkit/train/plain/engine.py).
 
 One 2-rank gloo launch runs every multi-process scenario (imports cost ~6 s per process):
   * synthetic inputs (PlainEngine + PlainBatches): a tiny ResNet at ZeRO-1 and ZeRO-3, a tiny DistilBERT masked LM
     at ZeRO-2;
-  * real data through `toolkit.train.run.train` (the job spec, `_plain_parts`, DeepSpeed's config as dsmt writes
+  * real data through `toolkit.train.job.run.train` (the job spec, `_plain_parts`, DeepSpeed's config as dsmt writes
     it): a tiny ResNet on a 3-class folder of 24 PNGs at ZeRO-1 and ZeRO-2, a DistilBERT masked LM and a
     DistilBERT regression head (num_labels=1, MSE) on 20 jsonl records, a GPT-NeoX causal LM on 30 stories;
   * `data.synthetic: true` through the job spec (a ResNet at ZeRO-1);
@@ -35,9 +35,9 @@ import pytest
 import torch
 
 from toolkit.errors import DsmtError
-from toolkit.train.plain import (PLAIN_NOTICE, SyncBatchNormOnCpuError, check_plain_layout, convert_sync_batchnorm,
-                                 is_plain_model, load_plain_model, plain_notice)
-from toolkit.train.plain_synthetic import PlainBatches
+from toolkit.train.plain.engine import (PLAIN_NOTICE, SyncBatchNormOnCpuError, check_plain_layout, convert_sync_batchnorm,
+                                        is_plain_model, load_plain_model, plain_notice)
+from toolkit.train.plain.synthetic import PlainBatches
 
 REPO = Path(__file__).resolve().parents[2]
 STORIES = REPO / "examples" / "data" / "tiny_stories.jsonl"
@@ -49,7 +49,7 @@ WORDS = "the a cat dog sat on mat ran fast slow big small red blue green house t
 
 # Synthetic scenarios (PlainEngine directly): model, ZeRO stage.
 SYNTHETIC = {"resnet-zero1": ("resnet", 1), "resnet-zero3": ("resnet", 3), "mlm-zero2": ("mlm", 2)}
-# Real-data scenarios (toolkit.train.run.train): model, ZeRO stage, data.
+# Real-data scenarios (toolkit.train.job.run.train): model, ZeRO stage, data.
 REAL = {"images-zero1": ("images", 1, "images"), "images-zero2": ("images", 2, "images"),
         "mlm-text": ("mlm", 1, "text"), "regression-text": ("regression", 2, "text"),
         "causal-text": ("causal", 1, "stories"), "resnet-synthetic": ("resnet", 1, "synthetic")}
@@ -60,9 +60,9 @@ WORKER = textwrap.dedent('''
     import torch, torch.distributed as dist
     from megatron.core import parallel_state
     from toolkit.spec.load import validate_spec
-    from toolkit.train.plain import PlainEngine, export_plain, load_plain_model, plain_notice
-    from toolkit.train.plain_synthetic import PlainBatches
-    from toolkit.train.run import train
+    from toolkit.train.plain.engine import PlainEngine, export_plain, load_plain_model, plain_notice
+    from toolkit.train.plain.synthetic import PlainBatches
+    from toolkit.train.job.run import train
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
@@ -151,10 +151,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def tiny_gpt_neox(root: Path) -> Path:
-    """A causal LM without an adapter (GPT-NeoX) with the tiny character tokenizer of toolkit/tiny.py."""
+    """A causal LM without an adapter (GPT-NeoX) with the tiny character tokenizer of toolkit/demo/tiny.py."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from toolkit.tiny import make_tiny_checkpoint
+    from toolkit.demo.tiny import make_tiny_checkpoint
 
     make_tiny_checkpoint(root)  # for its tokenizer files; the model is replaced below
     vocab_size = json.loads((root / "config.json").read_text())["vocab_size"]

@@ -11,7 +11,7 @@ They re-implement from the written rules what a dsmt run should do:
              to seq_length; masked LM masks drawn per row from `Generator().manual_seed(seed * 2**32 + g)`:
              bernoulli(0.15 on non-special non-pad tokens), bernoulli(0.8) -> [MASK], bernoulli(0.5) of the rest
              -> randint(len(tokenizer)).
-  loss       toolkit/train/plain.py docstring: masked LM per token over the global batch; classification and
+  loss       toolkit/train/plain/engine.py docstring: masked LM per token over the global batch; classification and
              regression the mean over the global batch.
   optimizer  torch.optim.AdamW on every parameter (DeepSpeed's torch AdamW gets one parameter group), the spec's
              lr (constant schedule), betas, eps, weight decay; no clipping.

@@ -75,10 +75,10 @@ def test_megatron_init_has_the_configured_std_and_exports_every_hf_tensor(tiny_l
 
     from toolkit import backend as backends
     from toolkit.adapters.load import canonical_tensors
-    from toolkit.launch import single_process_group
-    from toolkit.models import init_model_chunks
-    from toolkit.parallel import Layout
-    from toolkit.train.pretrain import hf_config, write_init_dir
+    from toolkit.launch.local import single_process_group
+    from toolkit.models.chunks import init_model_chunks
+    from toolkit.parallel.groups import Layout
+    from toolkit.train.job.pretrain import hf_config, write_init_dir
 
     spec = validate_spec(builtin_spec(tokenizer=tiny_llama, output_dir=tmp_path / "out"), source="test")
     init_dir = write_init_dir(tmp_path / "init-hf", spec=spec)
@@ -117,7 +117,7 @@ def test_builtin_text_data_without_tokenizer_is_refused_before_launch(tmp_path, 
 
 
 def test_tokenizer_larger_than_the_shape_is_refused_by_name(tmp_path, capsys):
-    from toolkit.tiny import make_tiny_checkpoint
+    from toolkit.demo.tiny import make_tiny_checkpoint
 
     big = make_tiny_checkpoint(tmp_path / "big", vocab_size=300)  # its tokenizer has 300 tokens, the shape 250
     err = refused_before_launch(builtin_spec(tokenizer=big, output_dir=tmp_path / "out"), tmp_path=tmp_path,
@@ -141,10 +141,10 @@ def test_zero3_pretraining_builds_partitioned_with_the_same_init(tiny_llama, tmp
 
     from toolkit import backend as backends
     from toolkit.adapters.load import canonical_parameters
-    from toolkit.launch import single_process_group
-    from toolkit.models import init_model_chunks
-    from toolkit.parallel import Layout
-    from toolkit.train.pretrain import write_init_dir
+    from toolkit.launch.local import single_process_group
+    from toolkit.models.chunks import init_model_chunks
+    from toolkit.parallel.groups import Layout
+    from toolkit.train.job.pretrain import write_init_dir
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     spec = validate_spec(builtin_spec(tokenizer=tiny_llama, output_dir=tmp_path / "out"), source="test")

@@ -1,4 +1,4 @@
-"""Resume at another layout (toolkit/train/reshard.py): a run checkpointed at one TP / PP / DP / ZeRO layout and
+"""Resume at another layout (toolkit/train/checkpoint/reshard.py): a run checkpointed at one TP / PP / DP / ZeRO layout and
 resumed at another continues the uninterrupted run's losses, with the model AND the optimizer state (fp32 master
 weights, Adam moments and step, LR schedule, data position) resharded. An optimizer reset would show: at lr 3e-3
 with warmup + cosine, fresh Adam moments change the next losses far beyond the bound.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.tiny import make_tiny_checkpoint
+from toolkit.demo.tiny import make_tiny_checkpoint
 from train_helpers import read_metrics, write_spec
 
 pytestmark = pytest.mark.multiproc
@@ -42,7 +42,7 @@ def _spec(root: Path, name: str, *, out: str, steps: int, model: str = "model", 
 
 def _cut_back(source: Path, target: Path, *, to_step: int) -> None:
     """A copy of a run as it was after `to_step` (later checkpoints, metrics and exports dropped)."""
-    from toolkit.train.checkpoints import LATEST, tag_for
+    from toolkit.train.checkpoint.checkpoints import LATEST, tag_for
 
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("final-*"))
     for tag in (target / "checkpoints").glob("step_*"):
@@ -144,7 +144,7 @@ def _run_action(action: str, args: list) -> None:
 
     from toolkit.errors import DsmtError
     from toolkit.spec.load import load_spec
-    from toolkit.train.run import train
+    from toolkit.train.job.run import train
 
     if action in ("cut", "hash"):
         if dist.get_rank() == 0 and action == "cut":

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from toolkit.train.checkpoints import COMPLETE_MARKER, complete_tags, latest_complete
+from toolkit.train.checkpoint.checkpoints import COMPLETE_MARKER, complete_tags, latest_complete
 from train_helpers import read_metrics, write_spec
 
 pytestmark = pytest.mark.multiproc

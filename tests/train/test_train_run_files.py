@@ -1,5 +1,5 @@
 """The run directory's files are what runs: ds_config.json / megatron.json against the spec
-(toolkit/train/run_files.py).
+(toolkit/train/job/run_files.py).
 
 Pure comparisons first; then the trainer's entry points (`python -m toolkit.train --run-dir`, `dsmt train --run-dir`,
 `--dry-run`) with the launch stubbed out; last one real 1-rank CPU run of the generated torchrun script.
@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from toolkit.cli import main as dsmt
-from toolkit.train import run_files
-from toolkit.train.run_files import ABSENT, RULE, RunFilesError, compare_run_files, flatten
+from toolkit.train.job import run_files
+from toolkit.train.job.run_files import ABSENT, RULE, RunFilesError, compare_run_files, flatten
 
 REPO = Path(__file__).parents[2]
 TINY = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
@@ -153,7 +153,7 @@ def test_flatten_and_json_equality():
 
 
 def test_trainer_main_passes_the_files_config_and_stops_on_a_contradiction(tmp_path, monkeypatch, capsys):
-    from toolkit.train import run as trainer
+    from toolkit.train.job import run as trainer
 
     run = generate(tmp_path)
     seen = []
@@ -170,11 +170,11 @@ def test_trainer_main_passes_the_files_config_and_stops_on_a_contradiction(tmp_p
 
 
 def test_dsmt_train_run_dir_checks_before_launching(tmp_path, monkeypatch, capsys):
-    import toolkit.launch
+    import toolkit.launch.local
 
     run = generate(tmp_path)
     launched = []
-    monkeypatch.setattr(toolkit.launch, "launch_local_workers", lambda **kw: launched.append(kw["args"]))
+    monkeypatch.setattr(toolkit.launch.local, "launch_local_workers", lambda **kw: launched.append(kw["args"]))
     edit(run / "megatron.json", lambda s: s["schedule"].update(micro_batch_size=1))
     assert dsmt(["train", "--run-dir", str(run)]) == 2
     assert f"[{RULE}]" in capsys.readouterr().err and launched == []

@@ -1,14 +1,14 @@
 """Sequence parallelism (megatron-core's `sequence_parallel` with TP) computes what TP without it computes.
 
 Under SP each TP rank holds a slice of the sequence around the norms, so a norm weight's gradient is partial per
-rank; the engine sums those gradients over TP before DeepSpeed reduces over DP (toolkit/train/engine.py).
+rank; the engine sums those gradients over TP before DeepSpeed reduces over DP (toolkit/train/engine/hybrid.py).
 
 One 4-rank gloo launch (imports cost ~6 s per process) runs everything; this file is also its per-rank worker
 (`torchrun ... test_train_sp.py PLAN.json`):
   1. gradient parity without DeepSpeed: the tiny Llama at TP2 (PP1 with megatron's no-pipelining schedule, PP2
      with its 1F1B schedule) with and without SP, each recompute mode, the same micro-batches; every parameter's
      gradient compared. A control with the TP sum switched off shows that the comparison sees a missing sum.
-  2. training parity through the real path, `toolkit.train.run.train(spec=...)` (spec -> layout -> build ->
+  2. training parity through the real path, `toolkit.train.job.run.train(spec=...)` (spec -> layout -> build ->
      engine -> export): fp32, 4 optimizer steps with a cosine LR, weight decay and clipping that acts; per-step
      loss and grad norm, and the exported final-hf weights, of each SP run against TP2 without SP. PP2 at ZeRO-1
      (megatron's schedule, one `engine.step()` after it), PP1 x DP2 at ZeRO-2 and ZeRO-3 (DeepSpeed's loop,
@@ -74,7 +74,7 @@ CONTROL_MINIMUM = 1e-4  # a missing TP sum moves the norm gradients / weights by
 def reset_parallel_state(layout) -> None:
     from megatron.core import parallel_state
 
-    from toolkit.parallel import init_process_groups
+    from toolkit.parallel.groups import init_process_groups
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -101,10 +101,10 @@ def backward_grads(*, model_dir: str, pp: int, sp: bool, recompute: str, summed:
 
     from toolkit import backend as backends
     from toolkit.adapters.load import canonical_parameters
-    from toolkit.models import load_model_chunks
-    from toolkit.parallel import Layout
-    from toolkit.train.engine import sum_sequence_parallel_grads
-    from toolkit.train.loss import masked_token_loss_sum
+    from toolkit.models.chunks import load_model_chunks
+    from toolkit.parallel.groups import Layout
+    from toolkit.train.engine.hybrid import sum_sequence_parallel_grads
+    from toolkit.train.engine.loss import masked_token_loss_sum
 
     layout = Layout(tp=2, pp=pp, dp=4 // (2 * pp), sp=sp)
     reset_parallel_state(layout)
@@ -158,13 +158,13 @@ def grad_parity(plan: dict) -> dict:
 
 
 def train_runs(plan: dict) -> None:
-    """Each run through `toolkit.train.run.train`, in this process one after the other (the world group stays,
+    """Each run through `toolkit.train.job.run.train`, in this process one after the other (the world group stays,
     megatron's groups are rebuilt for each layout); the control run without the engine's TP sum."""
     from megatron.core import parallel_state
 
     from toolkit.spec.load import load_spec
-    from toolkit.train import engine
-    from toolkit.train.run import train
+    from toolkit.train.engine import hybrid as engine
+    from toolkit.train.job.run import train
 
     for name, spec_path in plan["runs"].items():
         if parallel_state.model_parallel_is_initialized():
@@ -289,8 +289,8 @@ def backend_with(monkeypatch, *, transformer_engine: bool):
 def test_the_model_config_carries_sequence_parallel_on_both_layer_kinds(transformer_engine, sp, monkeypatch):
     from toolkit.adapters.build import transformer_config
     from toolkit.adapters.hf_config import model_settings
-    from toolkit.parallel import Layout
-    from toolkit.tiny import tiny_config
+    from toolkit.parallel.groups import Layout
+    from toolkit.demo.tiny import tiny_config
 
     backend_with(monkeypatch, transformer_engine=transformer_engine)
     config = transformer_config(settings=model_settings(tiny_config("llama")), layout=Layout(tp=2, dp=2, sp=sp),
@@ -330,8 +330,8 @@ def test_local_layers_and_final_norm_use_the_marked_torch_norm(monkeypatch):
     from toolkit.adapters.build import TorchNorm, decoder_spec, layer_spec, transformer_config
     from toolkit.adapters.family import AdapterError
     from toolkit.adapters.hf_config import model_settings
-    from toolkit.parallel import Layout
-    from toolkit.tiny import tiny_config
+    from toolkit.parallel.groups import Layout
+    from toolkit.demo.tiny import tiny_config
 
     backend_with(monkeypatch, transformer_engine=False)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, **k: 0)
@@ -372,7 +372,7 @@ class TransformerEngineLike(torch.nn.Module):
 
 
 def test_the_engine_sums_what_transformer_engine_marks():
-    from toolkit.train.engine import sequence_parallel_params
+    from toolkit.train.engine.hybrid import sequence_parallel_params
 
     chunk = TransformerEngineLike(sp=True)
     found = {id(p) for p in sequence_parallel_params([chunk])}
@@ -385,7 +385,7 @@ def test_a_sequence_not_divisible_by_tp_is_refused(monkeypatch):
     from megatron.core import parallel_state
 
     from toolkit.errors import DsmtError
-    from toolkit.train.engine import check_sequence_split
+    from toolkit.train.engine.hybrid import check_sequence_split
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     check_sequence_split(seq_length=31, chunks=[TransformerEngineLike(sp=False)])

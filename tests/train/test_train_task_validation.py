@@ -1,5 +1,5 @@
 """Validation loss of the encoder heads (BERT through the hybrid engine) and of the plain engine (HF models without
-an adapter), toolkit/train/evaluate.py `TaskValidation`:
+an adapter), toolkit/train/job/evaluate.py `TaskValidation`:
 
   * BERT masked LM at TP2 x DP2 and PP2 x DP2 on a validation file of 11 stories: the same step-0 val_loss, equal
     to a one-process HF computation written here (its own tokenisation and masking, following the rules of
@@ -54,7 +54,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     from test_train_plain import distilbert
-    from toolkit.tiny_encoder import make_tiny_bert
+    from toolkit.demo.tiny_encoder import make_tiny_bert
 
     root = tmp_path_factory.mktemp("validation-models")
     torch.manual_seed(0)

@@ -1,9 +1,9 @@
-"""The engine's tasks alone (toolkit/train/tasks.py): each loss sum over its count is HF's loss on the same outputs."""
+"""The engine's tasks alone (toolkit/train/engine/tasks.py): each loss sum over its count is HF's loss on the same outputs."""
 
 import pytest
 import torch
 
-from toolkit.train.tasks import CausalLM, MaskedLM, SequenceClassification, task_for_model
+from toolkit.train.engine.tasks import CausalLM, MaskedLM, SequenceClassification, task_for_model
 
 
 def test_regression_and_classification_equal_hf_losses():
@@ -24,7 +24,7 @@ def test_masked_lm_counts_masked_tokens_and_ignores_the_padded_vocabulary():
     """Logits over the padded vocabulary (250 -> 256): the 6 extra columns take no part, as HF has none."""
     from megatron.core import parallel_state
 
-    from toolkit.launch import single_process_group
+    from toolkit.launch.local import single_process_group
 
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 6, 256, generator=generator)
@@ -45,8 +45,8 @@ def test_task_follows_the_head():
     from transformers import BertConfig
 
     from toolkit.adapters.hf_config import model_settings
-    from toolkit.tiny import tiny_config
-    from toolkit.tiny_encoder import TINY_BERT
+    from toolkit.demo.tiny import tiny_config
+    from toolkit.demo.tiny_encoder import TINY_BERT
 
     assert task_for_model(settings=model_settings(tiny_config("llama"))) == CausalLM(vocab_size=250)
     mlm = model_settings(BertConfig(**TINY_BERT, architectures=["BertForMaskedLM"]))

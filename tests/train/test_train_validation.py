@@ -1,4 +1,4 @@
-"""Validation loss during `dsmt train` (toolkit/train/evaluate.py): the same at the start whatever the layout
+"""Validation loss during `dsmt train` (toolkit/train/job/evaluate.py): the same at the start whatever the layout
 (TP×PP, interleaved PP with DP, DP at ZeRO-3; micro-batches of 2 and 1) and the packing of the rows, equal to a
 one-process HF computation over the validation records, reported at step 0, every eval_interval and at the end,
 and drawn in loss_curve.png.
@@ -173,7 +173,7 @@ def test_a_trainer_without_evaluate_is_refused_by_name():
 
     from toolkit.errors import DsmtError
     from toolkit.spec.schema import DataSpec
-    from toolkit.train.evaluate import build_validation
+    from toolkit.train.job.evaluate import build_validation
 
     spec = SimpleNamespace(data=DataSpec(path="x.jsonl", validation_fraction=0.1))
     with pytest.raises(DsmtError, match="validation_unsupported: data.validation_fraction=0.1 .*SimpleNamespace"):

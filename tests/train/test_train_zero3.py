@@ -64,11 +64,11 @@ def probe(spec_path: str, out_dir: str) -> None:
     from toolkit import backend as backends
     from toolkit.adapters.load import canonical_parameters, canonical_tensors
     from toolkit.generate.deepspeed_config import build_deepspeed_config
-    from toolkit.models import load_model_chunks
-    from toolkit.parallel import Layout, init_process_groups
+    from toolkit.models.chunks import load_model_chunks
+    from toolkit.parallel.groups import Layout, init_process_groups
     from toolkit.spec.layout import derive_layout
     from toolkit.spec.load import load_spec
-    from toolkit.train.engine import HybridEngine
+    from toolkit.train.engine.hybrid import HybridEngine
 
     spec = load_spec(spec_path)
     layout = derive_layout(spec)

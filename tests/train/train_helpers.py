@@ -139,7 +139,7 @@ def parity_figures(*, name: str, spec_path: Path, output_dir: Path, model_dir: P
 # --- several `dsmt train` runs in one launch ---------------------------------------------------------------------
 
 def train_in_one_launch(*, runs: dict[str, Path], root: Path, nprocs: int, timeout: int = 1200) -> None:
-    """`toolkit.train.run.train(spec=...)` for each spec, one after the other, in ONE torchrun launch of `nprocs`
+    """`toolkit.train.job.run.train(spec=...)` for each spec, one after the other, in ONE torchrun launch of `nprocs`
     gloo ranks (imports cost ~6 s per process on 2 cores; the world group stays, megatron's groups are rebuilt per
     run). This file is the per-rank worker. Fails with the launch's output."""
     from ranks import run_on_ranks
@@ -163,7 +163,7 @@ def train_runs(plan: dict) -> None:
     from megatron.core import parallel_state
 
     from toolkit.spec.load import load_spec
-    from toolkit.train.run import train
+    from toolkit.train.job.run import train
 
     for spec_path in plan["runs"].values():
         if parallel_state.model_parallel_is_initialized():

@@ -9,7 +9,7 @@ from pathlib import Path
 from toolkit.adapters.family import AdapterError, HeadTable, ModelFamily, Multipliers, WeightMapping, get_family
 from toolkit.adapters.longrope import longrope_from_hf
 from toolkit.adapters.transforms import ShapeContext, padded_vocab_size
-from toolkit.shapes import VOCAB_PAD_MULTIPLE
+from toolkit.models.shapes import VOCAB_PAD_MULTIPLE
 
 # (HF config field, megatron TransformerConfig field), copied as they are.
 SHARED_CONFIG_TABLE = (
@@ -40,7 +40,7 @@ SHARED_CONFIG_CONSTANTS = dict(
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                   "gelu_new": "gelu_tanh"}
 
-DEFAULT_VOCAB_PAD_MULTIPLE = VOCAB_PAD_MULTIPLE  # see toolkit/shapes.py for why it is not multiplied by tp
+DEFAULT_VOCAB_PAD_MULTIPLE = VOCAB_PAD_MULTIPLE  # see toolkit/models/shapes.py for why it is not multiplied by tp
 
 # Llama-3 rope scaling constants megatron-core 0.16 hard-codes in RotaryEmbedding._apply_scaling.
 _MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -183,7 +183,7 @@ def load_hf_weights(*, chunks: list, settings: ModelSettings, source, tp_rank: i
     """Copy HF tensors into this rank's chunks, one at a time. Returns the number of bytes of HF tensors.
 
     `write(parameter, value)` stores one tensor, `value()` reading and transforming it on demand: the default
-    copies into the local tensor; ZeRO-3 passes `toolkit.train.zero3.load_partitioned`, which reads on one rank
+    copies into the local tensor; ZeRO-3 passes `toolkit.train.engine.zero3.load_partitioned`, which reads on one rank
     of the data-parallel group and broadcasts into the partitions."""
     targets = canonical_tensors(chunks) if write is None else canonical_parameters(chunks)
     write = write or _copy_into

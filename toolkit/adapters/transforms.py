@@ -31,7 +31,7 @@ import enum
 
 import torch
 
-from toolkit.shapes import padded_vocab_size  # noqa: F401  (one rule for adapters, spec and planner)
+from toolkit.models.shapes import padded_vocab_size  # noqa: F401  (one rule for adapters, spec and planner)
 
 
 class Kind(enum.Enum):

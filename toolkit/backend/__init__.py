@@ -6,7 +6,7 @@ torch.distributed backend, the megatron layer spec flavour and how to seed megat
 Per rank, in this order: `select(device=spec.cluster.device)` (the spec's device must be this machine's: never a
 silent CPU run on a GPU node), then `use_rank_device()` (cuda:<LOCAL_RANK> made current, before the process group
 exists, so NCCL, `Backend.device` and megatron's `torch.cuda.current_device()` buffers all name the rank's own GPU),
-then the process group (`toolkit.parallel.init_process_groups` does the last two).
+then the process group (`toolkit.parallel.groups.init_process_groups` does the last two).
 """
 
 from __future__ import annotations

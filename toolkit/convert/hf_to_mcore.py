@@ -27,8 +27,8 @@ from toolkit.convert.progress import ConversionSummary, byte_progress, peak_rss_
 from toolkit.convert.mcore_reader import STACKED_EXPERTS
 from toolkit.convert.raw_io import SafetensorsRows
 from toolkit.convert.rows import megatron_blocks, within
-from toolkit.launch import single_process_group
-from toolkit.parallel import Layout
+from toolkit.launch.local import single_process_group
+from toolkit.parallel.groups import Layout
 
 _STACK = re.compile(r"^(decoder|encoder)\.layers\.(.+)$")
 
@@ -125,7 +125,7 @@ def convert_hf_to_mcore(*, hf_dir: Path, out_dir: Path, overwrite: bool = False,
     """Convert, streamed; the output appears complete or not at all."""
     from megatron.core import parallel_state
 
-    from toolkit.models import inspect_checkpoint
+    from toolkit.models.chunks import inspect_checkpoint
 
     started = time.perf_counter()
     ckpt.refuse_existing(out_dir, overwrite=overwrite)  # before minutes of work

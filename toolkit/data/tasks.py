@@ -25,7 +25,7 @@ Validation (`data.validation_path` / `validation_fraction`, toolkit/data/validat
 reads the records of one side (`validation.part_records`: the held-out share is left out of training; images: the
 validation folder, or the same `split_records` share of the sorted images) by the same rules. Validation row `v`
 (its index in the validation records) is masked as above with g = v: `mlm_row_seed(seed, v)`, the same masks
-whatever the layout or micro-batch size (toolkit/train/evaluate.py).
+whatever the layout or micro-batch size (toolkit/train/job/evaluate.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Model-family details (normalization, activation, RoPE) are the adapters' busines
 
 from __future__ import annotations
 
-from toolkit.shapes import ModelShape
+from toolkit.models.shapes import ModelShape
 from toolkit.spec.layout import RunLayout, padded_vocab_size, spec_attention
 from toolkit.spec.schema import JobSpec
 

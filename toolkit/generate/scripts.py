@@ -5,7 +5,7 @@ module computes what they receive. Every value from the spec is validated by the
 `shlex.quote`; the scripts run under `set -euo pipefail` and are shellcheck-clean (tests run shellcheck on each).
 They launch `toolkit.train --config job.resolved.yaml --run-dir DIR` from the run directory, which must be on a
 filesystem all nodes see: the trainer reads DIR/ds_config.json (edited tuning keys win; layout, batch, precision
-and ZeRO keys must agree with the spec) and DIR/megatron.json (must agree), see toolkit/train/run_files.py.
+and ZeRO keys must agree with the spec) and DIR/megatron.json (must agree), see toolkit/train/job/run_files.py.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from toolkit.shapes import ModelShape
+from toolkit.models.shapes import ModelShape
 from toolkit.spec.layout import RunLayout, padded_vocab_size
 from toolkit.spec.schema import JobSpec
 
 
-# What the trainer does with edits to this directory's files (toolkit/train/run_files.py has the key tables).
+# What the trainer does with edits to this directory's files (toolkit/train/job/run_files.py has the key tables).
 EDIT_POLICY = (
     "edits      ds_config.json: tuning keys (bucket sizes, overlap_comm, optimizer, scheduler, monitors) may be edited",
     "           here; they win over the spec and are listed at start. Its batch, precision, ZeRO stage and offload",

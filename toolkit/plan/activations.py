@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.experts import router_activation_bytes, routed_activation_bytes
-from toolkit.shapes import ModelShape
+from toolkit.models.shapes import ModelShape
 
 DEFAULT_ASSUMPTIONS = Assumptions()
 LOSS_BYTES_PER_TOKEN = 9  # megatron's cross entropy keeps target_mask (bool) and masked_target (int64)
@@ -123,7 +123,7 @@ def output_layer_activation_bytes(*, shape: ModelShape, tp: int, sequence_parall
                                   assumptions: Assumptions = DEFAULT_ASSUMPTIONS, cp: int = 1) -> int:
     """Last stage, one micro-batch at the peak of its loss (its backward follows at once).
 
-    The final norm and the output layer keep their inputs. The loss (toolkit/train/loss.py) then holds, per token
+    The final norm and the output layer keep their inputs. The loss (toolkit/train/engine/loss.py) then holds, per token
     and vocabulary row of this rank: the 16-bit logits (kept by the caller through backward; the padded rows are
     masked in place) and megatron's fp32 upcast in vocab_parallel_cross_entropy, which it turns in place into the
     softmax it saves (tensor_parallel/cross_entropy.py); an fp32 run's upcast is the logits themselves. Backward

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.plan import report
     from toolkit.plan.layout import TrainingShape
     from toolkit.plan.search import plan
-    from toolkit.shapes import load_model_shape
+    from toolkit.models.shapes import load_model_shape
 
     shape = load_model_shape(args.model)
     cluster = _cluster(args)

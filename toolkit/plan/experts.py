@@ -1,6 +1,6 @@
 """Mixture-of-experts (Mixtral, Qwen3-MoE) in the planner: expert weights per rank, routed FLOPs, all-to-all traffic.
 
-megatron-core's expert grid is etp × ep × edp × pp with the expert TP size etp = tp (toolkit/layout.py): the
+megatron-core's expert grid is etp × ep × edp × pp with the expert TP size etp = tp (toolkit/parallel/layout.py): the
 num_experts experts of a layer are split over ep ranks (E / ep whole experts each), every expert's matrices over
 the tp ranks as a dense MLP's are, and each expert is replicated over expert_dp = dp × cp / ep ranks. With h the
 hidden size, f the expert width (moe_ffn_hidden_size), E experts, k of them per token (moe_topk), g = 3 for a
@@ -26,9 +26,9 @@ gated (SwiGLU) expert else 2, ab bytes per activation element, T a rank's tokens
 from __future__ import annotations
 
 from toolkit.errors import DsmtError
-from toolkit.layout import divisors
+from toolkit.parallel.layout import divisors
 from toolkit.plan.assumptions import Assumptions
-from toolkit.shapes import ModelShape
+from toolkit.models.shapes import ModelShape
 
 ROUTER_PROB_BYTES = 4  # megatron-core's router softmax runs in fp32 (topk_softmax_with_capacity)
 
@@ -39,7 +39,7 @@ def _matrices_per_expert(shape: ModelShape) -> int:
 
 def require_expert_layout(*, shape: ModelShape, layout) -> None:
     """The ep values the arithmetic needs (whole experts per rank, whole expert_dp); the layout rules
-    (toolkit/layout_rules.py) say the same with their fixes, this guards callers that skip them."""
+    (toolkit/parallel/rules.py) say the same with their fixes, this guards callers that skip them."""
     ep, replicas = layout.ep, layout.dp * layout.cp
     if ep == 1:
         return

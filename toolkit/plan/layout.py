@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from toolkit.layout import Layout
+from toolkit.parallel.layout import Layout
 from toolkit.plan.hardware import GpuSpec
 from toolkit.plan.lora import LoraShape  # noqa: F401  (TrainingShape.lora)
 

@@ -1,6 +1,6 @@
 """LoRA in the planner: the adapter parameters, and what of the model states they change.
 
-With `training.lora` (toolkit/train/lora.py) every base weight is frozen: DeepSpeed keeps it (whole, or its
+With `training.lora` (toolkit/train/lora/adapters.py) every base weight is frozen: DeepSpeed keeps it (whole, or its
 partition at ZeRO-3) but gives it no gradient, no fp32 master copy and no Adam moments; those exist for the adapter
 matrices only. Each targeted projection W [out, in] gets A [rank, in] and B [out, rank], held whole on every TP rank
 (dsmt's LoRA assembles each rank's slice in the forward), so a GPU of a pipeline stage holds rank * (in + out) per
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from toolkit.shapes import ModelShape
+from toolkit.models.shapes import ModelShape
 
 # One name per HF projection of a Llama-shaped layer (the planner's shapes have no family names).
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -64,7 +64,7 @@ _QKV, _GATE_UP = ("q", "k", "v"), ("gate", "up")
 
 
 def projections_of(*, linear: str, kind: str, slot: int) -> tuple[str, ...]:
-    """Which PROJECTIONS one HF module of a family's weight table stands for (toolkit/train/lora.py LoraModule):
+    """Which PROJECTIONS one HF module of a family's weight table stands for (toolkit/train/lora/adapters.py LoraModule):
     a packed q/k/v module (Phi-3's qkv_proj, GPT-2's c_attn) for all three, a packed gate/up for both."""
     if linear.endswith("linear_qkv"):
         return _QKV if kind == "qkv_packed" else (_QKV[slot],)

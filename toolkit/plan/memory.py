@@ -15,7 +15,7 @@ Sources
     (etp = tp) does; their states are partitioned over expert_dp = dp × cp / ep, the rest over dp × cp
     (toolkit/plan/experts.py).
   * ZeRO-3 build: zero.Init partitions each module as it is built and the checkpoint loads one parameter at a time
-    (toolkit/train/zero3.py): a rank holds its partition plus one module before any optimizer state exists.
+    (toolkit/train/engine/zero3.py): a rank holds its partition plus one module before any optimizer state exists.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from toolkit.plan.experts import (expert_params_per_layer_per_gpu, expert_tensor
 from toolkit.plan.hardware import GpuSpec
 from toolkit.plan.layout import RECOMPUTE_CHOICES, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.model_states import model_state_bytes  # noqa: F401  (re-exported for callers of this module)
-from toolkit import shapes
-from toolkit.shapes import ModelShape
+from toolkit.models import shapes
+from toolkit.models.shapes import ModelShape
 
 DEFAULT_ASSUMPTIONS = Assumptions()
 VOCAB_DIVISIBLE_BY = 128  # megatron's --make-vocab-size-divisible-by default; the padded vocab is split by tp
@@ -101,7 +101,7 @@ class MemoryBreakdown:
 
 
 def padded_vocab_size(*, shape: ModelShape, tp: int) -> int:
-    """The adapters' padded vocabulary (toolkit/shapes.py), rounded up to a multiple of tp so `// tp` is the
+    """The adapters' padded vocabulary (toolkit/models/shapes.py), rounded up to a multiple of tp so `// tp` is the
     rows one TP rank holds (a tp that does not divide it is refused by the layout checks anyway)."""
     padded = shapes.padded_vocab_size(shape.vocab_size, multiple=VOCAB_DIVISIBLE_BY)
     return -(-padded // tp) * tp
@@ -165,7 +165,7 @@ def persistent_params(*, shape: ModelShape, layout: PlanLayout, stage: int, thre
 
 def _optimizer_groups(*, shape: ModelShape, layout: PlanLayout, stage: int) -> tuple[list[int], list[int]]:
     """The stage's parameter sizes as DeepSpeed's two parameter groups hold them, in megatron-core's module order:
-    the matrices (weight decay) and the norms (none; toolkit/train/engine.py `weight_decay_groups`). MoE experts
+    the matrices (weight decay) and the norms (none; toolkit/train/engine/hybrid.py `weight_decay_groups`). MoE experts
     are a group of their own, partitioned over expert_dp: not listed here."""
     t = layer_tensors(shape=shape, tp=layout.tp)
     layers = shape.num_layers // layout.pp
@@ -329,7 +329,7 @@ def build_peak_bytes(*, shape: ModelShape, layout: PlanLayout, stage: int,
                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> int:
     """Device bytes while the chunks are built and loaded, before training allocates anything else.
 
-    ZeRO-3 (toolkit/train/zero3.py): zero.Init partitions each module's parameters as soon as that module (a
+    ZeRO-3 (toolkit/train/engine/zero3.py): zero.Init partitions each module's parameters as soon as that module (a
     linear, a norm, the embedding) is built, and the checkpoint is written one gathered parameter at a time, so a
     rank holds its partition and at most its largest parameter tensor whole (persistent parameters are gathered
     for good only once training fetches them). Other stages build the whole weights."""

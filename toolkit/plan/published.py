@@ -27,7 +27,7 @@ from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.hardware import get_gpu
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
 from toolkit.plan.timing import estimate_step_time
-from toolkit.shapes import BUILTIN_SHAPES, ModelShape
+from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape
 
 NARAYANAN = "Narayanan et al. 2021, Table 1"
 MT_NLG = "Smith et al. 2022 (MT-NLG 530B), section 2"
@@ -42,7 +42,7 @@ def _gpt(name: str, hidden: int, layers: int, heads: int, vocab: int = 51200) ->
     return ModelShape(name, hidden, layers, heads, heads, 4 * hidden, vocab, True, False, 2048)
 
 
-# Shapes published only in these sources (the named models are in toolkit/shapes.py).
+# Shapes published only in these sources (the named models are in toolkit/models/shapes.py).
 PAPER_SHAPES: dict[str, ModelShape] = {s.name: s for s in [
     _gpt("gpt-1.7b", 2304, 24, 24), _gpt("gpt-3.6b", 3072, 30, 32), _gpt("gpt-7.5b", 4096, 36, 32),
     _gpt("gpt-18.4b", 6144, 40, 48), _gpt("gpt-39.1b", 8192, 48, 64), _gpt("gpt-76.1b", 10240, 60, 80),

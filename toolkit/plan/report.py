@@ -10,7 +10,7 @@ from toolkit.errors import DsmtError
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import CATEGORIES
 from toolkit.plan.search import Candidate, Plan, evaluate, layout_violations, simplicity_reason
-from toolkit.shapes import BUILTIN_SHAPES, ModelShape
+from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape
 
 GB = 1e9
 SHORT = {"parameters": "par", "gradients": "grd", "optimizer": "opt", "activations": "act", "buffers": "buf",

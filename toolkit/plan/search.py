@@ -10,14 +10,14 @@ import dataclasses
 import itertools
 
 from toolkit.errors import DsmtError
-from toolkit.layout import Layout, divisors
-from toolkit.layout_rules import (ModelFacts, RunFacts, layout_errors, tp_spans_nodes, valid_ep_sizes,
-                                  valid_tp_sizes)
+from toolkit.parallel.layout import Layout, divisors
+from toolkit.parallel.rules import (ModelFacts, RunFacts, layout_errors, tp_spans_nodes, valid_ep_sizes,
+                                    valid_tp_sizes)
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.layout import RECOMPUTE_CHOICES, Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, VOCAB_DIVISIBLE_BY, MemoryBreakdown, estimate_memory
 from toolkit.plan.timing import StepTime, estimate_step_time
-from toolkit.shapes import ModelShape
+from toolkit.models.shapes import ModelShape
 
 MAX_MICRO_BATCH_SIZE = 16
 MAX_VPP = 8
@@ -110,7 +110,7 @@ def plan_run_facts(*, layout: PlanLayout, training: TrainingShape, cluster: Clus
 
 def layout_violations(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, cluster: Cluster,
                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> list[str]:
-    """Every rule `layout` breaks (the one rule set, toolkit/layout_rules.py), each with the values and a fix."""
+    """Every rule `layout` breaks (the one rule set, toolkit/parallel/rules.py), each with the values and a fix."""
     model = ModelFacts.from_shape(shape, vocab_multiple=VOCAB_DIVISIBLE_BY)
     run = plan_run_facts(layout=layout, training=training, cluster=cluster, assumptions=assumptions)
     problems = [f"[{p.rule}] {p.message}; fix: {p.fix}" for p in layout_errors(layout=layout, model=model, run=run)]
@@ -149,7 +149,7 @@ def _topologies(*, model: ModelFacts, training: TrainingShape, cluster: Cluster,
 def enumerate_layouts(*, shape: ModelShape, training: TrainingShape, cluster: Cluster,
                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS, allow_offload: bool = False,
                       max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE, max_vpp: int = MAX_VPP):
-    """Yield every layout the rules accept (toolkit/layout_rules.py: the same as `dsmt check` and `dsmt train`),
+    """Yield every layout the rules accept (toolkit/parallel/rules.py: the same as `dsmt check` and `dsmt train`),
     without TP groups across nodes. Sequence parallelism is on whenever tp > 1 (megatron-core's recommendation:
     the same communication volume as TP alone, less activation memory; megatron-core needs it for MoE with TP).
     An MoE model is also searched over every ep dividing its experts and dp × cp; a dense one has ep = 1."""

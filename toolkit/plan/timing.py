@@ -12,7 +12,7 @@ Sources
   * Context parallelism (megatron-core through Transformer Engine): each rank holds s/cp tokens; per layer the
     ring passes K and V chunks cp-1 times forward and about twice that backward (K, V again and dK, dV), beside
     the attention compute. Gradients reduce over the dp x cp ranks holding equal weights.
-  * Data parallel as dsmt's engine runs DeepSpeed (toolkit/train/engine.py, DeepSpeed 0.19 engine.py):
+  * Data parallel as dsmt's engine runs DeepSpeed (toolkit/train/engine/hybrid.py, DeepSpeed 0.19 engine.py):
     at pp > 1 the engine sets overlap_comm false and reduces after the pipeline schedule; at ZeRO-0 DeepSpeed's
     allreduce_gradients reduces after the last backward; bf16 ZeRO-1 with fp32 accumulation (dsmt's default) is
     DeepSpeed's BF16_Optimizer, which all-reduces at the accumulation boundary and all-gathers the updated bf16
@@ -36,7 +36,7 @@ from toolkit.plan.experts import (all_to_all_s, imbalance_extra_flops, routed_ex
                                   stage_expert_params_per_gpu)
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, padded_vocab_size, stage_params_per_gpu
-from toolkit.shapes import ModelShape
+from toolkit.models.shapes import ModelShape
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import Callable
 
 from toolkit.errors import DsmtError
 from toolkit.generate.deepspeed_config import grad_accum_dtype
-from toolkit.shapes import ModelShape, ModelShapeError
-from toolkit.layout_rules import ModelFacts, RunFacts, layout_problems, run_problems
+from toolkit.models.shapes import ModelShape, ModelShapeError
+from toolkit.parallel.rules import ModelFacts, RunFacts, layout_problems, run_problems
 from toolkit.spec.layout import (derive_layout, padded_vocab_size, parallel_layout, requested_global_batch,
                                  spec_attention, spec_model_type, world_size_of)
 from toolkit.spec.loopback import loopback_problems
@@ -34,7 +34,7 @@ def spec_run_facts(spec: JobSpec) -> RunFacts:
 
 
 def check_layout(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    """The one layout rule set (toolkit/layout_rules.py), as plan, train and verify apply it."""
+    """The one layout rule set (toolkit/parallel/rules.py), as plan, train and verify apply it."""
     model = ModelFacts.from_shape(shape, vocab_multiple=spec.model.make_vocab_size_divisible_by)
     return layout_problems(layout=parallel_layout(spec), model=model, run=spec_run_facts(spec))
 
@@ -267,9 +267,9 @@ def check_encoder_model(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
 
 
 def spec_lora_modules(spec: JobSpec):
-    """The HF modules `training.lora` adapts (toolkit/train/lora.py); raises LoraError / AdapterError."""
+    """The HF modules `training.lora` adapts (toolkit/train/lora/adapters.py); raises LoraError / AdapterError."""
     from toolkit.adapters.family import get_family
-    from toolkit.train.lora import resolve_targets
+    from toolkit.train.lora.adapters import resolve_targets
 
     model_type = spec_model_type(spec)
     if model_type is None:
@@ -307,7 +307,7 @@ def check_lora(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
 def check_packing(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     """data.packing (causal LM on real data): packed records are not cut for context parallelism, and Transformer
     Engine takes them as one THD row per micro-batch, which the pipeline's activation shapes do not allow at PP > 1
-    (toolkit/train/tasks.py, toolkit/adapters/packed.py)."""
+    (toolkit/train/engine/tasks.py, toolkit/adapters/packed.py)."""
     from toolkit.spec.layout import spec_is_encoder
 
     data, parallel, micro = spec.data, spec.parallel, spec.training.micro_batch_size

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import dataclasses
 
-from toolkit import shapes
+from toolkit.models import shapes
 from toolkit.errors import DsmtError
-from toolkit.layout import Layout, divisors  # noqa: F401  (divisors re-exported for the checks)
+from toolkit.parallel.layout import Layout, divisors  # noqa: F401  (divisors re-exported for the checks)
 from toolkit.spec.schema import JobSpec
 
 
@@ -44,7 +44,7 @@ def requested_global_batch(spec: JobSpec, *, dp: int) -> int:
 
 def parallel_layout(spec: JobSpec) -> Layout:
     """The spec's parallel topology, dp taken from the world (rounded down when tp × cp × pp does not divide it:
-    the world_size rule in toolkit/layout_rules.py reports that)."""
+    the world_size rule in toolkit/parallel/rules.py reports that)."""
     parallel = spec.parallel
     model_parallel = parallel.tp * parallel.cp * parallel.pp
     return Layout(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp or 1, cp=parallel.cp, ep=parallel.ep,
@@ -54,7 +54,7 @@ def parallel_layout(spec: JobSpec) -> Layout:
 def spec_attention(spec: JobSpec) -> str:
     """The attention kind the run's layers use: `training.attention`, auto resolved for the spec's device and
     model (an encoder is built from megatron's local post-LayerNorm layers on every device)."""
-    from toolkit.layout_rules import resolve_attention
+    from toolkit.parallel.rules import resolve_attention
 
     return resolve_attention(attention=spec.training.attention, device=spec.cluster.device,
                              encoder=spec_is_encoder(spec))
@@ -100,6 +100,6 @@ def derive_layout(spec: JobSpec) -> RunLayout:
 
 
 def padded_vocab_size(*, vocab_size: int, divisible_by: int) -> int:
-    """The adapters' padding (toolkit/shapes.py): a multiple of divisible_by, independent of tp."""
+    """The adapters' padding (toolkit/models/shapes.py): a multiple of divisible_by, independent of tp."""
     return shapes.padded_vocab_size(vocab_size, multiple=divisible_by)
 

@@ -14,7 +14,7 @@ import pydantic
 import yaml
 
 from toolkit.errors import DsmtError
-from toolkit.shapes import ModelShape, ModelShapeError, load_model_shape, shape_from_config
+from toolkit.models.shapes import ModelShape, ModelShapeError, load_model_shape, shape_from_config
 from toolkit.spec.report import Problem, Report, SpecError
 from toolkit.spec.schema import SCHEMA_RULES, JobSpec, ModelSpec
 

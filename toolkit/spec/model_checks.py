@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.errors import DsmtError
-from toolkit.shapes import ModelShape
+from toolkit.models.shapes import ModelShape
 from toolkit.spec.layout import spec_model_type
 from toolkit.spec.report import Problem
 from toolkit.spec.schema import JobSpec

@@ -1,4 +1,4 @@
-"""`dsmt check` for the data of a model without a megatron-core adapter (toolkit/train/plain.py): what can be
+"""`dsmt check` for the data of a model without a megatron-core adapter (toolkit/train/plain/engine.py): what can be
 told cheaply from config.json, a directory listing, small image folders and jsonl files read with `json`. The
 rest (tokenising, large folders' images, other formats) is checked by `toolkit.data.tasks` when training starts,
 before anything is written."""

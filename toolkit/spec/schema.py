@@ -50,9 +50,9 @@ def _safe_path(value: str | None, *, what: str) -> str | None:
 
 class ModelSpec(Section):
     path: str | None = None  # HF checkpoint directory or config.json
-    builtin: str | None = None  # a name in toolkit.shapes.BUILTIN_SHAPES
+    builtin: str | None = None  # a name in toolkit.models.shapes.BUILTIN_SHAPES
     config: dict[str, Any] | None = None  # inline HF config dict (a tiny Llama for CPU)
-    make_vocab_size_divisible_by: int = Field(128, ge=1)  # vocab padded to a multiple of this (not × tp: see toolkit/shapes.py)
+    make_vocab_size_divisible_by: int = Field(128, ge=1)  # vocab padded to a multiple of this (not × tp: see toolkit/models/shapes.py)
 
     @field_validator("path")
     @classmethod
@@ -233,7 +233,7 @@ class ParallelSpec(Section):
 
     @model_validator(mode="after")
     def _self_consistent(self):
-        # Rules between tp / pp / vpp / cp / sp belong to the layout: toolkit/layout_rules.py.
+        # Rules between tp / pp / vpp / cp / sp belong to the layout: toolkit/parallel/rules.py.
         if self.offload_params and self.zero_stage != 3:
             raise PydanticCustomError(
                 "offload_params_needs_zero3", "offload_params=true needs zero_stage=3 (zero_stage={stage})",
@@ -247,7 +247,7 @@ class ParallelSpec(Section):
 
 
 class LoraSpec(Section):
-    """LoRA adapters on the attention and MLP linears (toolkit/train/lora.py); the base weights stay frozen.
+    """LoRA adapters on the attention and MLP linears (toolkit/train/lora/adapters.py); the base weights stay frozen.
 
     `targets` are HF module names as PEFT matches them (the last name component, e.g. q_proj, v_proj, down_proj;
     GPT-2: c_attn, c_proj, c_fc); None: every linear of attention and MLP. `init_adapter`: a PEFT adapter

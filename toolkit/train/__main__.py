@@ -1,10 +1,10 @@
 """`python -m toolkit.train --config job.yaml [--run-dir DIR]`: what torchrun, the deepspeed launcher and SLURM start
-per rank (the generated scripts pass their run directory: toolkit/train/run_files.py)."""
+per rank (the generated scripts pass their run directory: toolkit/train/job/run_files.py)."""
 
 import sys
 
-from toolkit.rank_output import run_rank
-from toolkit.train.run import main
+from toolkit.launch.rank_output import run_rank
+from toolkit.train.job.run import main
 
 if __name__ == "__main__":
     sys.exit(run_rank(main, command="dsmt train"))

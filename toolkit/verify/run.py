@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from toolkit.launch import launch_local_workers
+from toolkit.launch.local import launch_local_workers
 
 DEFAULT_TOLERANCE_FP32 = 1e-4
 
@@ -22,7 +22,7 @@ def run_verify_many(*, checkpoints: list[Path], tp: int = 1, pp: int = 1, vpp: i
                     seq_len: int = 32, tolerance: float = DEFAULT_TOLERANCE_FP32, reference: Path | None = None,
                     save_as: Path | None = None, timeout_s: float = 900.0) -> list[dict]:
     """Several checkpoints in one launch (process start-up dominates on small machines)."""
-    from toolkit.models import check_layout, inspect_checkpoint
+    from toolkit.models.chunks import check_layout, inspect_checkpoint
     from toolkit.verify.worker import TF32_OFF_ENV, verify_layout
 
     layout = verify_layout(tp=tp, pp=pp, vpp=vpp, ep=ep)

@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def verify_layout(*, tp: int, pp: int, vpp: int, ep: int):
     """The layout verify runs: with ep > 1 the EP ranks are ep data-parallel replicas (world = tp × pp × ep), each
     fed the same tokens, exchanging them between their experts through megatron's all-to-all dispatcher."""
-    from toolkit.parallel import Layout
+    from toolkit.parallel.groups import Layout
 
     return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=ep)
 
@@ -71,7 +71,7 @@ def megatron_logits(*, chunks: list, micro_batches: list[dict], forward, seq_len
                     device: torch.device) -> torch.Tensor | None:
     """The model's outputs on the last pipeline stage, micro-batches concatenated (None elsewhere): logits
     [batch, seq, padded_vocab], or a classifier's [batch, num_labels]. `forward(model, micro_batch)` calls the
-    model (`toolkit.train.tasks`); it runs on `device` (the rank's own), the outputs come back on the CPU."""
+    model (`toolkit.train.engine.tasks`); it runs on `device` (the rank's own), the outputs come back on the CPU."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     micro_batches = [{key: value.to(device) for key, value in batch.items()} for batch in micro_batches]
@@ -106,7 +106,7 @@ def compare(*, reference: torch.Tensor, candidate: torch.Tensor) -> dict:
 @torch.no_grad()
 def main(argv=None) -> None:
     from toolkit import backend as backends
-    from toolkit.parallel import Layout, destroy_process_groups, init_process_groups
+    from toolkit.parallel.groups import Layout, destroy_process_groups, init_process_groups
 
     args = parse_args(argv)
     exact_fp32_math()
@@ -136,8 +136,8 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
     from megatron.core import parallel_state
 
     from toolkit import backend as backends
-    from toolkit.models import load_model_chunks, save_mcore_checkpoint
-    from toolkit.train.tasks import task_for_model
+    from toolkit.models.chunks import load_model_chunks, save_mcore_checkpoint
+    from toolkit.train.engine.tasks import task_for_model
 
     chunks, info = load_model_chunks(checkpoint=checkpoint, layout=layout, params_dtype=torch.float32,
                                      parallel_output=False)
@@ -216,6 +216,6 @@ def hf_outputs(model, inputs: list[dict]) -> torch.Tensor:
 if __name__ == "__main__":
     import sys
 
-    from toolkit.rank_output import run_rank
+    from toolkit.launch.rank_output import run_rank
 
     sys.exit(run_rank(main, command="dsmt verify"))

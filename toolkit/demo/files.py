@@ -1,0 +1,130 @@
+"""What `dsmt demo` leaves behind: its directory (replaced whole on a re-run), the planner's pictures of its layout,
+and the closing summary that names every file."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+
+MARKER = ".dsmt-demo"  # a directory holding it was written by `dsmt demo`, and a re-run may replace it
+PLAN_GPU = "h100-80gb"
+
+
+def replace_workdir(*, workdir: Path, build) -> bool:
+    """Run `build()` (True when the demo passed) into a fresh `workdir`; the previous demo there comes back if it
+    fails or is interrupted. The demo writes into `workdir` itself rather than a staging copy because its files
+    record their own paths (the job spec, the run directory's scripts, the megatron checkpoint's source); the old
+    directory is moved aside in one rename, deleted after a pass, and renamed back otherwise, so a re-run never
+    mixes the two runs' files. A failed run's files are kept in .NAME.failed for a look."""
+    _refuse_foreign(workdir)
+    previous, failed = workdir.with_name(f".{workdir.name}.previous"), workdir.with_name(f".{workdir.name}.failed")
+    shutil.rmtree(previous, ignore_errors=True)  # left by a demo that was killed
+    if workdir.exists():
+        workdir.rename(previous)
+    workdir.mkdir(parents=True)
+    (workdir / MARKER).write_text("written by `dsmt demo`; a re-run replaces this directory\n")
+    passed = False
+    try:
+        passed = build()
+    finally:
+        if passed:
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            shutil.rmtree(failed, ignore_errors=True)
+            workdir.rename(failed)
+            if previous.exists():
+                previous.rename(workdir)
+            print(f"dsmt demo: the failed run's files are in {failed}; {workdir} is as it was", flush=True)
+    return passed
+
+
+def _refuse_foreign(workdir: Path) -> None:
+    """Never replace a directory the demo did not write (`--workdir ~` must not empty a home directory)."""
+    if workdir.exists() and not workdir.is_dir():
+        raise DsmtError(f"--workdir {workdir} exists and is not a directory; choose another path")
+    if workdir.is_dir() and any(workdir.iterdir()) and not (workdir / MARKER).is_file():
+        raise DsmtError(f"--workdir {workdir} is not empty and was not written by `dsmt demo` (no {MARKER} file); "
+                        "choose a new or empty directory, e.g. --workdir dsmt-demo")
+
+
+@dataclasses.dataclass
+class DemoFiles:
+    """The demo's paths, and each file it wrote with one line saying what it is (for summary.txt)."""
+
+    workdir: Path
+    written: list[tuple[Path, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def hf(self) -> Path:
+        return self.workdir / "tiny-llama-hf"
+
+    @property
+    def mcore(self) -> Path:
+        return self.workdir / "tiny-llama-mcore"
+
+    @property
+    def export(self) -> Path:
+        return self.workdir / "tiny-llama-export"
+
+    @property
+    def spec(self) -> Path:
+        return self.workdir / "demo-job.yaml"
+
+    @property
+    def run(self) -> Path:
+        return self.workdir / "run"
+
+    @property
+    def train(self) -> Path:
+        return self.workdir / "train"
+
+    @property
+    def trained(self) -> Path:
+        return self.train / "final-hf"
+
+    def add(self, path: Path, what: str) -> None:
+        self.written.append((path, what))
+
+    def summary(self, *, passed: bool, seconds: float, sample: str, spec: dict, losses: tuple[float, float]) -> str:
+        names = [str(path.relative_to(self.workdir)) + ("/" if path.is_dir() else "") for path, _ in self.written]
+        width = max(map(len, names))
+        lines = [f"dsmt demo {'passed' if passed else 'FAILED'} in {seconds:.0f} s; its files, in {self.workdir}:"]
+        lines += [f"  {name:{width}s}  {what}" for name, (_, what) in zip(names, self.written)]
+        lines += ["", f"loss {losses[0]:.3f} -> {losses[1]:.3f} over {spec['training']['train_steps']} steps; "
+                      f"the fine-tuned model continues 'the cat' as {sample!r}",
+                  f"next: cd {self.workdir}; dsmt check demo-job.yaml; dsmt train demo-job.yaml --set parallel.pp=1 "
+                  "--set parallel.tp=2 --set training.output_dir=train-tp2  (the same fine-tune at TP2 x DP2); "
+                  "dsmt plan llama3-8b --nodes 2 --gpus-per-node 8 --seq-len 4096 --global-batch 256"]
+        return "\n".join(lines) + "\n"
+
+
+def plan_pictures(*, spec, model_dir: Path, out_dir: Path) -> list[tuple[Path, str]]:
+    """The planner's memory and pipeline pictures of the spec's own layout (not a searched one), and its
+    `--explain` text. The demo runs on CPU ranks, which the planner does not model, so the pictures put the
+    same layout, precision and attention on 4 x H100-80GB."""
+    from toolkit.plan.charts import draw_charts
+    from toolkit.plan.hardware import get_gpu
+    from toolkit.plan.layout import Cluster
+    from toolkit.plan.report import explain
+    from toolkit.plan.search import evaluate, plan
+    from toolkit.models.shapes import load_model_shape
+    from toolkit.spec.checks import planner_inputs
+
+    layout, training, _, assumptions = planner_inputs(spec)
+    cluster = Cluster(nodes=spec.cluster.nodes, gpus_per_node=spec.cluster.gpus_per_node, gpu=get_gpu(PLAN_GPU))
+    shape = load_model_shape(model_dir)
+    candidate = evaluate(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=assumptions)
+    # the whole search too, so that plan.txt can say where the demo's layout ranks among all valid ones
+    result = plan(shape=shape, training=training, cluster=cluster, assumptions=assumptions)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    charts = [p for p in draw_charts(result=result, candidate=candidate, out_dir=out_dir) if p.suffix == ".png"]
+    text = out_dir / "plan.txt"
+    text.write_text(explain(shape=shape, layout=layout, training=training, cluster=cluster, result=result) + "\n")
+    where = f"{layout.label()} on {cluster.nodes} node x {cluster.gpus_per_node} {cluster.gpu.name}"
+    described = {"memory": f"the planner's memory per GPU by stage and kind for {where}",
+                 "pipeline": "its pipeline schedule (1F1B) with the predicted step time"}
+    return [(p, described.get(p.stem, "a planner chart")) for p in charts] + [
+        (text, "`dsmt plan --explain` of that layout: memory, time, and why")]

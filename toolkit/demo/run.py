@@ -1,0 +1,179 @@
+"""`dsmt demo`: dsmt end to end on a tiny Llama it builds (no download; 2 CPU cores are enough), into ./dsmt-demo/.
+
+build an HF checkpoint -> convert to a layout-free megatron checkpoint -> verify logits at TP2 x PP2 from both
+the HF and the megatron checkpoint -> export back to HF and check the round trip is bit-exact -> the planner's
+memory and pipeline pictures of the training layout -> `dsmt generate` of the job -> fine-tune with `dsmt train` at
+PP2 x DP2 ZeRO-1 (4 processes) on examples/data/tiny_stories.jsonl -> generate a few tokens from the fine-tuned
+export with transformers -> summary.txt naming every file. A re-run replaces the directory (toolkit/demo/files.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from toolkit.demo.files import DemoFiles, plan_pictures, replace_workdir
+
+DEFAULT_WORKDIR = Path("dsmt-demo")
+STORIES = Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_stories.jsonl"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("demo", help="convert, verify, plan, fine-tune and export a tiny Llama on this "
+                                   "machine, into ./dsmt-demo/")
+    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
+                        help="where the demo's files go (default ./dsmt-demo; an earlier demo there is replaced)")
+    parser.add_argument("--tp", type=int, default=2, help="tensor parallel size of the logit check")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline parallel size of the logit check")
+    parser.add_argument("--train-steps", type=int, default=40)
+    parser.add_argument("--verbose", action="store_true", help="every rank's output and the libraries' warnings "
+                        "on the console (default: rank 0 speaks)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    # The demo is a CPU run (gloo, 4 ranks, tiny model). On a GPU machine its CPU spec would be refused
+    # (cluster.device=cpu with CUDA visible), so hide the GPUs from this process and its ranks; CUDA reads the
+    # variable when it is first used, which nothing has done yet.
+    if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+        print("dsmt demo runs on the CPU: CUDA_VISIBLE_DEVICES='' for this run", flush=True)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed is told, instead of warning that it found no GPU
+    workdir = args.workdir.expanduser().absolute()
+    passed = replace_workdir(workdir=workdir, build=lambda: run_demo(workdir=workdir, tp=args.tp, pp=args.pp,
+                                                                     train_steps=args.train_steps))
+    return 0 if passed else 1
+
+
+def _step(message: str) -> float:
+    print(f"\n== {message}", flush=True)
+    return time.perf_counter()
+
+
+def demo_spec(*, model_dir: Path, output_dir: Path, train_steps: int) -> dict:
+    """The demo's job spec: 4 CPU ranks, pipeline 2 x data-parallel 2, ZeRO-1, fp32."""
+    return {
+        "model": {"path": str(model_dir)},
+        "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu": "cpu", "device": "cpu", "interconnect": "tcp"},
+        "parallel": {"tp": 1, "pp": 2, "zero_stage": 1},
+        "training": {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 64, "precision": "fp32",
+                     "lr": 3e-3, "min_lr": 3e-4, "lr_schedule": "cosine", "warmup_steps": 2, "weight_decay": 0.0,
+                     "train_steps": train_steps, "checkpoint_interval": train_steps, "log_interval": 5,
+                     "output_dir": str(output_dir)},
+        "data": {"path": str(STORIES)},
+    }
+
+
+def run_demo(*, workdir: Path, tp: int, pp: int, train_steps: int = 40) -> bool:
+    """Every step into `workdir`; prints what each step found and, at the end, the files; True when all passed."""
+    files = DemoFiles(workdir=workdir)
+    start = _step(f"building a tiny random Llama (GQA 8/2 heads, vocab 250) in {files.hf}")
+    from toolkit.demo.tiny import make_tiny_checkpoint
+
+    make_tiny_checkpoint(files.hf)
+    files.add(files.hf, "the HF checkpoint it built (config.json, model.safetensors, tokenizer)")
+    verified = _convert_and_verify(files=files, tp=tp, pp=pp)
+    exact = _export(files=files)
+    spec = _write_spec(files=files, train_steps=train_steps)
+    _plan_and_generate(files=files, spec_path=files.spec)
+    history = _fine_tune(files=files, spec_path=files.spec, train_steps=train_steps)
+    sample = _sample(files.trained)
+    learned = history[-1]["loss"] < history[0]["loss"]
+    print(f"  loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} ({'down' if learned else 'NOT down'})")
+    passed = exact and learned and verified
+    files.add(files.workdir / "summary.txt", "this list")
+    summary = files.summary(passed=passed, seconds=time.perf_counter() - start, sample=sample,
+                            spec=spec, losses=(history[0]["loss"], history[-1]["loss"]))
+    (files.workdir / "summary.txt").write_text(summary)
+    print("\n" + summary, end="")
+    return passed
+
+
+def _convert_and_verify(*, files: DemoFiles, tp: int, pp: int) -> bool:
+    from toolkit.convert.hf_to_mcore import convert_hf_to_mcore
+    from toolkit.verify.run import run_verify_many
+
+    _step("dsmt convert hf-to-mcore")
+    print(convert_hf_to_mcore(hf_dir=files.hf, out_dir=files.mcore, overwrite=True, show_progress=False).line())
+    files.add(files.mcore, "`dsmt convert hf-to-mcore`: megatron-core dist_checkpointing, loads at any TP/PP")
+    _step(f"dsmt verify at tp={tp} pp={pp} ({tp * pp} processes), HF checkpoint and megatron checkpoint")
+    results = run_verify_many(checkpoints=[files.hf, files.mcore], tp=tp, pp=pp)
+    for result in results:
+        print(f"  {result['checkpoint_kind']:5s} max|Δlogits|={result['max_abs_diff']:.2e} "
+              f"KL={result['kl_divergence']:.2e} {'PASS' if result['passed'] else 'FAIL'}")
+    verify_file = files.workdir / "verify.json"
+    verify_file.write_text(json.dumps(results, indent=2) + "\n")
+    worst = max(r["max_abs_diff"] for r in results)
+    files.add(verify_file, f"`dsmt verify --tp {tp} --pp {pp}` of both: max|Δlogits| {worst:.1e} vs HF")
+    return all(r["passed"] for r in results)
+
+
+def _export(*, files: DemoFiles) -> bool:
+    from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
+
+    _step("dsmt convert mcore-to-hf")
+    print(convert_mcore_to_hf(mcore_dir=files.mcore, out_dir=files.export, overwrite=True).line())
+    exact = _round_trip_exact(files.hf, files.export)
+    print(f"  round trip bit-exact: {exact}")
+    files.add(files.export, f"`dsmt convert mcore-to-hf`: bit-exact with {files.hf.name}: {exact}")
+    return exact
+
+
+def _write_spec(*, files: DemoFiles, train_steps: int) -> dict:
+    import yaml
+
+    spec = demo_spec(model_dir=files.hf, output_dir=files.train, train_steps=train_steps)
+    files.spec.write_text(yaml.safe_dump(spec, sort_keys=False))
+    files.add(files.spec, "the job spec it trains (`dsmt check`, `dsmt generate`, `dsmt train` take it)")
+    return spec
+
+
+def _plan_and_generate(*, files: DemoFiles, spec_path: Path) -> None:
+    from toolkit.generate.writer import write_run_dir
+    from toolkit.spec.checks import check_file
+
+    spec, report = check_file(spec_path)
+    if spec is None or not report.ok:
+        raise RuntimeError(f"the demo's own spec does not pass `dsmt check`:\n{report.to_text()}")
+    _step("dsmt plan: memory and pipeline pictures of the training layout; dsmt generate: its run directory")
+    for path, what in plan_pictures(spec=spec, model_dir=files.hf, out_dir=files.workdir / "plan"):
+        files.add(path, what)
+    write_run_dir(spec=spec, out_dir=files.run, overwrite=True)
+    files.add(files.run, "`dsmt generate`: ds_config.json, megatron.json, launch_deepspeed.sh, launch_torchrun.sh, "
+                         "job.sbatch, summary.txt")
+    print(f"  {files.workdir / 'plan'}, {files.run}")
+
+
+def _fine_tune(*, files: DemoFiles, spec_path: Path, train_steps: int) -> list[dict]:
+    from toolkit.train.job.cli import launch_training
+
+    _step(f"dsmt train {spec_path.name}  (pp=2 dp=2 ZeRO-1, 4 processes, {train_steps} steps)")
+    launch_training(path=str(spec_path))
+    metrics = [json.loads(line) for line in (files.train / "metrics.jsonl").read_text().splitlines()]
+    files.add(files.trained, "the fine-tuned model, HF format: AutoModelForCausalLM.from_pretrained(this)")
+    files.add(files.train / "final-mcore", "the same weights as a megatron-core checkpoint")
+    files.add(files.train / "loss_curve.png", "training loss per step")
+    files.add(files.train / "metrics.jsonl", "one JSON line per step: loss, lr, grad norm, tokens/s, memory")
+    files.add(files.train / "logs", "ranks 1-3's output (rank 0 spoke above)")
+    return [m for m in metrics if "loss" in m]
+
+
+def _sample(trained_dir: Path) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _step(f"generating from the fine-tuned export {trained_dir} with transformers")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(trained_dir), AutoTokenizer.from_pretrained(trained_dir)
+    prompt = tokenizer("the cat", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    text = tokenizer.decode(generated[0])
+    print(f"  {text!r} (a 50k-parameter character model after a few steps)")
+    return text
+
+
+def _round_trip_exact(a: Path, b: Path) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    left, right = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return sorted(left) == sorted(right) and all(torch.equal(left[k], right[k]) for k in left)

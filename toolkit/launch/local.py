@@ -1,0 +1,94 @@
+"""Starting torch.distributed jobs from inside dsmt: N local workers (verify, tests) or a 1-process group
+(conversion, which needs a process group for megatron's dist_checkpointing)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+from toolkit.launch.rank_output import CONSOLE_ENV, LOG_DIR_ENV, clear_reports, launched_failure, verbose
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: Path, timeout_s: float | None = 900.0,
+                         env: dict[str, str] | None = None) -> None:
+    """Run `python -m module args` on `nprocs` local ranks through torchrun; raise if any rank fails.
+
+    Rank 0 speaks; the other ranks write log_dir/rankN.log, torchrun log_dir/launcher.log, and a failure comes
+    back as one RankFailure naming the first failing rank and its error (toolkit/launch/rank_output.py). With
+    DSMT_VERBOSE=1 every rank and torchrun keep the console."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nprocs}",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--monitor_interval=1",
+               "-m", module, *args]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    clear_reports(log_dir)
+    # One BLAS thread per rank: several ranks share few cores, and oversubscription slows gloo collectives.
+    child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}),
+                 LOG_DIR_ENV: str(log_dir)}
+    # megatron and torch print pages of deprecation / fallback warnings per rank; DSMT_SHOW_WARNINGS=1 keeps them.
+    if not (os.environ.get("DSMT_SHOW_WARNINGS") or verbose()):
+        child_env["PYTHONWARNINGS"] = "ignore"
+    quiet = not verbose()
+    if quiet:  # torchrun's stderr (its own traceback included) goes to the log; rank 0 takes back this one
+        child_env[CONSOLE_ENV] = f"/proc/{os.getpid()}/fd/2"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(log_dir / "launcher.log", "w") if quiet else contextlib.nullcontext() as launcher_log:
+        try:
+            returncode = run_ranks(command, target=["module", module], args=args, nprocs=nprocs, env=child_env,
+                                   stderr=launcher_log, timeout_s=timeout_s)
+        except subprocess.TimeoutExpired as err:
+            raise DsmtError(f"{module} on {nprocs} ranks did not finish within {err.timeout:.0f} s "
+                            f"(rank output: {log_dir})") from err
+    if returncode != 0:
+        raise launched_failure(log_dir=log_dir, nprocs=nprocs, returncode=returncode)
+
+
+def run_ranks(command: list[str], *, target: list[str], args: list[str], nprocs: int, env: dict[str, str],
+              stderr=None, stdout=None, timeout_s: float | None, cwd: str | None = None) -> int:
+    """Run torchrun's `command`, or, where warm rank servers serve this launch (DSMT_RANK_SERVERS, the test
+    suite's: toolkit/launch/warm_ranks.py), the same `target` and `args` on forks of them; the exit code."""
+    from toolkit.launch import warm_ranks
+
+    why_cold = warm_ranks.cold_reason(nprocs=nprocs, env=env)
+    if why_cold is None:
+        try:  # as subprocess would: the ranks inherit this process's fd 1 and 2 unless given files
+            returncode = warm_ranks.launch(target=target, args=args, nprocs=nprocs, env=env, cwd=cwd,
+                                           timeout_s=timeout_s, stdout_fd=1 if stdout is None else stdout.fileno(),
+                                           stderr_fd=2 if stderr is None else stderr.fileno())
+            warm_ranks.record(target=target, nprocs=nprocs, warm=True, why=None)
+            return returncode
+        except TimeoutError as err:
+            warm_ranks.record(target=target, nprocs=nprocs, warm=True, why=None)
+            raise subprocess.TimeoutExpired(command, timeout_s) from err
+        except warm_ranks.ServerGone as err:
+            why_cold = str(err)
+    warm_ranks.record(target=target, nprocs=nprocs, warm=False, why=why_cold)
+    return subprocess.run(command, env=env, timeout=timeout_s, stdout=stdout, stderr=stderr, cwd=cwd).returncode
+
+
+@contextlib.contextmanager
+def single_process_group(*, dist_backend: str):
+    """A world of one process on 127.0.0.1, for tools that need torch.distributed but not several ranks."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group(backend=dist_backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        from toolkit.parallel.groups import destroy_process_groups
+
+        destroy_process_groups()

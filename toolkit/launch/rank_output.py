@@ -1,0 +1,176 @@
+"""Who speaks in a run of several ranks: rank 0 on the console, every other rank into its own file, one error.
+
+Four ranks printing the same notices, progress bars and failure drown the one line that matters. So by default:
+- rank 0 keeps the console; rank N > 0 writes its stdout and stderr to LOG_DIR/rankN.log (`quiet_other_ranks`);
+- a rank that fails writes LOG_DIR/rankN.error.json (`run_rank`). Under dsmt's own launcher (`dsmt train`,
+  `dsmt verify`, `dsmt demo`: toolkit/launch/local.py) the launcher prints the first failure once, as a dsmt error, and
+  keeps torchrun's own traceback in LOG_DIR/launcher.log; under a cluster launcher each failing rank says it in one
+  line on its console;
+- `--verbose` (DSMT_VERBOSE=1) keeps every rank on the console, with the libraries' warnings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+
+VERBOSE_ENV = "DSMT_VERBOSE"  # "1": every rank keeps the console
+LOG_DIR_ENV = "DSMT_LOG_DIR"  # set by dsmt's local launcher: where ranks write their logs and error reports
+CONSOLE_ENV = "DSMT_CONSOLE_STDERR"  # set by dsmt's local launcher: its own stderr, for rank 0
+
+_log_dir: Path | None = None  # this rank's, once known
+_console_fd: int | None = None  # the console's stderr of a rank whose output went to its file
+_quieted = False
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def this_rank() -> int:
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+def rank_log(log_dir: Path, rank: int) -> Path:
+    return log_dir / f"rank{rank}.log"
+
+
+def error_report(log_dir: Path, rank: int) -> Path:
+    return log_dir / f"rank{rank}.error.json"
+
+
+def quiet_other_ranks(*, log_dir: Path) -> None:
+    """Send this rank's output to log_dir/rankN.log unless it is rank 0 or the run is verbose. Call it once, as
+    early as the log directory is known (the launcher's DSMT_LOG_DIR, else the run's output directory)."""
+    global _log_dir, _console_fd, _quieted
+    if _quieted:
+        return
+    _quieted = True
+    _log_dir = Path(os.environ.get(LOG_DIR_ENV) or log_dir)
+    if verbose():
+        return
+    rank = this_rank()
+    if rank == 0:
+        _reattach_console_stderr()
+        return
+    _log_dir.mkdir(parents=True, exist_ok=True)  # only a rank that writes there: a refused run leaves no output
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _console_fd = os.dup(2)
+    log_fd = os.open(rank_log(_log_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log_fd, 1)  # file descriptors, not sys.stdout: C++ and subprocess output follows too
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+
+
+def _reattach_console_stderr() -> None:
+    """dsmt's launcher keeps torchrun's stderr (and so every rank's) for its own report; rank 0 writes to the
+    launcher's stderr instead (a terminal, a pipe or a file, reopened through /proc), else to stdout."""
+    console = os.environ.get(CONSOLE_ENV)
+    if not console:
+        return
+    sys.stderr.flush()
+    try:
+        fd = os.open(console, os.O_WRONLY | os.O_APPEND)
+    except OSError:  # a socket cannot be reopened
+        fd = os.dup(1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def say_on_console(line: str) -> None:
+    """One line on this rank's console even when its output goes to its file (a node saying it joined)."""
+    if _console_fd is None:
+        print(line, flush=True)
+    else:
+        os.write(_console_fd, (line + "\n").encode())
+
+
+def run_rank(entry, *, command: str) -> int:
+    """Run a rank's `entry()` and return its exit code; a failure is reported where the launcher looks for it.
+    Under dsmt's launcher the rank is quieted before anything runs; elsewhere `entry` calls `quiet_other_ranks`
+    once it knows the run's directory."""
+    if os.environ.get(LOG_DIR_ENV):
+        quiet_other_ranks(log_dir=Path(os.environ[LOG_DIR_ENV]))
+    try:
+        return int(entry() or 0)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as err:  # noqa: BLE001 - every failure is reported, then the rank exits non-zero
+        return report_failure(err, command=command)
+
+
+def report_failure(err: BaseException, *, command: str) -> int:
+    rank, host = this_rank(), socket.gethostname()
+    message = str(err) if isinstance(err, DsmtError) else f"{type(err).__name__}: {err}"
+    trace = "" if isinstance(err, DsmtError) else traceback.format_exc()
+    exit_code = getattr(err, "exit_code", 1)
+    under_dsmt_launcher = bool(os.environ.get(LOG_DIR_ENV))
+    if under_dsmt_launcher and _log_dir is not None:  # the launcher reads it and says it once
+        _log_dir.mkdir(parents=True, exist_ok=True)
+        report = {"rank": rank, "host": host, "command": command, "message": message, "traceback": trace,
+                  "exit_code": exit_code, "time": time.time()}
+        error_report(_log_dir, rank).write_text(json.dumps(report, indent=1) + "\n")
+    if not under_dsmt_launcher or verbose() or _console_fd is not None:  # a quiet rank's file keeps the story
+        print(f"{trace}{command}: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    if _console_fd is not None and not under_dsmt_launcher:  # and the console gets one line
+        where = f" (its output: {rank_log(_log_dir, rank)})" if _log_dir is not None else ""
+        os.write(_console_fd, f"{command}: error: rank {rank} on {host}: {message}{where}\n".encode())
+    return exit_code
+
+
+class RankFailure(DsmtError):
+    """Ranks started by dsmt failed: the first failure, as the rank reported it."""
+
+    def __init__(self, message: str, *, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def launched_failure(*, log_dir: Path, nprocs: int, returncode: int) -> RankFailure:
+    """The error the launcher raises when its ranks failed: the earliest rank report in `log_dir`, else what
+    torchrun recorded (a rank killed by a signal writes no report)."""
+    reports = [json.loads(p.read_text()) for p in sorted(log_dir.glob("rank*.error.json"))]
+    launcher_log = log_dir / "launcher.log"
+    logs = (f"every rank's output: {log_dir}/rank*.log; torchrun's: {launcher_log}" if launcher_log.is_file()
+            else "every rank's output is above (--verbose)")
+    if not reports:
+        return RankFailure(f"{nprocs} ranks failed (torchrun exit {returncode}) before reporting an error: "
+                           f"{_torchrun_root_cause(log_dir / 'launcher.log')}\n({logs})", exit_code=1)
+    first = min(reports, key=lambda r: r["time"])
+    others = len(reports) - 1
+    also = f"; {others} other rank(s) failed too" if others else ""
+    trace = f"\n{first['traceback'].rstrip()}" if first["traceback"] else ""  # a bug, not a dsmt error: where
+    return RankFailure(f"rank {first['rank']} of {nprocs} on {first['host']}: {first['message']}{trace}"
+                       f"\n({logs}{also})", exit_code=int(first["exit_code"]) or 1)
+
+
+def _torchrun_root_cause(launcher_log: Path) -> str:
+    """The rank, exit code and signal of torchrun's 'Root Cause' block, in one line."""
+    if not launcher_log.is_file():
+        return "no launcher log"
+    lines = launcher_log.read_text(errors="replace").splitlines()
+    fields = {}
+    for line in lines[next((i for i, l in enumerate(lines) if "Root Cause" in l), len(lines)):]:
+        name, _, value = line.strip().partition(":")
+        if name.strip() in ("rank", "exitcode", "traceback") and name.strip() not in fields:
+            fields[name.strip()] = value.strip()
+    if not fields:
+        return " / ".join(lines[-3:]) or "torchrun printed nothing"
+    return ", ".join(f"{name} {value}" for name, value in fields.items())
+
+
+def clear_reports(log_dir: Path) -> None:
+    """A new launch into the same directory: the previous launch's logs and error reports are not this one's."""
+    for path in [*log_dir.glob("rank*.error.json"), *log_dir.glob("rank*.log"), log_dir / "launcher.log"]:
+        path.unlink(missing_ok=True)

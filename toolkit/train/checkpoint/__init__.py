@@ -1,0 +1,1 @@
+"""Training checkpoints (`checkpoints`) and the layout-free copy that resumes at another layout (`reshard`)."""

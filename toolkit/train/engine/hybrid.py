@@ -1,0 +1,415 @@
+"""DeepSpeed around megatron-core model chunks: who owns what.
+
+  megatron-core  the layers (TP collectives inside them), and with PP > 1 the pipeline schedule: 1F1B, or
+                 interleaved 1F1B over virtual stages, which runs forward and backward of every micro-batch.
+  DeepSpeed      everything after the gradients exist: data-parallel reduction, ZeRO partitioning of optimizer
+                 state (and gradients / parameters at stages 2 / 3), gradient clipping, the optimizer step, the LR
+                 schedule, bf16 master weights, monitors and checkpoints.
+
+Two drivers, chosen by the layout:
+  * PP > 1 (ZeRO 0/1): megatron's schedule calls `torch.autograd.backward` itself, so DeepSpeed runs with
+    `managed_gradient_accumulation: false`; one `engine.step()` after the schedule is the accumulation boundary
+    (reduce over DP, clip, step). Needs DeepSpeed >= 0.19.4; `check_driver` refuses an engine that still manages
+    accumulation.
+  * PP = 1 (ZeRO 0-3): DeepSpeed's own loop, `engine(batch)` / `engine.backward(loss)` / `engine.step()`, because
+    ZeRO-2/3 reduce and partition gradients in hooks that only `engine.backward` arms (a megatron schedule with
+    PP = 1 is the same loop over micro-batches, so nothing is lost).
+ZeRO-2/3 with PP > 1 is refused before launch (`dsmt check`): every micro-batch would add DP traffic.
+With sequence parallelism the norms' gradients are partial per TP rank; a hook per such parameter sums them over
+the TP group as each is computed, before DeepSpeed sees them (`sum_sequence_parallel_grads`), in both drivers.
+Mixture of experts (details: `toolkit/train/engine/moe.py`): megatron-core routes tokens, dispatches them over the EP
+group, runs the experts and injects the load-balancing gradient; DeepSpeed reduces expert gradients over the
+expert-data-parallel group and partitions their ZeRO states there (dense ones over the whole DP group), once dsmt
+has registered megatron's expert groups with it; dsmt scales the load-balancing gradient like the loss and adds
+its value to the logged loss.
+Both drivers backpropagate the same loss per unit (token, or sample for classification) over the global batch
+(`HybridEngine`), the model call and the loss coming from the task (`toolkit/train/engine/tasks.py`: causal LM, masked
+LM, sequence classification / regression); bf16 accumulates and reduces gradients in fp32
+(`toolkit/generate/deepspeed_config.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from contextlib import nullcontext
+
+import torch
+
+from toolkit import backend as backends
+from toolkit.adapters.load import full_shape
+from toolkit.errors import DsmtError
+from toolkit.train.engine import moe
+from toolkit.train.engine.mpu import MegatronMpu
+from toolkit.train.engine.tasks import CausalLM
+
+MIN_DEEPSPEED = "0.19.4"  # the first release with `managed_gradient_accumulation` (the PP > 1 driver needs it)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    loss: float
+    grad_norm: float | None
+    lr: float
+    step_time_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSums:
+    """A forward-only pass over every rank's micro-batches: loss summed over all of them, and the loss units
+    (counted tokens; samples for classification) that sum is over. The same on every rank."""
+
+    loss_sum: float
+    units: int
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.units, 1)
+
+
+def engine_config(ds_config: dict, *, pp_size: int) -> dict:
+    """The generated DeepSpeed config, adjusted for the driver the layout uses."""
+    config = {**ds_config, "zero_optimization": dict(ds_config.get("zero_optimization", {}))}
+    if pp_size > 1:
+        config["managed_gradient_accumulation"] = False
+        config["zero_optimization"]["overlap_comm"] = False  # DeepSpeed allows overlap here only at ZeRO-2
+    return config
+
+
+class HybridEngine:
+    """One rank's DeepSpeed engine around its megatron-core chunks, and the training step of both drivers.
+
+    The loss of a step is per token over the GLOBAL batch: the sum of the token losses of every micro-batch on
+    every data-parallel rank divided by the step's number of loss tokens (HF's `num_items_in_batch`). Each
+    micro-batch therefore backpropagates `sum(token losses) * dp / global_tokens`; DeepSpeed's data-parallel mean
+    divides by dp again, so the summed gradient is d(sum over the global batch)/global_tokens whatever the split
+    into TP / PP / DP ranks and micro-batches. `task` (toolkit/train/engine/tasks.py) says what a unit is (a counted
+    token; a sample for classification), how the model is called and the loss summed; default: causal LM."""
+
+    def __init__(self, *, chunks: list, ds_config: dict, vocab_size: int, tied_embeddings: bool, pp_size: int,
+                 task=None):
+        import deepspeed
+
+        module = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+        if tied_embeddings and pp_size > 1:
+            mark_tied_output_copies(chunks)
+        config = engine_config(ds_config, pp_size=pp_size)
+        groups = weight_decay_groups(module, weight_decay=config["optimizer"]["params"]["weight_decay"])
+        moe.refuse_fp16(chunks)
+        experts = moe.register_expert_groups(chunks)
+        scope = moe.deepspeed_sees_experts(num_experts=chunks[0].config.num_moe_experts) if experts else nullcontext()
+        with scope:
+            self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=config,
+                                                        mpu=MegatronMpu())
+        self.is_moe = moe.is_moe(chunks)
+        check_driver(self.engine, pp_size=pp_size)
+        self._sequence_parallel_hooks = sum_sequence_parallel_grads(self.chunks)
+        self.task = task if task is not None else CausalLM(vocab_size=vocab_size)
+        self.pp_size = pp_size
+        self.tied_embeddings = tied_embeddings
+
+    @property
+    def chunks(self) -> list:
+        module = self.engine.module
+        return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
+
+    def train_step(self, micro_batches: list[dict]) -> StepStats:
+        start = time.perf_counter()
+        lr = self.engine.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler steps after the update)
+        device = backends.current().device
+        micro_batches = [{key: value.to(device) for key, value in batch.items()} for batch in micro_batches]
+        micro_batches = context_parallel_slices(micro_batches)
+        check_sequence_split(seq_length=self.task.sequence(micro_batches[0]).shape[1], chunks=self.chunks)
+        global_tokens = global_loss_tokens(micro_batches, device=device, count=self.task.count)
+        # dp / global_tokens: see the class docstring (clamped: a step whose tokens are all masked learns nothing)
+        scale = MegatronMpu().get_data_parallel_world_size() / max(global_tokens, 1)  # dp (× cp: MegatronMpu)
+        step = self._pipeline_step if self.pp_size > 1 else self._deepspeed_step
+        if self.is_moe and self.pp_size == 1:
+            moe.set_aux_loss_scale(len(micro_batches), device=device)  # megatron's pipeline schedule sets its own
+        local_sum = step(micro_batches, scale=scale)
+        norm = self.engine.get_global_grad_norm()
+        aux = moe.aux_loss_value(self.chunks, num_microbatches=len(micro_batches), device=device) if self.is_moe else 0.0
+        return StepStats(loss=self._global_loss(local_sum, global_tokens=global_tokens) + aux,
+                         grad_norm=None if norm is None else float(norm), lr=float(lr),
+                         step_time_s=time.perf_counter() - start)
+
+    def evaluate(self, micro_batches: list[dict]) -> EvalSums:
+        """Forward only, no gradient, dropout off (eval mode, restored after): the task's loss summed over this
+        rank's micro-batches and every data-parallel rank's. Collective over the model- and data-parallel groups:
+        every rank passes the same number of micro-batches (zero-loss rows pad the short ones,
+        toolkit/train/job/evaluate.py). Micro-batches move to the device one at a time."""
+        if not micro_batches:
+            raise DsmtError("evaluate() got no micro-batches: every rank needs at least one (pad with loss 0 rows)")
+        sums = torch.zeros(2, dtype=torch.float64)  # loss sum, units; on the CPU until the reduction
+        training = self.engine.training
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                forward = self._pipeline_forward if self.pp_size > 1 else self._module_forward
+                forward(micro_batches, sums=sums)
+        finally:
+            self.engine.train(training)
+        loss_sum, units = self._reduce_last_stage(sums).tolist()
+        return EvalSums(loss_sum=loss_sum, units=int(round(units)))
+
+    def _eval_inputs(self, micro_batches: list[dict]):
+        device = backends.current().device
+        for index, batch in enumerate(micro_batches):
+            (batch,) = context_parallel_slices([{key: value.to(device) for key, value in batch.items()}])
+            if index == 0:
+                check_sequence_split(seq_length=self.task.sequence(batch).shape[1], chunks=self.chunks)
+            yield batch
+
+    def _add_sums(self, output, batch: dict, *, sums: torch.Tensor) -> torch.Tensor:
+        loss_sum = self.task.loss_sum(output, batch).detach()
+        sums[0] += float(loss_sum)
+        sums[1] += self.task.count(batch)
+        return loss_sum
+
+    def _module_forward(self, micro_batches: list[dict], *, sums: torch.Tensor) -> None:
+        for batch in self._eval_inputs(micro_batches):
+            self._add_sums(self.task.forward(self.engine, batch), batch, sums=sums)
+
+    def _pipeline_forward(self, micro_batches: list[dict], *, sums: torch.Tensor) -> None:
+        """megatron's schedule with forward_only=True; the loss function runs on the last stage only."""
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = self.task.forward(model, batch)
+            # a new tensor: megatron divides the returned loss in place by the number of micro-batches
+            return output, lambda out: (self._add_sums(out, batch, sums=sums).clone(), {})
+
+        first = self.task.sequence(micro_batches[0])
+        # the full length (these are the micro-batches before the CP cut): megatron divides it for the p2p tensors
+        self._run_schedule(forward_step, iterators=lambda: self._eval_inputs(micro_batches),
+                           num_microbatches=len(micro_batches), seq_length=first.shape[1],
+                           micro_batch_size=first.shape[0], forward_only=True)
+
+    def _run_schedule(self, forward_step, *, iterators, num_microbatches: int, seq_length: int,
+                      micro_batch_size: int, forward_only: bool) -> None:
+        """megatron's pipeline schedule over this rank's chunks (one data iterator per virtual stage, made by
+        `iterators()`); the interleaved schedule takes lists, the plain 1F1B one a single model and iterator."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        chunks = self.chunks
+        data = [iterators() for _ in chunks]
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
+            seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
+        )
+
+    def _deepspeed_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
+        local_sum = torch.zeros((), dtype=torch.float32, device=self.task.sequence(micro_batches[0]).device)
+        for batch in micro_batches:
+            token_sum = self.task.loss_sum(self.task.forward(self.engine, batch), batch)
+            # The scale already accounts for accumulation: DeepSpeed must not divide by its GAS again.
+            self.engine.backward(token_sum * scale, scale_wrt_gas=False)
+            self.engine.step()  # steps at the accumulation boundary only
+            local_sum += token_sum.detach()
+        return local_sum
+
+    def _pipeline_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
+        from megatron.core import parallel_state
+
+        sums: list[torch.Tensor] = []
+        num_microbatches = len(micro_batches)
+        cp_size = parallel_state.get_context_parallel_world_size()
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            logits = self.task.forward(model, batch)
+
+            def loss_func(output):
+                token_sum = self.task.loss_sum(output, batch)
+                sums.append(token_sum.detach().clone())
+                # megatron's schedule divides a (loss, {}) return by num_microbatches and multiplies it by the CP
+                # size: undo both so that the backpropagated value is token_sum * scale, as in the DeepSpeed driver.
+                return token_sum * (scale * num_microbatches / cp_size), {}
+
+            return logits, loss_func
+
+        first = self.task.sequence(micro_batches[0])
+        self.engine.zero_grad()
+        # the full length: megatron divides it by cp (and by tp under SP) for the p2p tensors
+        self._run_schedule(forward_step, iterators=lambda: iter(micro_batches), num_microbatches=num_microbatches,
+                           seq_length=first.shape[1] * cp_size, micro_batch_size=first.shape[0], forward_only=False)
+        self._allreduce_tied_embedding_grads()
+        # DeepSpeed counts samples by its backward calls, which megatron's schedule bypasses; without this its
+        # CSV / TensorBoard monitors plot every PP > 1 step at x = 0 samples.
+        self.engine._unmanaged_backward_count = num_microbatches
+        self.engine.step()  # unmanaged accumulation: this call reduces over DP, clips and steps
+        return torch.stack(sums).sum() if sums else torch.zeros((), device=first.device)
+
+    def _allreduce_tied_embedding_grads(self) -> None:
+        """With tied embeddings and PP > 1 the first and last stages each hold a copy of the embedding; summing
+        their gradients over megatron's embedding group keeps the copies identical after every step. A frozen
+        embedding (LoRA) has no gradient and nothing to keep equal; every rank of the group agrees on that."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if not self.tied_embeddings or self.pp_size == 1 or not parallel_state.is_rank_in_embedding_group():
+            return
+        for chunk in self.chunks:
+            if chunk.pre_process or chunk.post_process:
+                weight = chunk.shared_embedding_or_output_weight()
+                if weight is not None and weight.requires_grad:
+                    dist.all_reduce(accumulated_grad(weight), group=parallel_state.get_embedding_group())
+
+    def _global_loss(self, local_sum: torch.Tensor, *, global_tokens: int) -> float:
+        """The step's per-token loss on every rank: token-loss sums of the last pipeline stage, summed over
+        data-parallel ranks, divided by the global number of loss tokens."""
+        return self._reduce_last_stage(local_sum.detach().float().reshape(1))[0].item() / max(global_tokens, 1)
+
+    @staticmethod
+    def _reduce_last_stage(local: torch.Tensor) -> torch.Tensor:
+        """`local` (1-D) of the last pipeline stage summed over the data-parallel ranks (and the CP ranks'
+        slices), on every rank."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        value = local.to(backends.current().device, copy=True)
+        if not parallel_state.is_pipeline_last_stage():
+            value.zero_()
+        dist.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
+        dist.all_reduce(value, group=MegatronMpu().get_data_parallel_group())  # the CP ranks' slices too
+        return value.cpu()
+
+
+def sequence_parallel_params(chunks: list) -> list[torch.nn.Parameter]:
+    """Parameters whose gradient is partial on each TP rank, so it must be summed over the TP group (megatron's rule
+    in `finalize_model_grads`):
+      * under sequence parallelism, those marked `sequence_parallel=True`: each TP rank computes their gradient
+        from its own slice of the sequence (the marks come from dsmt's `TorchNorm`, Transformer Engine's norms and
+        fused layer-norm linears, apex's norms, megatron's row-parallel biases);
+      * with qk_layernorm (Qwen3), the q / k head norms: one weight shared by all heads, and each TP rank holds
+        only its own heads, so each computes the gradient from those heads alone (SP or not); not OLMo-2's
+        whole-projection q / k norms, whose weight is itself split over TP (`tensor_model_parallel`);
+      * parameters marked `tensor_parallel_partial_grad=True` (LoRA matrices replicated over TP whose gradient
+        each rank computes from its own shard of the base layer: toolkit/train/lora/adapters.py).
+    Empty for chunks built with none of these."""
+    found: dict[int, torch.nn.Parameter] = {}
+    for chunk in chunks:
+        config = getattr(chunk, "config", None)
+        sequence_parallel = getattr(config, "sequence_parallel", False)
+        qk_layernorm = getattr(config, "qk_layernorm", False)
+        for name, param in chunk.named_parameters():
+            partial = ((sequence_parallel and getattr(param, "sequence_parallel", False))
+                       or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+                           # a TP-sharded q / k norm (OLMo-2's, over the whole projection) holds its own heads' slice
+                           and not getattr(param, "tensor_model_parallel", False))
+                       or getattr(param, "tensor_parallel_partial_grad", False))
+            if param.requires_grad and partial:
+                found[id(param)] = param
+    return list(found.values())
+
+
+def sum_sequence_parallel_grads(chunks: list, *, tp_group=None) -> list:
+    """Sum the gradients of `sequence_parallel_params` over the TP group; returns the hook handles.
+
+    megatron sums them in `finalize_model_grads` for its own DDP, after backward. Here DeepSpeed owns the
+    gradients, and at ZeRO-2/3 it reduces (and at bf16 moves) each one over DP in a post-accumulate-grad hook
+    during backward, so nothing after backward could come first. A tensor hook on the parameter runs when its
+    gradient is computed, before accumulation, so every DeepSpeed stage and both drivers see the TP sum; it also
+    fires inside activation recompute's backward. One small all-reduce per norm and micro-batch (norms are
+    hidden_size long); sum over micro-batches of TP sums = TP sum of the accumulated gradient."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group=group) == 1:
+        return []
+    hook = functools.partial(_sum_over_group, group=group)
+    return [param.register_hook(hook) for param in sequence_parallel_params(chunks)]
+
+
+def check_sequence_split(*, seq_length: int, chunks: list) -> None:
+    """Sequence parallelism splits every sequence into tp equal slices (megatron asserts it deep in a forward)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if seq_length % tp and any(getattr(getattr(c, "config", None), "sequence_parallel", False) for c in chunks):
+        raise DsmtError(f"sequence_parallel_vs_seq_length: seq_length={seq_length} is not divisible by tp={tp}, "
+                        "and sequence parallelism splits each sequence into tp equal slices; set "
+                        f"training.seq_length to a multiple of {tp} or parallel.sequence_parallel: false")
+
+
+def _sum_over_group(grad: torch.Tensor, *, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    total = grad.to(torch.float32, copy=True)  # a new tensor (hooks must not modify theirs); fp32: one rounding
+    dist.all_reduce(total, group=group)
+    return total.to(grad.dtype)
+
+
+def global_loss_tokens(micro_batches: list[dict], *, device: torch.device, count) -> int:
+    """Loss units of this step summed over this rank's micro-batches and every data-parallel rank (and, with
+    context parallelism, every CP rank's slice of the sequences: the group DeepSpeed reduces over). `count(batch)`:
+    a micro-batch's loss units (the task's: `toolkit/train/engine/tasks.py`)."""
+    import torch.distributed as dist
+
+    total = torch.tensor([sum(count(batch) for batch in micro_batches)], dtype=torch.int64, device=device)
+    dist.all_reduce(total, group=MegatronMpu().get_data_parallel_group())
+    return int(total.item())
+
+
+def context_parallel_slices(micro_batches: list[dict]) -> list[dict]:
+    """This CP rank's part of every sequence, as megatron-core's `get_batch_on_this_cp_rank` cuts it: 2·cp chunks,
+    chunk r and chunk 2·cp-1-r on rank r (balancing causal attention's work). Tokens, labels, loss mask and
+    positions are cut alike; RoPE is computed for the full length inside GPTModel and cut the same way. The CP
+    ranks of one replica read the same micro-batches (they share megatron's data-parallel rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return micro_batches
+    return [get_batch_on_this_cp_rank(dict(batch)) for batch in micro_batches]
+
+
+def accumulated_grad(param: torch.Tensor) -> torch.Tensor:
+    """The tensor holding `param`'s accumulated gradient: `param.grad`, or under bf16 with fp32 accumulation the
+    fp32 buffer DeepSpeed's BF16_Optimizer moved it into (`immediate_grad_update` frees the bf16 gradient)."""
+    if param.grad is not None:
+        return param.grad
+    hp_grad = getattr(param, "_hp_grad", None)
+    if hp_grad is None:
+        raise DsmtError("a tied embedding copy has no gradient after the pipeline schedule (neither param.grad nor "
+                        "DeepSpeed's fp32 accumulation buffer): the two copies would drift apart; this DeepSpeed "
+                        "release keeps gradients elsewhere, please report it with `pip show deepspeed`")
+    return hp_grad
+
+
+def mark_tied_output_copies(chunks: list) -> None:
+    """The last stage's copy of a tied embedding gets the gradient of the same parameter as the first stage's;
+    DeepSpeed skips parameters marked `ds_pipe_replicated` in the gradient norm, so the tied weight counts once."""
+    for chunk in chunks:
+        if chunk.post_process and not chunk.pre_process:
+            chunk.output_layer.weight.ds_pipe_replicated = True
+
+
+def weight_decay_groups(module: torch.nn.Module, *, weight_decay: float) -> list[dict]:
+    """megatron's convention: no weight decay on biases and norm weights (every 1-D parameter). Under ZeRO-3 a
+    partitioned parameter is a flat 1-D shard; its full shape is `ds_shape`."""
+    decay, no_decay = [], []
+    for param in module.parameters():
+        if param.requires_grad:
+            (no_decay if len(full_shape(param)) == 1 else decay).append(param)
+    # Named: with expert parallelism DeepSpeed splits each group per expert group and names the parts after it.
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [group for group in groups if group["params"]]
+
+
+def check_driver(engine, *, pp_size: int) -> None:
+    """At PP > 1 megatron's schedule runs backward itself and one `engine.step()` must be the accumulation
+    boundary; a DeepSpeed without `managed_gradient_accumulation` ignores the key, steps every GAS calls and never
+    reduces over DP, and the replicas drift apart silently."""
+    if pp_size == 1:
+        return
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if managed is None or managed() or not hasattr(engine, "_unmanaged_backward_count"):
+        import deepspeed
+
+        raise DsmtError(f"pipeline parallelism (pp={pp_size}) needs DeepSpeed >= {MIN_DEEPSPEED} "
+                        f"(managed_gradient_accumulation: false); this is DeepSpeed {deepspeed.__version__}: "
+                        f"pip install 'deepspeed>={MIN_DEEPSPEED},<0.20'")

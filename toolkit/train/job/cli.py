@@ -1,0 +1,87 @@
+"""`dsmt train SPEC` (or `--config SPEC`): checks the spec, then starts the spec's ranks on this machine (torchrun).
+`dsmt train --run-dir DIR` trains a `dsmt generate` directory as its scripts do: DIR/job.resolved.yaml is the spec
+and DIR/ds_config.json what DeepSpeed receives (edited tuning keys win, layout keys must agree with the spec:
+`toolkit/train/job/run_files.py`).
+`--dry-run` does every check `dsmt train` would do before launching (`toolkit/train/job/dryrun.py`) and writes nothing.
+On a cluster use the generated scripts (`dsmt generate`), which start `python -m toolkit.train` per rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("train", help="train a job spec (ranks on this machine); --dry-run checks only")
+    parser.add_argument("spec", nargs="?", metavar="JOB", help="job spec (YAML/JSON), as for `dsmt check JOB`")
+    parser.add_argument("--config", help="job spec (YAML/JSON); the same as the positional JOB")
+    parser.add_argument("--run-dir", type=Path, metavar="DIR",
+                        help="a `dsmt generate` directory: its ds_config.json (edited tuning keys win) and "
+                             "megatron.json are checked against the spec and used; JOB defaults to "
+                             "DIR/job.resolved.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check spec, model at this layout (meta device), DeepSpeed config, data and tokenizer; "
+                             "exit 0, or 2 listing every problem; writes nothing")
+    parser.add_argument("--verbose", action="store_true", help="every rank's output and the libraries' warnings "
+                        "on the console (default: rank 0 speaks; the others write OUTPUT/logs/rankN.log)")
+    parser.set_defaults(func=run)
+
+
+def spec_path(args) -> str:
+    from toolkit.train.job.run_files import spec_path_for
+
+    if args.spec and args.config and args.spec != args.config:
+        raise DsmtError(f"two job specs given: JOB={args.spec!r} and --config={args.config!r}; give one "
+                        f"(`dsmt train JOB` or `dsmt train --config JOB`)")
+    path = args.spec or args.config
+    if not path and args.run_dir is None:
+        raise DsmtError("no job spec: use `dsmt train JOB.yaml`, `dsmt train --config JOB.yaml` (configs/ has "
+                        "examples) or `dsmt train --run-dir DIR` (a `dsmt generate` directory)")
+    return spec_path_for(config=path, run_dir=args.run_dir, overrides=args.set)
+
+
+def run(args) -> int:
+    path = spec_path(args)
+    if args.dry_run:
+        from toolkit.train.job.dryrun import dry_run
+
+        report = dry_run(path, overrides=args.set, run_dir=args.run_dir)
+        print(report.to_text())
+        return 0 if report.ok else 2
+    launch_training(path=path, overrides=args.set, run_dir=args.run_dir)
+    return 0
+
+
+def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None) -> None:
+    """Check the spec at `path`, then run its ranks on this machine and wait (`dsmt train`, `toolkit.api.train`)."""
+    from toolkit.launch.local import launch_local_workers
+    from toolkit.spec.checks import check_file
+    from toolkit.spec.layout import world_size_of
+
+    spec, report = check_file(path, overrides=overrides)
+    if spec is None or not report.ok:  # before any process group starts
+        raise DsmtError(f"job spec {path} does not pass `dsmt check`:\n{report.to_text()}")
+    if run_dir is not None:  # a contradiction stops here, once; rank 0 of the workers lists the overrides
+        from toolkit.train.job.run_files import compare_run_files
+
+        compare_run_files(run_dir=run_dir, spec=spec).require_agreement(spec_ref=path)
+    from toolkit.train.job.run import require_weights
+
+    require_weights(spec)
+    from toolkit import backend as backends
+
+    backends.select(device=spec.cluster.device)  # CUDA asked for but absent: stop here, before any rank starts
+    if spec.cluster.nodes > 1:
+        raise DsmtError(f"cluster.nodes={spec.cluster.nodes}: `dsmt train` starts ranks on this machine only; "
+                        f"run `dsmt generate {path} --out run/` and launch run/launch_deepspeed.sh or job.sbatch")
+    from toolkit.generate.env import environment
+
+    sets = [f"--set={item}" for item in overrides]
+    run_dir_args = ["--run-dir", str(Path(run_dir).expanduser().absolute())] if run_dir is not None else []
+    # The environment the generated scripts export (.deepspeed_env): NCCL presets and CUDA_DEVICE_MAX_CONNECTIONS=1
+    # on GPUs, DS_ACCELERATOR=cpu and one thread per rank on the CPU; the spec's communication.extra_env last.
+    launch_local_workers(module="toolkit.train", args=["--config", str(path), *run_dir_args, *sets],
+                         nprocs=world_size_of(spec), log_dir=Path(spec.training.output_dir) / "logs",
+                         timeout_s=None, env=environment(spec=spec))  # a training run takes as long as it takes

@@ -1,0 +1,419 @@
+"""`dsmt train SPEC --dry-run`: everything `dsmt train` checks before it launches, done here, writing nothing.
+
+One report (exit 0, or 2 listing every problem found, not just the first):
+  * the spec: `dsmt check` (schema and cross-section rules) and what the trainer refuses beyond it;
+  * the model: its config translated by the adapters, the layout checked against it (`Layout.problems`), and the
+    first and last pipeline stage of this layout built as megatron-core GPTModel chunks on the meta device (no
+    memory, no initialisation), by a fake process group that puts this one process at that stage's rank;
+  * the DeepSpeed config, accepted by DeepSpeed's own parser at the layout's data-parallel size; with `--run-dir`
+    the run directory's ds_config.json and megatron.json compared with the spec first (`toolkit/train/job/run_files.py`:
+    contradictions are errors, edited tuning keys are listed) and the file's config is the one parsed;
+  * the data readable (`load_records`), and the tokenizer present and no larger than the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import unittest.mock
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+from toolkit.parallel.rules import MODEL_RULES
+from toolkit.spec.report import Problem, Report
+
+# `dsmt check` rules that already say the layout does not fit the model (the meta build is skipped after them).
+LAYOUT_RULES = MODEL_RULES | {"world_size"}
+
+
+def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None) -> Report:
+    from toolkit.spec.checks import check_file
+
+    spec, report = check_file(path, overrides=overrides)
+    source = f"{path} (dsmt train --dry-run)"
+    if spec is None:  # the schema refused it: nothing further can be read from it
+        return Report(source=source, problems=report.problems)
+    problems = list(report.problems) + trainer_problems(spec=spec)
+    settings, model_found = model_settings_of(spec=spec)
+    said = {(p.rule, p.message) for p in report.problems}  # dsmt check's check_model_adapter reads the config too
+    problems += [p for p in model_found if (p.rule, p.message) not in said]
+    if settings is not None:
+        from toolkit.train.lora.export import init_adapter_problems
+
+        from toolkit.adapters.fusions import fusion_problem
+
+        problems += layout_and_build_problems(spec=spec, settings=settings, spec_errors=report.rules("error"))
+        problems.append(fusion_problem(spec=spec, settings=settings))
+        problems += init_adapter_problems(spec=spec, settings=settings)
+    ds_config, files_found = run_files_problems(spec=spec, run_dir=run_dir, spec_ref=str(path))
+    problems += files_found
+    problems += deepspeed_problems(spec=spec, ds_config=ds_config)
+    problems += data_problems(spec=spec)
+    return Report(source=source, problems=tuple(problems))
+
+
+def trainer_problems(*, spec) -> list[Problem]:
+    """What `dsmt train` / `python -m toolkit.train` refuse or need beyond `dsmt check`."""
+    import torch
+
+    found = []
+    if spec.cluster.nodes > 1:
+        found.append(Problem("info", "launch", f"cluster.nodes={spec.cluster.nodes}: `dsmt train` starts ranks on this "
+                             "machine only; `dsmt generate SPEC --out run/` writes the launch scripts (launch_deepspeed.sh, "
+                             "job.sbatch) that start `python -m toolkit.train` on every rank"))
+    if (spec.cluster.device == "cuda") != torch.cuda.is_available():
+        found.append(Problem("warning", "device_here",
+                             f"cluster.device={spec.cluster.device} but this machine "
+                             f"{'has' if torch.cuda.is_available() else 'has no'} CUDA: `dsmt train` here would refuse",
+                             "run the training where the spec's device is; the dry run itself needs none"))
+    found += attention_problems(spec=spec)
+    if Path(spec.training.output_dir).expanduser().exists():
+        found.append(Problem("info", "resume", f"training.output_dir={spec.training.output_dir} exists: a run there "
+                             "resumes from its latest complete checkpoint"))
+    return found
+
+
+def attention_problems(*, spec) -> list[Problem]:
+    """The attention kind the run's layers will use, and whether this machine could build them."""
+    import importlib.util
+
+    from toolkit.spec.layout import spec_attention
+
+    attention = spec_attention(spec)
+    layers = ("Transformer Engine layers (fused attention, no s × s scores stored)" if attention == "fused" else
+              "megatron's local torch layers (unfused attention: the s × s scores are stored)")
+    found = [Problem("info", "attention", f"training.attention={spec.training.attention}: {layers}")]
+    if attention == "fused" and importlib.util.find_spec("transformer_engine") is None:
+        found.append(Problem("warning", "transformer_engine_here", "training.attention resolves to fused but "
+                             "transformer_engine is not importable on this machine: the ranks refuse to build without it",
+                             "install transformer-engine on the training nodes (this machine may only plan), or set "
+                             "training.attention: local" + (" and parallel.cp: 1" if spec.parallel.cp > 1 else "")))
+    return found
+
+
+def model_settings_of(*, spec):
+    """(ModelSettings or None, problems): the adapters' view of the spec's model, read without any weights."""
+    from toolkit.adapters.hf_config import model_settings
+    from toolkit.train.job import pretrain
+
+    multiple = spec.model.make_vocab_size_divisible_by
+    try:
+        if spec.model.builtin is not None:
+            hf_config = pretrain.hf_config(spec.model.builtin)
+            where = (f"model.builtin={spec.model.builtin}: megatron-core init, std "
+                     f"{hf_config.initializer_range}; rank 0 writes config.json and tokenizer files, no weights")
+        elif spec.model.config is not None:
+            from transformers import AutoConfig
+
+            fields = dict(spec.model.config)
+            if "model_type" not in fields:  # the random init (toolkit/demo/tiny.py save_random_init) needs it
+                return None, [Problem("error", "model_config", "model.config has no model_type: `dsmt train` cannot "
+                                      "tell which HF model to initialise", "add model.config.model_type, e.g. llama")]
+            hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+            where = "model.config: a random HF init written by rank 0"
+        else:
+            from toolkit.models.chunks import inspect_checkpoint
+            from toolkit.train.plain import engine as plain
+
+            path = Path(spec.model.path)
+            if not path.exists():
+                return None, []  # dsmt check's model_shape says so
+            if (path / "config.json").is_file() and plain.is_plain_model(path):
+                return None, [Problem("info", "model", f"model.path={spec.model.path}: no megatron-core adapter; "
+                                      "DeepSpeed ZeRO data parallelism only")]
+            info = inspect_checkpoint(path)
+            hf_config, multiple = info.hf_config, info.vocab_pad_multiple
+            where = f"model.path={spec.model.path} ({info.kind} checkpoint, {info.params_dtype})"
+        settings = model_settings(hf_config, vocab_pad_multiple=multiple)
+    except DsmtError as err:
+        rule = "builtin_not_trainable" if spec.model.builtin is not None else "model_config"
+        from toolkit.adapters.family import supported_model_types
+
+        return None, [Problem("error", rule, str(err), f"use a model dsmt has an adapter for "
+                              f"({', '.join(supported_model_types())}), or one it trains data-parallel only")]
+    except (ValueError, TypeError, KeyError) as err:  # transformers' own refusals of an inline config
+        return None, [Problem("error", "model_config", f"model.config is not a valid HF config: {err}", "")]
+    return settings, [Problem("info", "model", f"{where}; {settings.family.model_type}, vocab_size="
+                              f"{settings.vocab_size} (padded {settings.padded_vocab_size})")]
+
+
+def layout_and_build_problems(*, spec, settings, spec_errors: set[str]) -> list[Problem]:
+    from toolkit.train.job.run import params_dtype
+
+    if spec_errors & LAYOUT_RULES:
+        return [Problem("info", "model_build", "model build: skipped, the layout does not fit the model (above)")]
+    from toolkit.parallel.rules import ModelFacts, layout_errors
+    from toolkit.spec.checks import spec_run_facts
+    from toolkit.spec.layout import parallel_layout
+
+    layout = parallel_layout(spec)
+    if layout.world_size != spec.cluster.nodes * spec.cluster.gpus_per_node:
+        return []  # reported by dsmt check's world_size
+    # The same rules on the checkpoint's own numbers (its config.json may differ from what `dsmt check` read).
+    layout_found = [p for p in layout_errors(layout=layout, model=ModelFacts.from_settings(settings),
+                                             run=spec_run_facts(spec)) if p.rule not in spec_errors]
+    if layout_found:
+        return [Problem("error", "model_layout", f"[{p.rule}] {p.message}", p.fix, p.valid) for p in layout_found]
+    try:
+        counts = stage_parameter_counts(settings=settings, layout=layout,
+                                        params_dtype=params_dtype(spec.training.precision),
+                                        recompute=spec.training.recompute)
+    except Exception as err:  # megatron-core's own refusals (asserts, ValueErrors) of this config at this layout
+        return [Problem("error", "model_build", f"megatron-core could not build the model at tp={layout.tp} "
+                        f"pp={layout.pp} vpp={layout.vpp}: {type(err).__name__}: {err}", "")]
+    if counts is None:
+        return [Problem("info", "model_build", "model build: skipped, a process group is already running here")]
+    stages = ", ".join(f"{name} stage {count / 1e6:,.1f}M" for name, count in counts.items())
+    kind = "encoder" if settings.encoder is not None else "GPTModel"
+    return [Problem("info", "model_build", f"megatron-core {kind} built on the meta device at tp={layout.tp} "
+                    f"pp={layout.pp} vpp={layout.vpp}: parameters per GPU: {stages}")]
+
+
+def stage_parameter_counts(*, settings, layout, params_dtype, recompute: str = "none") -> dict[str, int] | None:
+    """Parameters per GPU of the first and last pipeline stage (all their virtual chunks), counted on the chunks
+    `dsmt train` builds (GPTModel, or BERT's encoder) on the meta device. torch's fake process-group backend (what
+    torch's own tests use to stand in for a large world in one process; collectives do nothing) puts this process
+    at the stage's rank, so
+    megatron shards exactly as it will at that rank. None when a process group already exists here."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from toolkit import backend as backends
+    from toolkit.adapters.build import model_chunks, transformer_config
+
+    if dist.is_initialized():
+        return None
+    backends.current()  # on a CPU machine: megatron's CUDA calls redirected before any model code runs
+    # megatron's default rank order is tp-cp-ep-dp-pp: the pipeline rank is the outermost coordinate.
+    ranks = {"first": 0, "last": (layout.pp - 1) * layout.tp * layout.cp * layout.dp}
+    counts = {}
+    for name, rank in ranks.items():
+        if name == "last" and layout.pp == 1:
+            break
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+        try:
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+                context_parallel_size=layout.cp, create_gloo_process_groups=False)
+            config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, recompute=recompute)
+            # CPU-style allocation honours the meta device context (the CUDA path names a device explicitly).
+            # cp and sp change no parameter shape; the local layers have neither (Transformer Engine's do).
+            config = dataclasses.replace(config, use_cpu_initialization=True, perform_initialization=False,
+                                         context_parallel_size=1, sequence_parallel=False)
+            # the local layers (with the family's deltas): the parameter shapes of the Transformer Engine ones,
+            # and they allocate nothing real on the meta device.
+            local = dataclasses.replace(layout, cp=1, sp=False)
+            with torch.device("meta"):
+                chunks = model_chunks(config=config, settings=settings, layout=local, attention="local",
+                                      parallel_output=True)
+                counts[name] = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    return counts
+
+
+class LayoutMpu:
+    """The model-parallel unit DeepSpeed's config parser asks for the data-parallel size (no process group)."""
+
+    def __init__(self, layout):
+        self.layout = layout
+
+    def get_data_parallel_world_size(self): return self.layout.zero_size  # dp × cp, as MegatronMpu
+    def get_data_parallel_rank(self): return 0
+    def get_model_parallel_world_size(self): return self.layout.tp * self.layout.pp
+    def get_model_parallel_rank(self): return 0
+    def get_tensor_model_parallel_world_size(self): return self.layout.tp
+    def get_tensor_model_parallel_rank(self): return 0
+    def get_pipeline_model_parallel_world_size(self): return self.layout.pp
+    def get_pipeline_model_parallel_rank(self): return 0
+
+
+def run_files_problems(*, spec, run_dir: Path | None, spec_ref: str) -> tuple[dict | None, list[Problem]]:
+    """(the run directory's ds_config or None, problems): what `python -m toolkit.train --run-dir` checks at start."""
+    from toolkit.train.job.run_files import RULE, RunFilesError, compare_run_files
+
+    if run_dir is None:
+        return None, []
+    try:
+        files = compare_run_files(run_dir=run_dir, spec=spec)
+    except RunFilesError as err:
+        return None, [Problem("error", err.rule, err.detail, err.fix)]
+    except DsmtError:
+        return None, []  # the layout arithmetic is wrong; dsmt check's errors above say how
+    if files.contradictions:  # the trainer stops here; DeepSpeed's parser below reads the spec's config
+        return None, [Problem("error", RULE, f"{d.line()}: {files.run_dir} contradicts the spec {spec_ref}",
+                              files.fix()) for d in files.contradictions]
+    if not files.overrides:
+        return files.ds_config, [Problem("info", "run_files", files.start_lines()[0].removeprefix("dsmt train: "))]
+    return files.ds_config, [Problem("info", "run_files_override", f"ds_config.json overrides the spec: {d.line()}")
+                             for d in files.overrides]
+
+
+def deepspeed_problems(*, spec, ds_config: dict | None = None) -> list[Problem]:
+    import deepspeed
+    from deepspeed.runtime import config as ds_config_module
+
+    from toolkit.generate.deepspeed_config import build_deepspeed_config
+    from toolkit.spec.layout import derive_layout
+
+    try:
+        layout = derive_layout(spec)
+    except DsmtError:
+        return []  # the batch / world arithmetic is wrong; dsmt check's errors above say how
+    config = build_deepspeed_config(spec=spec, layout=layout) if ds_config is None else ds_config
+    which = "generated ds_config" if ds_config is None else "run directory's ds_config.json"
+    # The parser reads the mpu only when deepspeed.comm answers get_rank(); without a process group it would
+    # silently assume one rank. Rank 0 of the layout's world is what it must see.
+    try:
+        with unittest.mock.patch.object(ds_config_module.dist, "get_rank", lambda *args, **kwargs: 0):
+            parsed = ds_config_module.DeepSpeedConfig(config, mpu=LayoutMpu(layout))
+    except Exception as err:  # DeepSpeed refuses with asserts, ValueErrors and pydantic errors alike
+        return [Problem("error", "deepspeed_config", f"DeepSpeed {deepspeed.__version__} refuses the {which} "
+                        f"at dp={layout.dp}: {type(err).__name__}: {err}", "")]
+    seen = (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps)
+    wanted = (layout.global_batch_size * layout.cp, layout.micro_batch_size, layout.grad_accum_steps)
+    if seen != wanted:
+        return [Problem("error", "deepspeed_config", f"DeepSpeed reads (train_batch_size, micro, grad-accum) = {seen}, "
+                        f"the layout says {wanted}", "")]
+    return [Problem("info", "deepspeed_config", f"DeepSpeed {deepspeed.__version__} accepts ds_config: "
+                    f"train_batch_size={layout.global_batch_size * layout.cp} = micro {layout.micro_batch_size} × "
+                    f"grad-accum {layout.grad_accum_steps} × dp {layout.dp}" + (f" × cp {layout.cp}" if layout.cp > 1
+                                                                                else "")
+                    + f", ZeRO-{parsed.zero_optimization_stage}")]
+
+
+def data_problems(*, spec) -> list[Problem]:
+    """The data readable and the tokenizer present (and no larger than the model's vocabulary); for a model whose
+    head is not a causal LM (masked LM, classification, images) the examples built as training builds them."""
+    from toolkit.data import load_records
+
+    data = spec.data
+    found = []
+    text_data = data.path is not None and not data.synthetic
+    task, head_config = _head_task(spec) if text_data else (None, None)
+    if task not in (None, "causal_lm"):
+        return task_data_problems(spec=spec, task=task, model_config=head_config) + validation_problems(
+            spec=spec, num_records=None, task=task, model_config=head_config)
+    if text_data:
+        try:
+            records = load_records(data=data)
+            found.append(Problem("info", "data", f"data.path={data.path}: {len(records)} records, fields "
+                                 f"{', '.join(records.column_names)}"))
+            found += validation_problems(spec=spec, num_records=len(records), task=task)
+        except DsmtError as err:
+            found.append(Problem("error", "data_unreadable", str(err), "fix data.path, or data.synthetic: true"))
+    elif data.synthetic:
+        found.append(Problem("info", "data", "data.synthetic=true: synthetic tokens, no tokenizer needed"))
+    if text_data or data.tokenizer is not None:
+        found += tokenizer_problems(spec=spec)
+    return found
+
+
+def validation_problems(*, spec, num_records: int | None, task: str | None, model_config=None) -> list[Problem]:
+    """The validation records as training reads them (toolkit/data/validation.py): the file and its fields, or
+    the held-out share's record counts; for heads other than a causal LM the task's validation examples, built
+    as training builds them (toolkit/data/tasks.py)."""
+    from toolkit.data import validation
+
+    data = spec.data
+    if not validation.has_validation(data) or data.synthetic:
+        return []  # synthetic: `dsmt check` reports validation_synthetic
+    if data.validation_path is not None and not Path(data.validation_path).expanduser().exists():
+        return []  # `dsmt check` reports validation_path_missing
+    if task not in (None, "causal_lm"):
+        return task_validation_problems(spec=spec, task=task, model_config=model_config)
+    try:
+        if data.validation_path is not None:
+            records = validation.load_validation_file(data=data)
+            text = f"data.validation_path={data.validation_path}: {len(records)} validation records"
+        elif num_records is None:
+            return []
+        else:
+            split = validation.split_records(num_records=num_records, fraction=data.validation_fraction,
+                                             seed=spec.training.seed)
+            text = split.describe(fraction=data.validation_fraction, seed=spec.training.seed)
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "validation_data"), str(err),
+                        "fix data.validation_path / data.validation_fraction")]
+    return [Problem("info", "validation", text)]
+
+
+def _head_task(spec) -> tuple[str | None, object]:
+    """(training task of the checkpoint's head (toolkit/data/tasks.py), its HF config); (None, None) without a
+    readable config.json or for a head the model checks report."""
+    from transformers import AutoConfig
+
+    from toolkit.data.tasks import task_of
+
+    config_path = Path(spec.model.path or "") / "config.json"
+    if spec.model.path is None or not config_path.is_file():
+        return None, None
+    try:
+        config = AutoConfig.from_pretrained(spec.model.path)
+        return task_of(config), config
+    except (DsmtError, ValueError, OSError):
+        return None, None
+
+
+def task_data_problems(*, spec, task: str, model_config) -> list[Problem]:
+    """Build the task's examples as a rank does (labels validated, images listed, tokenizer loaded)."""
+    from toolkit.data.tasks import task_examples
+
+    try:
+        examples = task_examples(data=spec.data, model_config=model_config,
+                                 tokenizer_path=spec.data.tokenizer or spec.model.path,
+                                 seq_length=spec.training.seq_length, seed=spec.training.seed)
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "data_unreadable"), str(err), "fix data.path or its records")]
+    return [Problem("info", "data", f"data.path={spec.data.path}: {len(examples)} examples for {task}")]
+
+
+def task_validation_problems(*, spec, task: str, model_config) -> list[Problem]:
+    """The task's validation examples built as a rank builds them (`task_examples(part="validation")`)."""
+    from toolkit.data.tasks import task_examples
+    from toolkit.data.validation import VALIDATION, describe_source
+
+    try:
+        examples = task_examples(data=spec.data, model_config=model_config,
+                                 tokenizer_path=spec.data.tokenizer or spec.model.path,
+                                 seq_length=spec.training.seq_length, seed=spec.training.seed, part=VALIDATION)
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "validation_data"), f"{describe_source(spec.data)}: {err}",
+                        "fix data.validation_path / data.validation_fraction or the validation records")]
+    return [Problem("info", "validation", f"{describe_source(spec.data)}: {len(examples)} validation examples for "
+                    f"{task}")]
+
+
+def tokenizer_problems(*, spec) -> list[Problem]:
+    from toolkit.data import load_tokenizer
+    from toolkit.spec.load import model_shape
+    from toolkit.train.job.pretrain import tokenizer_fit_problems
+
+    data, model = spec.data, spec.model
+    if data.tokenizer is None and model.path is None:
+        if model.builtin is not None:
+            return []  # dsmt check's builtin_needs_tokenizer
+        vocab_size = model.config.get("vocab_size", 0)
+        if vocab_size >= 64:  # toolkit/demo/tiny.py save_random_init writes its character tokenizer then
+            return [Problem("info", "tokenizer", "tokenizer: dsmt's tiny character tokenizer, written with the "
+                            "random init of model.config")]
+        return [Problem("error", "tokenizer", f"model.config has vocab_size={vocab_size}, too small for dsmt's tiny "
+                        "tokenizer, and data.tokenizer is unset", "set data.tokenizer")]
+    try:
+        tokenizer = load_tokenizer(data=data, model_path=model.path)
+    except DsmtError as err:
+        return [Problem("error", "tokenizer", str(err), "")]
+    try:
+        vocab_size = model_shape(model).vocab_size
+    except DsmtError:
+        return []  # no transformer shape (a plain model): nothing to compare with
+    where = f"model.builtin={model.builtin}" if model.builtin else "the model"
+    fit = tokenizer_fit_problems(tokenizer=tokenizer, vocab_size=vocab_size, where=where,
+                                 tokenizer_ref=data.tokenizer or model.path)
+    if model.builtin is None:  # a checkpoint's own tokenizer may list ids its data never produces; training checks ids
+        fit = [dataclasses.replace(p, severity="warning") for p in fit]
+    ref = data.tokenizer or model.path
+    return fit or [Problem("info", "tokenizer", f"tokenizer {ref}: {len(tokenizer)} tokens, fits vocab_size={vocab_size}")]

@@ -1,0 +1,175 @@
+"""Validation loss during training: which rows each data-parallel rank evaluates, and the evaluation itself.
+
+The validation examples (toolkit/data/validation.py) are dealt round robin over the data-parallel ranks: rank `r`
+takes rows `r, r + dp, r + 2·dp, ...`, in micro-batches of `micro_batch_size`. Every rank runs the same number of
+micro-batches, `ceil(ceil(N / dp) / micro_batch_size)` (rounded up to a multiple of pp with virtual pipeline
+stages, which megatron's interleaved schedule wants): the short ranks are padded with copies of row 0 whose
+loss_mask is 0, so they add nothing. The ranks of one replica (TP / PP / CP) take the same rows.
+
+    val_loss = sum of the token losses over the whole validation set / number of counted tokens
+
+(per masked token for masked LM, per sample for classification / regression), forward only with dropout off:
+independent of the layout, the micro-batch size and the packing of the rows, and comparable across runs that share
+the validation data.
+
+Two kinds of rows: megatron-core causal LMs read dsmt's cached token rows (`Validation`); the encoder heads of the
+hybrid engine and the plain engine's HF models (toolkit/train/plain/engine.py) read the task's HF keyword rows of
+toolkit/data/tasks.py (`TaskValidation`: masked-LM masks seeded by the validation row index), whose padding rows
+carry labels -100 (token tasks) and `sample_mask` 0 (every task; the per-sample losses read it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+
+from toolkit.errors import DsmtError
+
+
+@dataclasses.dataclass(frozen=True)
+class ValLoss:
+    loss: float  # per counted token over the whole validation set
+    units: int  # the counted tokens (samples for classification)
+    eval_time_s: float
+
+
+def rank_rows(*, num_examples: int, dp_rank: int, dp_size: int, micro_batch_size: int,
+              microbatch_multiple: int = 1) -> list[list[int | None]]:
+    """This rank's micro-batches as row indices; None is a padding row (see the module docstring)."""
+    if num_examples < 1:
+        raise DsmtError("the validation data tokenised to no example; give more validation records")
+    rows: list[int | None] = list(range(dp_rank, num_examples, dp_size))
+    num_micro = math.ceil(math.ceil(num_examples / dp_size) / micro_batch_size)
+    num_micro = math.ceil(num_micro / microbatch_multiple) * microbatch_multiple
+    rows += [None] * (num_micro * micro_batch_size - len(rows))
+    return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+
+
+class Validation:
+    """The validation micro-batches of one rank, gathered in the training batches' format (`MicroBatches`), so
+    whatever the rows carry (positions of packed records) reaches the model as in training."""
+
+    def __init__(self, *, examples, micro_batch_size: int, dp_rank: int, dp_size: int, microbatch_multiple: int = 1):
+        from toolkit.data.batches import MicroBatches
+
+        self.num_examples = len(examples)
+        self.counted_tokens = int(examples.loss_mask.sum().item())
+        self._gatherer = MicroBatches(examples=examples, micro_batch_size=micro_batch_size, num_microbatches=1,
+                                      dp_rank=dp_rank, dp_size=dp_size, seed=0, shuffle=False)
+        self.rows = rank_rows(num_examples=self.num_examples, dp_rank=dp_rank, dp_size=dp_size,
+                              micro_batch_size=micro_batch_size, microbatch_multiple=microbatch_multiple)
+
+    def micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        return [self._gather(rows) for rows in self.rows]
+
+    def _gather(self, rows: list[int | None]) -> dict[str, torch.Tensor]:
+        batch = self._gatherer._gather(torch.tensor([0 if row is None else row for row in rows]))
+        padding = torch.tensor([row is None for row in rows])
+        if padding.any():
+            batch["loss_mask"] = batch["loss_mask"].masked_fill(padding[:, None], 0.0)
+        return batch
+
+
+class TaskValidation:
+    """The validation micro-batches of one rank as the task's HF keyword inputs (toolkit/data/tasks.py); the same
+    interface as `Validation`. Validation row v is masked (masked LM) with `mlm_row_seed(seed, v)`."""
+
+    def __init__(self, *, examples, micro_batch_size: int, dp_rank: int, dp_size: int, microbatch_multiple: int = 1):
+        self.examples = examples
+        self.num_examples = len(examples)
+        self.rows = rank_rows(num_examples=self.num_examples, dp_rank=dp_rank, dp_size=dp_size,
+                              micro_batch_size=micro_batch_size, microbatch_multiple=microbatch_multiple)
+        self.counted_tokens = self._count_units()
+        self.unit_name = {"masked_lm": "masked tokens", "causal_lm": "counted tokens"}.get(examples.task, "samples")
+
+    def micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        return [self._gather(rows) for rows in self.rows]
+
+    def _gather(self, rows: list[int | None]) -> dict[str, torch.Tensor]:
+        indices = torch.tensor([0 if row is None else row for row in rows])
+        batch = self.examples.batch(indices=indices, positions=indices)  # positions: the validation row index
+        counted = torch.tensor([row is not None for row in rows])
+        if batch["labels"].dim() > 1:  # token labels: padding rows count no token
+            batch["labels"] = batch["labels"].masked_fill(~counted[:, None], -100)
+        batch["sample_mask"] = counted.float()
+        return batch
+
+    def _count_units(self) -> int:
+        """Masked (MLM) or labelled-after-the-shift (causal LM) tokens of the whole set; else its samples."""
+        task = self.examples.task
+        if task not in ("masked_lm", "causal_lm"):
+            return self.num_examples
+        total = 0
+        for start in range(0, self.num_examples, 256):
+            indices = torch.arange(start, min(start + 256, self.num_examples))
+            labels = self.examples.batch(indices=indices, positions=indices)["labels"]
+            total += int((labels[:, 1:] if task == "causal_lm" else labels).ne(-100).sum().item())
+        return total
+
+
+def evaluate(*, trainer, validation: Validation) -> ValLoss:
+    """The validation loss of the trainer's current weights (collective: every rank calls it)."""
+    start = time.perf_counter()
+    sums = trainer.evaluate(validation.micro_batches())
+    return ValLoss(loss=sums.loss, units=sums.units, eval_time_s=time.perf_counter() - start)
+
+
+def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValidation | None:
+    """The run's validation micro-batches, or None when the spec asks for none: dsmt's cached token rows for a
+    megatron-core causal LM (collective: rank 0 tokenises into the data cache), the task's HF keyword rows for the
+    encoder heads and the plain engine (every rank reads them, like its training rows). Refuses a trainer that
+    has no `evaluate`, by name."""
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+
+    from toolkit.data.cache import cache_root_for
+    from toolkit.data.validation import describe_source, has_validation, shared_validation_examples
+
+    data = spec.data
+    if not has_validation(data):
+        return None
+    task = getattr(trainer, "task", None)
+    if not callable(getattr(trainer, "evaluate", None)):
+        what = getattr(task, "name", task) or type(trainer).__name__
+        raise DsmtError(f"validation_unsupported: {describe_source(data)} asks for a validation loss, but this run "
+                        f"trains {what} with {type(trainer).__name__}, which has no evaluate(); unset "
+                        "data.validation_path and data.validation_fraction")
+    interleaved = len(getattr(trainer, "chunks", [None])) > 1
+    rows = dict(micro_batch_size=layout.micro_batch_size, dp_rank=parallel_state.get_data_parallel_rank(),
+                dp_size=layout.dp, microbatch_multiple=layout.pp if interleaved else 1)
+    if getattr(task, "name", None) != "causal_lm":  # encoder heads (hybrid), every plain model's task
+        return TaskValidation(examples=task_validation_examples(spec=spec, layout=layout, hf_dir=hf_dir), **rows)
+    examples = shared_validation_examples(
+        data=data, model_path=str(hf_dir), seq_length=layout.seq_length, vocab_size=task.vocab_size,
+        seed=spec.training.seed, cache_root=cache_root_for(data=data, output_dir=spec.training.output_dir),
+        status_file=Path(spec.training.output_dir) / ".data-cache-validation.status.json")
+    return Validation(examples=examples, **rows)
+
+
+def task_validation_examples(*, spec, layout, hf_dir):
+    """The validation records read for the task of the checkpoint's head (toolkit/data/tasks.py)."""
+    from transformers import AutoConfig
+
+    from toolkit.data.tasks import task_examples
+    from toolkit.data.validation import VALIDATION, ValidationDataError
+
+    if spec.data.synthetic:
+        raise ValidationDataError("data.synthetic=true has no validation records; unset data.validation_path and "
+                                  "data.validation_fraction, or train on data.path")
+    return task_examples(data=spec.data, model_config=AutoConfig.from_pretrained(hf_dir),
+                         tokenizer_path=str(hf_dir), seq_length=layout.seq_length, seed=spec.training.seed,
+                         part=VALIDATION)
+
+
+def eval_steps(*, eval_interval: int | None, start: int, total: int) -> list[int]:
+    """The steps after which the validation loss is measured: 0 (before the first step, unless the run resumes
+    after it), every eval_interval, and the last."""
+    steps = {total}
+    if eval_interval is not None:
+        steps.update(range(eval_interval, total + 1, eval_interval))
+    steps.add(0)
+    return sorted(step for step in steps if step > start or step == start == 0)

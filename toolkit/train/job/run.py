@@ -1,0 +1,334 @@
+"""One rank of a `dsmt train` run: job spec in, trained HF checkpoint out.
+
+Every rank runs this (under torchrun, the deepspeed launcher, SLURM or `dsmt train`'s local launcher)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from toolkit.errors import DsmtError
+from toolkit.train.checkpoint import checkpoints
+from toolkit.train.job.report import RunLog
+
+
+def model_checkpoint(*, spec, output_dir: Path) -> Path:
+    """The HF checkpoint to start from: `model.path`; for the inline `model.config` a random HF init (rank 0
+    writes it once into the output dir; a tiny model for CPU runs and the demo); for `model.builtin` only the
+    shape's config.json and the tokenizer files (`toolkit/train/job/pretrain.py`: megatron-core initialises the weights)."""
+    import torch.distributed as dist
+
+    require_weights(spec)
+    if spec.model.path is not None:
+        return Path(spec.model.path)
+    init_dir = output_dir / "init-hf"
+    if dist.get_rank() == 0 and not (init_dir / "config.json").is_file():
+        from toolkit.demo.tiny import save_random_init
+        from toolkit.train.job.pretrain import write_init_dir
+
+        if spec.model.builtin is not None:
+            write_init_dir(init_dir, spec=spec)
+        else:
+            save_random_init(init_dir, config_fields=spec.model.config, seed=spec.training.seed)
+    dist.barrier()
+    return init_dir
+
+
+def require_weights(spec) -> None:
+    """What `dsmt train` needs beyond `dsmt check` (which also serves `dsmt generate` for other trainers)."""
+    if spec.model.builtin is not None:  # pretrained from megatron-core's init: a Llama-like shape, a fitting tokenizer
+        from toolkit.train.job.pretrain import require_trainable
+
+        require_trainable(spec)
+
+
+def params_dtype(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
+    from megatron.core import parallel_state
+
+    from toolkit.data import MicroBatches, cache_root_for, shared_examples
+
+    # Collective: rank 0 tokenises once into the on-disk cache, every rank memory-maps it (toolkit/data/cache.py).
+    examples = shared_examples(data=spec.data, model_path=str(hf_dir), seq_length=layout.seq_length,
+                               vocab_size=vocab_size, seed=spec.training.seed,
+                               cache_root=cache_root_for(data=spec.data, output_dir=spec.training.output_dir),
+                               status_file=Path(spec.training.output_dir) / ".data-cache.status.json")
+    return MicroBatches(examples=examples, micro_batch_size=layout.micro_batch_size,
+                        num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
+                        dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle)
+
+
+def train(*, spec, ds_config: dict | None = None) -> list[dict]:
+    """Run the spec's training on this rank; returns the per-step history (same on every rank).
+
+    `ds_config`: the run directory's ds_config.json, already compared with the spec (`toolkit/train/job/run_files.py`);
+    None generates it from the spec."""
+    from toolkit import backend as backends
+    from toolkit.generate.deepspeed_config import build_deepspeed_config
+    from toolkit.parallel.groups import init_process_groups
+    from toolkit.spec.layout import derive_layout
+    from toolkit.train.plain import engine as plain
+
+    backend = backends.select(device=spec.cluster.device)  # the spec's device or an error, never a silent CPU run
+    layout = derive_layout(spec)
+    init_process_groups(layout=layout, dist_backend=backend.dist_backend)
+    _node_joined(layout=layout)
+    backend.seed(spec.training.seed)
+    output_dir = Path(spec.training.output_dir)
+    hf_dir = model_checkpoint(spec=spec, output_dir=output_dir)
+    if ds_config is None:
+        ds_config = build_deepspeed_config(spec=spec, layout=layout)
+    build = _plain_parts if plain.is_plain_model(hf_dir) else _hybrid_parts
+    trainer, batches, export, notice = build(spec=spec, layout=layout, hf_dir=hf_dir,
+                                             ds_config=ds_config, output_dir=output_dir)
+    return _run(trainer=trainer, batches=batches, export=export, notice=notice, spec=spec, layout=layout,
+                ds_config=ds_config, output_dir=output_dir, hf_dir=hf_dir)
+
+
+def _node_joined(*, layout) -> None:
+    """One line per node (its first local rank): which ranks run there, so a multi-node log shows every node
+    joined. Launchers give consecutive ranks to a node's processes (torchrun, deepspeed, srun, mpirun by slot)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
+    from toolkit.launch.rank_output import say_on_console
+
+    per_node, rank = layout.gpus_per_node, dist.get_rank()
+    say_on_console(f"dsmt train: node {rank // per_node} of {layout.nodes}: ranks {rank}..{rank + per_node - 1} on "
+                   f"{socket.gethostname()}")  # every node's first rank, its output in a file or not
+
+
+def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
+    """megatron-core chunks from the adapters inside DeepSpeed, on tokenised `datasets` data."""
+    import torch.distributed as dist
+
+    from toolkit.models.chunks import load_model_chunks
+    from toolkit.spec.layout import spec_attention
+    from toolkit.train.engine.hybrid import HybridEngine
+    from toolkit.train.engine.tasks import task_for_model
+
+    # At ZeRO-3 the chunks are built partitioned (and loaded one parameter at a time): toolkit/train/engine/zero3.py.
+    zero3_config = ds_config if spec.parallel.zero_stage == 3 else None
+    if spec.model.builtin is not None:  # megatron-core's own initialisation, no weights read
+        from toolkit.train.job.pretrain import init_chunks
+
+        chunks, info = init_chunks(spec=spec, hf_dir=hf_dir, layout=layout, params_dtype=params_dtype(spec.training.precision),
+                                   zero3_config=zero3_config)
+    else:
+        chunks, info = load_model_chunks(checkpoint=hf_dir, layout=layout, params_dtype=params_dtype(spec.training.precision),
+                                         show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
+                                         attention=spec_attention(spec), zero3_config=zero3_config)
+    if spec.training.lora is not None:  # freeze the base, attach the adapters (toolkit/train/lora/adapters.py)
+        from toolkit.train.lora.adapters import apply_lora
+
+        apply_lora(chunks, settings=info.settings, lora=spec.training.lora, seed=spec.training.seed)
+    hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
+                          tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp,
+                          task=task_for_model(settings=info.settings))
+    if info.settings.encoder is not None:  # BERT-style: HF keyword batches of the head's task
+        batches = encoder_batches(spec=spec, layout=layout, hf_dir=hf_dir, hf_config=info.hf_config)
+    else:
+        batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
+    return hybrid, batches, lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir), None
+
+
+def encoder_batches(*, spec, layout, hf_dir: Path, hf_config):
+    """Masked-LM or classification batches for an encoder (BERT); real records only."""
+    if spec.data.synthetic:
+        raise DsmtError(f"data.synthetic=true: {hf_config.architectures[0]} trains through megatron-core on real "
+                        "records only; set data.path (text records, with data.label_field for classification)")
+    return task_batches(spec=spec, layout=layout, hf_dir=hf_dir, model_config=hf_config)
+
+
+def task_batches(*, spec, layout, hf_dir: Path, model_config):
+    """Batches of the task of the model's head (toolkit/data/tasks.py: the class in config.architectures[0]). Every
+    rank reads and tokenises the records itself (images: decoded per batch; no dsmt data cache); the ranks of one
+    data-parallel replica (TP / PP) draw the same rows."""
+    from megatron.core import parallel_state
+
+    from toolkit.data.examples import require_data_path
+    from toolkit.data.tasks import TaskBatches, task_examples
+
+    require_data_path(spec.data)
+    examples = task_examples(data=spec.data, model_config=model_config, tokenizer_path=str(hf_dir),
+                             seq_length=layout.seq_length, seed=spec.training.seed)
+    return TaskBatches(examples=examples, micro_batch_size=layout.micro_batch_size,
+                       num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
+                       dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle)
+
+
+def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
+    """An HF model without a megatron-core adapter: DeepSpeed ZeRO data parallelism only (toolkit/train/plain/engine.py),
+    on `data.path` read for the model's task (toolkit/data/tasks.py), or synthetic inputs when data.synthetic."""
+    from megatron.core import parallel_state
+
+    from toolkit.train.plain import engine as plain
+
+    model_type = plain.model_type_of(hf_dir)
+    if spec.training.lora is not None:
+        raise DsmtError(f"training.lora: model_type {model_type!r} has no megatron-core adapter, and dsmt's LoRA "
+                        "acts on the adapters' megatron layers; remove training.lora (full fine-tuning) or use a "
+                        "supported family (`dsmt check` lists them)")
+    plain.check_plain_layout(tp=layout.tp, pp=layout.pp, model_type=model_type)
+    model = plain.load_plain_model(hf_dir, dtype=params_dtype(spec.training.precision))
+    if spec.data.synthetic:
+        from toolkit.train.plain.synthetic import PlainBatches
+
+        batches = PlainBatches(model_config=model.config, seq_length=layout.seq_length,
+                               micro_batch_size=layout.micro_batch_size, num_microbatches=layout.grad_accum_steps,
+                               dp_rank=parallel_state.get_data_parallel_rank(), dp_size=layout.dp,
+                               seed=spec.training.seed)
+    else:
+        batches = task_batches(spec=spec, layout=layout, hf_dir=hf_dir, model_config=model.config)
+    if spec.training.sync_batchnorm:
+        model = plain.convert_sync_batchnorm(model, device=spec.cluster.device)
+    engine = plain.PlainEngine(model=model, ds_config=ds_config)
+    notice = plain.plain_notice(model_type=model_type, zero_stage=spec.parallel.zero_stage)
+    return engine, batches, lambda: plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf"), notice
+
+
+def _run(*, trainer, batches, export, notice: str | None, spec, layout, ds_config: dict, output_dir: Path,
+         hf_dir: Path | None = None) -> list[dict]:
+    """Resume, train to train_steps with checkpoints and validation, export, report: the same for every kind of
+    trainer."""
+    import torch.distributed as dist
+
+    from toolkit.train.job.evaluate import build_validation
+
+    log = RunLog(output_dir=output_dir, is_writer=dist.get_rank() == 0, layout=layout, spec=spec, ds_config=ds_config)
+    if notice and dist.get_rank() == 0:
+        print(notice, flush=True)
+    validation = build_validation(spec=spec, layout=layout, trainer=trainer, hf_dir=hf_dir)
+    saving = _checkpoint_settings(trainer=trainer, spec=spec, layout=layout)
+    resumed = checkpoints.resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", **saving)
+    if resumed.resharded:  # the per-rank RNG streams of another layout do not map onto this one's ranks
+        from toolkit import backend as backends
+
+        backends.current().seed(spec.training.seed + resumed.step)
+    log.started(start_step=resumed.step, total_steps=spec.training.train_steps, validation=validation,
+                resharded=resumed.resharded)
+    _loop(trainer=trainer, batches=batches, spec=spec, log=log, start=resumed.step, output_dir=output_dir,
+          validation=validation, saving=saving)
+    export()
+    log.finished()
+    return log.history
+
+
+def _checkpoint_settings(*, trainer, spec, layout) -> dict:
+    """This run's layout record, and for megatron-core models the layout-free state other layouts resume from."""
+    from toolkit.train.engine.hybrid import HybridEngine
+    from toolkit.train.checkpoint.reshard import LayoutFreeState, layout_record
+
+    record = layout_record(layout=layout, zero_stage=spec.parallel.zero_stage)
+    layout_free = None
+    if isinstance(trainer, HybridEngine):
+        layout_free = LayoutFreeState(engine=trainer.engine, chunks=trainer.chunks, layout=record,
+                                      global_batch_size=layout.global_batch_size)
+    return {"layout": record, "layout_free": layout_free}
+
+
+def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path, validation=None, saving=None) -> None:
+    """Train steps start+1 .. train_steps. With validation: the validation loss before the first step (step 0),
+    after every eval_interval steps and after the last, measured before that step's checkpoint is saved, so a run
+    resumed from a checkpoint already has the validation loss of its step."""
+    import torch.distributed as dist
+
+    from toolkit.train.job.evaluate import eval_steps, evaluate
+
+    total = spec.training.train_steps
+    evaluated = set(eval_steps(eval_interval=spec.training.eval_interval, start=start, total=total)
+                    if validation is not None else ())
+    if start in evaluated:
+        log.validation(step=start, result=evaluate(trainer=trainer, validation=validation), engine=trainer.engine)
+    # Rank 0's bar, on a terminal only (disable=None): in a log file its redraws would be noise.
+    with tqdm(total=total, initial=start, desc="training", disable=True if dist.get_rank() != 0 else None,
+              leave=False) as bar:
+        for step in range(start, total):
+            stats = trainer.train_step(batches.batches_for_step(step))
+            log.step(step=step + 1, stats=stats, engine=trainer.engine)
+            bar.update(1)
+            if step + 1 in evaluated:
+                log.validation(step=step + 1, result=evaluate(trainer=trainer, validation=validation),
+                               engine=trainer.engine)
+            if (step + 1) % spec.training.checkpoint_interval == 0 or step + 1 == total:
+                checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1,
+                                 keep_checkpoints=spec.training.keep_checkpoints, **(saving or {}))
+
+
+def _export(*, hybrid, info, spec, output_dir: Path) -> None:
+    """Trained weights -> dsmt megatron checkpoint, saved collectively (every rank writes its own shards; ZeRO-3
+    parameters are gathered one at a time into CPU copies) -> HF directory, streamed tensor by tensor from that
+    checkpoint by rank 0 while the other ranks wait on its status file: liveness-checked, no collective timeout a
+    long export could outlast, and a failure on rank 0 raises on every rank. With LoRA, the merge and the adapter
+    files also read the gathered CPU copies (base weights and adapters are partitioned at ZeRO-3)."""
+    import contextlib
+
+    from toolkit.convert.checkpoint import run_on_rank0
+    from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
+    from toolkit.models.chunks import save_mcore_checkpoint
+    from toolkit.train.lora.export import gather_peft_adapter, merged_lora, write_peft_adapter
+    from toolkit.train.engine.zero3 import params_on_cpu
+
+    mcore_dir, hf_dir = output_dir / "final-mcore", output_dir / "final-hf"
+    lora = spec.training.lora
+    adapter = None
+    with params_on_cpu(hybrid.engine.module):
+        # LoRA: final-mcore / final-hf get W + scaling * B A (merged into copies: the engine keeps the adapters)
+        with merged_lora(hybrid.chunks) if lora is not None else contextlib.nullcontext():
+            save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
+                                  params_dtype=params_dtype(spec.training.precision), overwrite=True)
+        if lora is not None:  # PEFT's files, for PeftModel.from_pretrained(original model, final-hf-adapter)
+            adapter = gather_peft_adapter(hybrid.chunks, settings=info.settings, lora=lora)
+
+    def export(progress) -> str:
+        line = convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True, progress=progress).line()
+        if lora is not None:  # after final-hf: trained embeddings are read from it
+            write_peft_adapter(adapter, settings=info.settings, lora=lora, out_dir=output_dir / "final-hf-adapter",
+                               base_model=info.source_checkpoint(), hf_dir=hf_dir)
+        return line
+
+    run_on_rank0(export, status_file=output_dir / ".final-hf.status.json", what=f"export of {hf_dir}")
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m toolkit.train")
+    parser.add_argument("--config", help="job spec (YAML/JSON); default RUN_DIR/job.resolved.yaml")
+    parser.add_argument("--run-dir", type=Path, help="the `dsmt generate` directory: its ds_config.json is what "
+                        "DeepSpeed receives, checked against the spec first (toolkit/train/job/run_files.py)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = parser.parse_args(argv)
+    from toolkit.parallel.groups import adopt_mpi_ranks
+    from toolkit.spec.checks import check_file
+
+    adopt_mpi_ranks()  # under mpirun: RANK & co. from OMPI_COMM_WORLD_*, before anything reads them
+    from toolkit.train.job.run_files import spec_path_for
+
+    config = spec_path_for(config=args.config, run_dir=args.run_dir, overrides=args.set)
+    spec, report = check_file(config, overrides=args.set)
+    if spec is None or not report.ok:
+        raise DsmtError(f"job spec {config} does not pass `dsmt check`:\n{report.to_text()}")
+    from toolkit.launch.rank_output import quiet_other_ranks
+
+    quiet_other_ranks(log_dir=Path(spec.training.output_dir) / "logs")  # rank 0 speaks (toolkit/launch/rank_output.py)
+    ds_config = None
+    if args.run_dir is not None:  # before any process group, model or output file: a contradiction stops here
+        from toolkit.train.job.run_files import compare_run_files
+
+        run_files = compare_run_files(run_dir=args.run_dir, spec=spec).require_agreement(spec_ref=str(config))
+        if os.environ.get("RANK", "0") == "0":  # the launcher's rank; one copy of the report
+            print("\n".join(run_files.start_lines()), flush=True)
+        ds_config = run_files.ds_config
+    train(spec=spec, ds_config=ds_config)  # a run resumed after its last step has nothing to do, and succeeds
+    return 0

@@ -1,0 +1,236 @@
+"""LoRA in and out of PEFT's format, and the merged export (toolkit/train/lora/adapters.py holds the adapters).
+
+  init      `read_init_adapter`: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) checked
+            against the spec's rank / alpha / targets and the model's shapes; one error lists everything wrong.
+  merged    `merged_lora(chunks)`: inside, each adapted linear's weight is W + scaling * B A (fp32, cast back) in a
+            new tensor and the adapters are detached, so the existing megatron-checkpoint -> HF export writes a
+            plain model with the unchanged weight table; on exit the unmerged weights and adapters come back.
+  adapter   `gather_peft_adapter` then `write_peft_adapter`: PEFT's files written by rank 0 from the layers of every
+            PP stage (and VPP chunk), after the merged export (trained embeddings are read from it),
+            keys as PEFT names them (base_model.model.<module>.lora_A.weight), config from peft's LoraConfig.
+At ZeRO-3 both read whole tensors only inside `params_on_cpu` (toolkit/train/engine/zero3.py: every parameter gathered into
+a CPU copy); outside it a partitioned base weight or adapter is an empty shard, and `require_whole` raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from toolkit.adapters.load import full_shape
+from toolkit.train.lora.adapters import LoraError, adapted_linears, attach, detach, module_shape
+
+PEFT_PREFIX = "base_model.model."
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+def peft_key(hf_module_path: str, matrix: str) -> str:
+    """PEFT's saved name of a LoRA matrix ("lora_A" / "lora_B") of an HF module."""
+    return f"{PEFT_PREFIX}{hf_module_path}.{matrix}.weight"
+
+
+def expected_adapter_shapes(*, settings, modules) -> dict[str, tuple[int, ...]]:
+    """PEFT key -> shape of the adapter the run expects, for rank r (filled by the caller) per module."""
+    shapes = {}
+    for module in modules:
+        out_features, in_features = module_shape(settings, module)
+        for layer in range(settings.num_layers):
+            shapes[peft_key(module.path_for(layer), "lora_A")] = ("r", in_features)
+            shapes[peft_key(module.path_for(layer), "lora_B")] = (out_features, "r")
+    return shapes
+
+
+def read_init_adapter(path, *, settings, modules, lora) -> dict[str, torch.Tensor]:
+    """'<hf module path>.lora_A' / '.lora_B' -> tensor from a PEFT adapter directory; LoraError listing every
+    mismatch (rank, alpha, targets, missing / unexpected / mis-shaped tensors, unsupported PEFT options)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise LoraError(f"training.lora.init_adapter={path}: a PEFT adapter directory holds {CONFIG_FILE} and "
+                        f"{WEIGHTS_FILE} (PeftModel.save_pretrained); found {sorted(p.name for p in path.glob('*'))}")
+    config = json.loads((path / CONFIG_FILE).read_text())
+    tensors = load_file(path / WEIGHTS_FILE)
+    problems = []
+    if config.get("r") != lora.rank:
+        problems.append(f"r={config.get('r')} in the adapter, training.lora.rank={lora.rank}")
+    if float(config.get("lora_alpha", -1)) != float(lora.alpha):
+        problems.append(f"lora_alpha={config.get('lora_alpha')} in the adapter, training.lora.alpha={lora.alpha}")
+    if config.get("modules_to_save"):
+        problems.append(f"modules_to_save={config['modules_to_save']}: dsmt starts trained embeddings from the base "
+                        "checkpoint only; merge this adapter into the model (PeftModel.merge_and_unload, then "
+                        "save_pretrained) and fine-tune the merged checkpoint")
+    for option, plain in (("use_rslora", False), ("use_dora", False), ("bias", "none")):
+        if config.get(option, plain) != plain:
+            problems.append(f"{option}={config.get(option)!r}: dsmt's LoRA supports {option}={plain!r} only")
+    wanted_names = sorted({module.name for module in modules})
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or sorted(set(targets)) != wanted_names:
+        problems.append(f"target_modules={targets} in the adapter, the run targets {wanted_names} "
+                        "(set training.lora.targets to the adapter's list)")
+    expected = expected_adapter_shapes(settings=settings, modules=modules)
+    for key, shape in expected.items():
+        want = tuple(lora.rank if dim == "r" else dim for dim in shape)
+        if key not in tensors:
+            problems.append(f"{key} missing from {WEIGHTS_FILE}")
+        elif tuple(tensors[key].shape) != want:
+            problems.append(f"{key} has shape {tuple(tensors[key].shape)}, expected {want}")
+    problems += [f"{key} in {WEIGHTS_FILE} is not an adapter of the run's targets" for key in sorted(set(tensors) - set(expected))]
+    if problems:
+        raise LoraError(f"training.lora.init_adapter={path} does not fit the run ({len(problems)} problem(s)):\n  - "
+                        + "\n  - ".join(problems))
+    return {key.removeprefix(PEFT_PREFIX).removesuffix(".weight"): value for key, value in tensors.items()}
+
+
+def require_whole(module: torch.nn.Module, *, what: str) -> None:
+    """Raise unless every parameter of `module` holds its whole tensor (a ZeRO-3 parameter outside a gather holds
+    an empty shard: reading it would merge or export garbage, silently)."""
+    for name, param in module.named_parameters():
+        if tuple(param.data.shape) != full_shape(param):
+            raise LoraError(f"{what}: {name} holds {tuple(param.data.shape)} of its {full_shape(param)} (a ZeRO-3 "
+                            "partition); read it inside toolkit.train.engine.zero3.params_on_cpu (as run._export does)")
+
+
+@contextlib.contextmanager
+def merged_lora(chunks: list):
+    """Inside: every adapted linear holds its merged weight (a new tensor) and no adapter. Collective-free. At
+    ZeRO-3, enter it inside `params_on_cpu`."""
+    saved = []
+    try:
+        for _, _, module in adapted_linears(chunks):
+            require_whole(module, what="LoRA merge")  # the base weight and (recursively) the adapter
+            merged = module.lora.merged_weight(module.weight.data)
+            saved.append((module, module.weight.data, detach(module)))
+            module.weight.data = merged
+        yield
+    finally:
+        for module, weight, adapter in saved:
+            module.weight.data = weight
+            attach(module, adapter)
+
+
+def local_adapter_state(chunks: list) -> dict[str, torch.Tensor]:
+    """PEFT key -> CPU copy of every adapter tensor of this rank's layers (full on every TP rank)."""
+    state = {}
+    for _, _, module in adapted_linears(chunks):
+        adapter = module.lora
+        require_whole(adapter, what="LoRA adapter export")
+        for slot, path in adapter.hf_paths.items():
+            state[peft_key(path, "lora_A")] = adapter.lora_A[str(slot)].detach().to("cpu", copy=True)
+            state[peft_key(path, "lora_B")] = adapter.lora_B[str(slot)].detach().to("cpu", copy=True)
+    return state
+
+
+def embedding_names(settings) -> tuple[str, str]:
+    """HF tensor names of the input embedding and the output layer (its untied row, also for a tied model)."""
+    embedding = next(row.hf[0] for row in settings.family.weights if row.megatron == "embedding.word_embeddings.weight")
+    return embedding, settings.family.untied_output.hf[0]
+
+
+def peft_config(*, settings, modules, lora, base_model: str):
+    """peft's own LoraConfig for the run's adapter; with trained embeddings their modules as `modules_to_save`
+    (a tied pair: the embedding, kept tied to the output layer by `ensure_weight_tying`, as peft writes it)."""
+    from peft import LoraConfig
+
+    extra = {}
+    if lora.train_embeddings:
+        embedding, output = (name.removesuffix(".weight") for name in embedding_names(settings))
+        extra = {"modules_to_save": [embedding.rsplit(".", 1)[-1]] + ([] if settings.tied_embeddings
+                                                                     else [output.rsplit(".", 1)[-1]]),
+                 "ensure_weight_tying": settings.tied_embeddings}
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=sorted({module.name for module in modules}), bias="none", task_type="CAUSAL_LM",
+                      fan_in_fan_out=any(row.transposed for row in settings.family.weights
+                                         if row.megatron.endswith("linear_qkv.weight")),
+                      base_model_name_or_path=base_model, **extra)
+
+
+def gather_peft_adapter(chunks: list, *, settings, lora) -> dict[str, torch.Tensor] | None:
+    """The LoRA matrices of every pipeline stage, on rank 0 (None elsewhere), gathered from the TP-rank-0,
+    DP-rank-0 rank of each stage (the tensors are full on every TP rank). Collective. At ZeRO-3, call it inside
+    `params_on_cpu`."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from toolkit.train.lora.adapters import resolve_targets
+
+    first_replica = (parallel_state.get_tensor_model_parallel_rank() == 0
+                     and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
+    local = local_adapter_state(chunks) if first_replica else {}
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    state = {key: value.contiguous() for part in gathered for key, value in part.items()}
+    expected = set(expected_adapter_shapes(settings=settings, modules=resolve_targets(settings.family, lora.targets)))
+    if set(state) != expected:
+        raise LoraError(f"adapter export gathered {len(state)} tensors, expected {len(expected)}; missing: "
+                        f"{sorted(expected - set(state))[:5]}")
+    return state
+
+
+def write_peft_adapter(state: dict, *, settings, lora, out_dir: Path, base_model: str, hf_dir: Path) -> None:
+    """Write final-hf-adapter (rank 0): peft's config and the LoRA matrices and, with trained embeddings, their
+    tensors as peft saves `modules_to_save` (base_model.model.<module>.weight; a tied pair under both names), read
+    from the merged export `hf_dir`, so the embeddings are gathered and unpadded once. Written into a temporary
+    directory renamed at the end: a failure leaves no adapter that looks whole."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from toolkit.train.lora.adapters import resolve_targets
+
+    state = dict(state)
+    if lora.train_embeddings:
+        state.update(trained_embeddings(settings=settings, hf_dir=hf_dir))
+    out_dir = Path(out_dir)
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    modules = resolve_targets(settings.family, lora.targets)
+    peft_config(settings=settings, modules=modules, lora=lora, base_model=base_model).save_pretrained(partial)
+    save_file(dict(sorted(state.items())), partial / WEIGHTS_FILE, metadata={"format": "pt"})
+    shutil.rmtree(out_dir, ignore_errors=True)
+    partial.rename(out_dir)
+
+
+def trained_embeddings(*, settings, hf_dir: Path) -> dict[str, torch.Tensor]:
+    """PEFT key -> the trained embedding (and untied output layer) of the exported HF checkpoint `hf_dir`."""
+    from safetensors import safe_open
+
+    embedding, output = embedding_names(settings)
+    wanted = {embedding: embedding} | {output: (embedding if settings.tied_embeddings else output)}
+    found = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as tensors:
+            for key, source in wanted.items():
+                if source in tensors.keys():
+                    # a copy each: a tied pair read twice shares the file's storage, which safetensors refuses
+                    found[f"{PEFT_PREFIX}{key}"] = tensors.get_tensor(source).clone()
+    if len(found) != len(wanted):
+        raise LoraError(f"training.lora.train_embeddings: {sorted(set(wanted.values()))} not all found in the "
+                        f"export {hf_dir}: the adapter would miss trained embeddings")
+    return found
+
+
+def init_adapter_problems(*, spec, settings) -> list:
+    """For `dsmt train --dry-run`: training.lora.init_adapter read and compared with the run's targets and shapes,
+    as every rank will at start-up (`dsmt check` only sees that the directory exists)."""
+    from toolkit.spec.report import Problem
+    from toolkit.train.lora.adapters import resolve_targets
+
+    lora = spec.training.lora
+    if lora is None or lora.init_adapter is None or settings is None:
+        return []
+    try:
+        read_init_adapter(lora.init_adapter, settings=settings, lora=lora,
+                          modules=resolve_targets(settings.family, lora.targets))
+    except LoraError as err:
+        return [Problem("error", "lora_init_adapter", str(err), "train a fresh adapter (unset init_adapter), or "
+                        "set training.lora to the adapter's rank, alpha and targets")]
+    return [Problem("info", "lora_init_adapter", f"training.lora.init_adapter={lora.init_adapter} fits the model "
+                    f"(rank {lora.rank})")]
+

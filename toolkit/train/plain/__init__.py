@@ -1,0 +1,1 @@
+"""Models without a megatron-core adapter: DeepSpeed ZeRO data parallelism only (`engine`), synthetic inputs (`synthetic`)."""
