@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 def run_on_ranks(script: Path | str, *args: str, nprocs: int, timeout: int = 600,
                  env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --nproc_per_node=nprocs script args...`; `env` adds variables."""
-    from toolkit.launch.local import free_port, run_ranks
+    from toolkit.launch.local import run_ranks
+    from toolkit.launch.ports import free_port
 
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})}

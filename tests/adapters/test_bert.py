@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from toolkit.adapters.family import AdapterError
+from toolkit.adapters.family import AdapterError, expand_table
 from toolkit.adapters.hf_config import load_hf_config, model_settings
-from toolkit.adapters.load import check_hf_coverage, expand_table
+from toolkit.adapters.load import check_hf_coverage
 from toolkit.demo.tiny_encoder import TINY_BERT, TINY_BERT_HEADS, make_tiny_bert
 
 HEADS = TINY_BERT_HEADS

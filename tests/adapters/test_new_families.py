@@ -271,7 +271,7 @@ def test_gemma3_layer_table_is_its_half_and_contiguous_for_fused_rope():
 def test_zero_centred_norm_in_bf16_is_hf_gemma_norm_to_the_bit():
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 
-    from toolkit.adapters.build import ZeroCenteredRMSNorm
+    from toolkit.adapters.norms import ZeroCenteredRMSNorm
 
     torch.manual_seed(2)
     ours, hf = ZeroCenteredRMSNorm(64, eps=1e-6).to(torch.bfloat16), Gemma2RMSNorm(64, eps=1e-6).to(torch.bfloat16)

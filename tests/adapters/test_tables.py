@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from toolkit.adapters.family import AdapterError, get_family, supported_model_types
+from toolkit.adapters.family import AdapterError, expand_table, get_family, supported_model_types
 from toolkit.adapters.hf_config import model_settings, rope_settings
-from toolkit.adapters.load import check_hf_coverage, expand_table
+from toolkit.adapters.load import check_hf_coverage
 from toolkit.demo.tiny import tiny_config
 
 

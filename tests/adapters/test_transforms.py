@@ -5,6 +5,7 @@ import torch
 
 from toolkit.adapters import transforms
 from toolkit.adapters.transforms import Kind, ShapeContext
+from toolkit.models.shapes import padded_vocab_size
 
 # 4 query heads, 2 KV groups, head_dim 1, hidden 3: rows are easy to follow by value.
 CTX = ShapeContext(num_attention_heads=4, num_query_groups=2, head_dim=1, vocab_size=5, padded_vocab_size=8)
@@ -54,8 +55,8 @@ def test_vocab_padding_is_zero_rows_and_stripped_on_export():
     padded = transforms.to_megatron(Kind.VOCAB, [table], ctx=CTX)
     assert padded.shape == (8, 3) and torch.equal(padded[5:], torch.zeros(3, 3))
     assert torch.equal(transforms.to_hf(Kind.VOCAB, padded, ctx=CTX)[0], table)
-    assert transforms.padded_vocab_size(250, multiple=128) == 256
-    assert transforms.padded_vocab_size(256, multiple=128) == 256
+    assert padded_vocab_size(250, multiple=128) == 256
+    assert padded_vocab_size(256, multiple=128) == 256
 
 
 def test_row_and_column_split_dims():

@@ -16,7 +16,7 @@ from data_helpers import EXAMPLES
 from toolkit.convert.checkpoint import lead_task
 from toolkit.data import MicroBatches, build_examples, cache, examples as uncached, open_cache, prepare_cache
 from toolkit.errors import DsmtError
-from toolkit.launch.local import free_port
+from toolkit.launch.ports import free_port
 from toolkit.spec.schema import DataSpec
 
 REPO = Path(__file__).parents[2]

@@ -11,7 +11,8 @@ import torch
 
 from toolkit.data.images import (IMAGENET_MEAN, IMAGENET_STD, ImageFolderError, UnreadableImageError,
                                  default_transform)
-from toolkit.data.tasks import LabelFieldMissingError, NumLabelsMismatchError, task_examples
+from toolkit.data.labels import LabelFieldMissingError, NumLabelsMismatchError
+from toolkit.data.tasks import task_examples
 from toolkit.spec.schema import DataSpec
 
 CLASSES = ("cat", "dog", "fox")

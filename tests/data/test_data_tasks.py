@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.data.tasks import (LabelFieldMissingError, LabelTypeError, NumLabelsMismatchError, TaskBatches,
-                                UnsupportedTaskError, mlm_row_seed, task_examples, task_of)
+from toolkit.data.labels import LabelFieldMissingError, LabelTypeError, NumLabelsMismatchError
+from toolkit.data.tasks import TaskBatches, UnsupportedTaskError, mlm_row_seed, task_examples, task_of
 from toolkit.spec.schema import DataSpec
 
 WORDS = "the a cat dog sat on mat ran fast slow big small red blue green house tree bird sky sun".split()

@@ -15,7 +15,7 @@ import pytest
 
 from gen_helpers import VARIANTS
 from toolkit.generate.writer import write_run_dir
-from toolkit.launch.local import free_port
+from toolkit.launch.ports import free_port
 from toolkit.spec.load import validate_spec
 
 pytestmark = pytest.mark.multiproc

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from toolkit.generate.writer import write_run_dir
-from toolkit.launch.local import free_port
+from toolkit.launch.ports import free_port
 from toolkit.spec.load import validate_spec
 
 REPO = Path(__file__).parents[2]

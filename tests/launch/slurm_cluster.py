@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from launch_helpers import require_programs, stop_process
-from toolkit.launch.local import free_port
+from toolkit.launch.ports import free_port
 
 NODE_NAME = "dsmt-slurm"  # need not resolve: slurmd -N names itself, NodeAddr says where it listens
 PARTITION = "dsmt-test"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from launch_helpers import require_programs, stop_process, tiny_spec, write_run
-from toolkit.launch.local import free_port
+from toolkit.launch.ports import free_port
 
 HOSTS_FILE = Path("/etc/hosts")
 NODES = {"dsmt-node-a": "127.0.0.1", "dsmt-node-b": "127.0.0.2"}

@@ -45,7 +45,7 @@ def probe(tmp_path: Path, *args: str, env: dict | None = None, timeout_s: float 
     out = tmp_path / "out.txt"
     with open(out, "w") as stdout, open(tmp_path / "err.txt", "w") as stderr:
         returncode = run_ranks([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                f"--master_port={__import__('toolkit.launch.local').launch.local.free_port()}", str(PROBE),
+                                f"--master_port={__import__('toolkit.launch.ports').launch.ports.free_port()}", str(PROBE),
                                 *args], target=["path", str(PROBE)], args=list(args), nprocs=2,
                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=stdout,
                                stderr=stderr, timeout_s=timeout_s, cwd=str(tmp_path))

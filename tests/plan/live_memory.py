@@ -185,7 +185,8 @@ def run_launch(*, model_dir: Path, out_dir: Path, processes: int, cases: dict, t
     import os
     import tempfile
 
-    from toolkit.launch.local import free_port, run_ranks
+    from toolkit.launch.local import run_ranks
+    from toolkit.launch.ports import free_port
 
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [str(model_dir), str(out_dir), json.dumps(cases)]

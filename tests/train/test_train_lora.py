@@ -252,7 +252,8 @@ def lora_grads(*, model_dir: str, adapter_dir: str, tp: int, sp: bool, summed: b
     from toolkit.parallel.groups import Layout, init_process_groups
     from toolkit.spec.schema import LoraSpec
     from toolkit.train.engine.hybrid import sum_sequence_parallel_grads
-    from toolkit.train.lora.adapters import LINEARS, adapted_linears, apply_lora
+    from toolkit.train.lora.adapters import LINEARS, adapted_linears
+    from toolkit.train.lora.apply import apply_lora
     from toolkit.train.lora.export import peft_key
     from toolkit.train.engine.loss import masked_token_loss_sum
 

@@ -327,9 +327,10 @@ def test_local_layers_and_final_norm_use_the_marked_torch_norm(monkeypatch):
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from toolkit.adapters.build import TorchNorm, decoder_spec, layer_spec, transformer_config
+    from toolkit.adapters.build import decoder_spec, layer_spec, transformer_config
     from toolkit.adapters.family import AdapterError
     from toolkit.adapters.hf_config import model_settings
+    from toolkit.adapters.norms import TorchNorm
     from toolkit.parallel.groups import Layout
     from toolkit.demo.tiny import tiny_config
 

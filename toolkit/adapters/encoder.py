@@ -46,8 +46,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, get_linear_layer
 
-from toolkit.adapters.build import TorchNorm
 from toolkit.adapters.family import AdapterError
+from toolkit.adapters.norms import TorchNorm
 
 
 def post_norm_layer_spec(config):

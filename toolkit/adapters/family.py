@@ -57,6 +57,25 @@ class WeightMapping:
         return concrete(self.megatron), tuple(concrete(name) for name in self.hf)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadItem:
+    megatron: str
+    kind: Kind
+    hf: tuple[str, ...]
+    transposed: bool = False  # HF stores the tensors [in, out] (Conv1D)
+
+
+def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int, num_experts: int = 0) -> dict[str, LoadItem]:
+    """Every concrete (megatron name -> HF names) row of the model (expert rows once per global expert)."""
+    items = {}
+    for row in table:
+        for layer in (range(num_layers) if row.per_layer else [None]):
+            for expert in (range(num_experts) if row.per_expert else [None]):
+                megatron, hf = row.for_layer(layer, expert)
+                items[megatron] = LoadItem(megatron, row.kind, hf, row.transposed)
+    return items
+
+
 def gelu_tanh(x):
     """GELU with the tanh approximation (HF `gelu_pytorch_tanh`, `gelu_new`)."""
     import torch

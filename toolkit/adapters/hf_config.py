@@ -6,10 +6,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from toolkit.adapters.family import AdapterError, HeadTable, ModelFamily, Multipliers, WeightMapping, get_family
+from toolkit.adapters.family import (AdapterError, HeadTable, ModelFamily, Multipliers, WeightMapping, expand_table,
+                                     get_family)
 from toolkit.adapters.longrope import longrope_from_hf
-from toolkit.adapters.transforms import ShapeContext, padded_vocab_size
-from toolkit.models.shapes import VOCAB_PAD_MULTIPLE
+from toolkit.adapters.transforms import ShapeContext
+from toolkit.models.shapes import VOCAB_PAD_MULTIPLE, padded_vocab_size  # one rule for adapters, spec and planner
 
 # (HF config field, megatron TransformerConfig field), copied as they are.
 SHARED_CONFIG_TABLE = (
@@ -175,9 +176,7 @@ class ModelSettings:
             + self.encoder.head.weights
 
     def load_items(self) -> dict:
-        """Every concrete row of the weight table: canonical megatron name -> `toolkit.adapters.load.LoadItem`."""
-        from toolkit.adapters.load import expand_table
-
+        """Every concrete row of the weight table: canonical megatron name -> `toolkit.adapters.family.LoadItem`."""
         return expand_table(self.weight_table(), num_layers=self.num_layers, num_experts=self.num_experts)
 
     def ignored_hf(self) -> tuple[str, ...]:

@@ -10,7 +10,6 @@ last stage's copy of tied embeddings (megatron keys it as `embedding.word_embedd
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 from typing import Callable
 
@@ -18,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from toolkit.adapters import transforms
-from toolkit.adapters.family import AdapterError, WeightMapping
+from toolkit.adapters.family import AdapterError, LoadItem
 from toolkit.adapters.hf_config import ModelSettings
 from toolkit.adapters.transforms import Kind
 
@@ -94,25 +93,6 @@ def canonical_parameters(chunks: list) -> dict[str, torch.nn.Parameter]:
     with full_shape_standins(params):
         by_pointer = {p.data_ptr(): p for p in params}
         return {name: by_pointer[tensor.data_ptr()] for name, tensor in canonical_tensors(chunks).items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadItem:
-    megatron: str
-    kind: Kind
-    hf: tuple[str, ...]
-    transposed: bool = False  # HF stores the tensors [in, out] (Conv1D)
-
-
-def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int, num_experts: int = 0) -> dict[str, LoadItem]:
-    """Every concrete (megatron name -> HF names) row of the model (expert rows once per global expert)."""
-    items = {}
-    for row in table:
-        for layer in (range(num_layers) if row.per_layer else [None]):
-            for expert in (range(num_experts) if row.per_expert else [None]):
-                megatron, hf = row.for_layer(layer, expert)
-                items[megatron] = LoadItem(megatron, row.kind, hf, row.transposed)
-    return items
 
 
 def _pattern(name: str) -> re.Pattern:

@@ -31,8 +31,6 @@ import enum
 
 import torch
 
-from toolkit.models.shapes import padded_vocab_size  # noqa: F401  (one rule for adapters, spec and planner)
-
 
 class Kind(enum.Enum):
     REPLICATED = "replicated"

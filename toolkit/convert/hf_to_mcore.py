@@ -18,9 +18,10 @@ import torch
 
 from toolkit import backend as backends
 from toolkit.adapters import transforms
+from toolkit.adapters.family import LoadItem
 from toolkit.adapters.hf_config import DEFAULT_VOCAB_PAD_MULTIPLE, ModelSettings
 from toolkit.adapters.hf_source import SafetensorsSource
-from toolkit.adapters.load import LoadItem, plan_load
+from toolkit.adapters.load import plan_load
 from toolkit.convert import checkpoint as ckpt
 from toolkit.convert.dcp_writer import ObjectChunk, TensorChunk, write_torch_dist
 from toolkit.convert.progress import ConversionSummary, byte_progress, peak_rss_bytes

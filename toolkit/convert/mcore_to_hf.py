@@ -19,10 +19,9 @@ from typing import Callable
 import torch
 
 from toolkit.adapters import transforms
-from toolkit.adapters.family import AdapterError
+from toolkit.adapters.family import AdapterError, LoadItem
 from toolkit.adapters.hf_config import ModelSettings
 from toolkit.adapters.hf_source import _SAFETENSORS_DTYPES
-from toolkit.adapters.load import LoadItem
 from toolkit.convert import checkpoint as ckpt
 from toolkit.convert.mcore_reader import STACKED_EXPERTS, McoreReader
 from toolkit.convert.progress import ConversionSummary, byte_progress, peak_rss_bytes

@@ -35,6 +35,7 @@ import torch
 
 from toolkit.data import examples as uncached
 from toolkit.data import validation
+from toolkit.data.sources import source_identity
 from toolkit.data.tokenize import Examples, load_tokenizer
 from toolkit.errors import DsmtError
 from toolkit.spec.schema import DataSpec
@@ -70,6 +71,17 @@ def shared_examples(*, data: DataSpec, model_path: str | None, seq_length: int, 
 
     directory = run_on_rank0(prepare, status_file=status_file, what="preparing the training data")
     return open_cache(Path(directory))
+
+
+def shared_validation_examples(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int,
+                               seed: int, cache_root: Path, status_file: Path):
+    """Collective, like `shared_examples`: the validation examples (toolkit/data/validation.py), tokenised once
+    (rank 0)."""
+    if data.synthetic:
+        raise validation.ValidationDataError("data.synthetic=true has no validation records; unset "
+                                             "data.validation_path and data.validation_fraction, or train on data.path")
+    return shared_examples(data=data, model_path=model_path, seq_length=seq_length, vocab_size=vocab_size,
+                           seed=seed, cache_root=cache_root, status_file=status_file, part=validation.VALIDATION)
 
 
 def prepare_cache(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, cache_root: Path,
@@ -117,21 +129,6 @@ def tokenizer_identity(tokenizer) -> str:
     described = json.dumps([type(tokenizer).__name__, pipeline, specials, getattr(tokenizer, "chat_template", None)],
                            default=str)
     return hashlib.sha256(described.encode()).hexdigest()
-
-
-def source_identity(path_text: str) -> list:
-    """[relative name, size, mtime_ns] of the file, or of every file under a save_to_disk directory."""
-    path = Path(path_text).expanduser()
-    if path.is_file():
-        stat = path.stat()
-        return [[str(path.resolve()), stat.st_size, stat.st_mtime_ns]]
-    if path.is_dir():
-        found = [[str(path.resolve())]]
-        for file in sorted(p for p in path.rglob("*") if p.is_file()):
-            stat = file.stat()
-            found.append([str(file.relative_to(path)), stat.st_size, stat.st_mtime_ns])
-        return found
-    return [["hub", path_text]]  # not local: load_records decides whether it is a hub id
 
 
 def write_cache(*, directory: Path, examples: Examples, inputs: dict) -> dict:

@@ -9,8 +9,7 @@ from toolkit.data.sources import load_records
 from toolkit.data.synthetic import synthetic_examples
 from toolkit.data.tokenize import Examples, load_tokenizer, tokenize_examples
 from toolkit.errors import DsmtError
-from toolkit.spec.checks import DATA_SOURCE_FIX
-from toolkit.spec.schema import DataSpec
+from toolkit.spec.schema import DATA_SOURCE_FIX, DataSpec
 
 
 def build_examples(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, seed: int,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.data.tasks import TaskExamples, check_num_labels, named_labels
+from toolkit.data.labels import TaskExamples, check_num_labels, named_labels
 from toolkit.errors import DsmtError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -134,7 +134,7 @@ def _saved_dataset(*, root: Path, data) -> tuple[list[dict], list]:
     """(sources in row order, label of each) from a save_to_disk directory with an Image column."""
     import datasets
 
-    from toolkit.data.tasks import LabelFieldMissingError
+    from toolkit.data.labels import LabelFieldMissingError
 
     loaded = datasets.load_from_disk(str(root))
     if isinstance(loaded, datasets.DatasetDict):
@@ -160,7 +160,7 @@ def _saved_dataset(*, root: Path, data) -> tuple[list[dict], list]:
 def _label_ids(*, raw_labels: list, model_config, data) -> torch.Tensor:
     """Class names or ids -> int64 ids: names through config.label2id when it names the classes, else folder /
     ClassLabel names by their sorted order, ints as they are."""
-    from toolkit.data.tasks import LabelTypeError
+    from toolkit.data.labels import LabelTypeError
 
     names = named_labels(model_config)
     if names is None:  # ClassLabel names (or folder names) in sorted order

@@ -157,3 +157,18 @@ def _check_records(*, records, data: DataSpec) -> None:
         )
     if len(records) == 0:
         raise DsmtError(f"data.path={data.path!r} (split {data.split!r}) has no records; give a non-empty dataset")
+
+
+def source_identity(path_text: str) -> list:
+    """[relative name, size, mtime_ns] of the file, or of every file under a save_to_disk directory."""
+    path = Path(path_text).expanduser()
+    if path.is_file():
+        stat = path.stat()
+        return [[str(path.resolve()), stat.st_size, stat.st_mtime_ns]]
+    if path.is_dir():
+        found = [[str(path.resolve())]]
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            stat = file.stat()
+            found.append([str(file.relative_to(path)), stat.st_size, stat.st_mtime_ns])
+        return found
+    return [["hub", path_text]]  # not local: load_records decides whether it is a hub id

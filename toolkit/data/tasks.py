@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.data.batches import MicroBatches
+from toolkit.data.labels import LabelFieldMissingError, LabelTypeError, TaskExamples, check_num_labels, named_labels
 from toolkit.errors import DsmtError
 
 # Task, by the suffix of the HF class name in config.architectures[0].
@@ -53,24 +54,6 @@ class UnsupportedTaskError(DsmtError):
     rule = "plain_model_task"  # the `dsmt check` rule name
 
 
-class LabelFieldMissingError(DsmtError):
-    """A classification record has no `data.label_field` value."""
-
-    rule = "label_field"  # the `dsmt check` rule name
-
-
-class LabelTypeError(DsmtError):
-    """A label value is not what the head takes (class id, label name, or a number for regression)."""
-
-    rule = "label_type"  # the `dsmt check` rule name
-
-
-class NumLabelsMismatchError(DsmtError):
-    """The labels in the data do not fit the model's `num_labels`."""
-
-    rule = "num_labels"  # the `dsmt check` rule name
-
-
 def task_of(model_config) -> str:
     """The task of the model, from the class named in `model_config.architectures[0]`."""
     architectures = getattr(model_config, "architectures", None) or []
@@ -87,20 +70,6 @@ def task_of(model_config) -> str:
 def mlm_row_seed(*, seed: int, position: int) -> int:
     """The generator seed of the masks of the row at global sample position `position` (module docstring)."""
     return seed * 2**32 + position
-
-
-class TaskExamples:
-    """N examples of one task; `batch` collates rows by example index and global sample position."""
-
-    task: str
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def batch(self, *, indices: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Rows `indices` (example indices) as model inputs; `positions` (their global sample positions g) seed
-        whatever is random per sample (masked-LM masks)."""
-        raise NotImplementedError
 
 
 @dataclass
@@ -271,24 +240,6 @@ def class_labels(*, values: list | None, model_config, data, fields) -> torch.Te
     ids = [_class_id(v, index=i, data=data, names=names) for i, v in enumerate(values)]
     check_num_labels(label_ids=ids, num_labels=num_labels, what=f"{data.label_field!r} of data.path={data.path!r}")
     return torch.tensor(ids, dtype=torch.int64)
-
-
-def named_labels(model_config) -> dict[str, int] | None:
-    """config.label2id when it names the classes; None for HF's default names LABEL_0, LABEL_1, ..."""
-    label2id = dict(getattr(model_config, "label2id", None) or {})
-    if not label2id or all(name == f"LABEL_{i}" for name, i in label2id.items()):
-        return None
-    return {str(name): int(i) for name, i in label2id.items()}
-
-
-def check_num_labels(*, label_ids: list[int], num_labels: int, what: str) -> None:
-    found = sorted(set(label_ids))
-    if found and (found[0] < 0 or found[-1] >= num_labels):
-        shown = ", ".join(map(str, found[:20])) + (", ..." if len(found) > 20 else "")
-        raise NumLabelsMismatchError(
-            f"the labels in {what} are {{{shown}}} but the model has num_labels={num_labels} (class ids 0 .. "
-            f"{num_labels - 1}); re-save the model with num_labels={max(found[-1] + 1, num_labels)} "
-            f"(e.g. from_pretrained(..., num_labels=N)) or fix the labels")
 
 
 def _regression_target(value, *, index: int, data) -> float:

@@ -155,7 +155,7 @@ def tokenize_part(*, data: DataSpec, part: str, seed: int, tokenizer, seq_length
 def key_inputs(*, data: DataSpec, part: str, seed: int) -> dict:
     """What the cache key of `part` adds to the training key: nothing for training data without a held-out share
     (so existing caches stay valid), else the part, the split seed and the validation file's identity."""
-    from toolkit.data.cache import source_identity
+    from toolkit.data.sources import source_identity
 
     if part == TRAIN and data.validation_fraction is None:
         return {}
@@ -171,15 +171,3 @@ def describe_source(data: DataSpec) -> str:
     if data.validation_path is not None:
         return f"data.validation_path={data.validation_path}"
     return f"data.validation_fraction={data.validation_fraction} of data.path={data.path}"
-
-
-def shared_validation_examples(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int,
-                               seed: int, cache_root: Path, status_file: Path):
-    """Collective, like `toolkit.data.cache.shared_examples`: the validation examples, tokenised once (rank 0)."""
-    from toolkit.data.cache import shared_examples
-
-    if data.synthetic:
-        raise ValidationDataError("data.synthetic=true has no validation records; unset data.validation_path and "
-                                  "data.validation_fraction, or train on data.path")
-    return shared_examples(data=data, model_path=model_path, seq_length=seq_length, vocab_size=vocab_size,
-                           seed=seed, cache_root=cache_root, status_file=status_file, part=VALIDATION)

@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from toolkit.errors import DsmtError
+from toolkit.launch.ports import free_port
 from toolkit.launch.rank_output import CONSOLE_ENV, LOG_DIR_ENV, clear_reports, launched_failure, verbose
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: Path, timeout_s: float | None = 900.0,

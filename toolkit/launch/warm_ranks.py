@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from toolkit.launch.ports import free_port
 from toolkit.launch.warm_rank_child import become_rank
 
 SERVERS_ENV = "DSMT_RANK_SERVERS"
@@ -205,8 +206,6 @@ def launch(*, target: list[str], args: list[str], nprocs: int, env: dict[str, st
            stderr_fd: int, timeout_s: float | None, cwd: str | None = None) -> int:
     """Run `target` (["module", name] or ["path", script]) with `args` on nprocs warm ranks; the first non-zero
     exit code (the other ranks are then stopped, as torchrun does), else 0. Raises TimeoutError."""
-    from toolkit.launch.local import free_port
-
     directory, port = Path(os.environ[SERVERS_ENV]), free_port()
     conns: dict[socket.socket, int] = {}
     try:

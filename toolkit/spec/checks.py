@@ -18,8 +18,9 @@ from toolkit.spec.layout import (derive_layout, padded_vocab_size, parallel_layo
 from toolkit.spec.loopback import loopback_problems
 from toolkit.spec.model_checks import check_model_adapter
 from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
+from toolkit.spec.plain_checks import check_plain_model_data
 from toolkit.spec.report import Problem, Report, SpecError
-from toolkit.spec.schema import JobSpec
+from toolkit.spec.schema import DATA_SOURCE_FIX, JobSpec
 
 Check = Callable[..., list[Problem]]
 
@@ -101,10 +102,6 @@ def check_lengths_and_intervals(*, spec: JobSpec, shape: ModelShape) -> list[Pro
                                 f"checkpoint_interval={spec.training.checkpoint_interval} > train_steps="
                                 f"{spec.training.train_steps}: only the final checkpoint is written", ""))
     return problems
-
-
-DATA_SOURCE_FIX = ("set data.path to a jsonl/json/csv/parquet/text file or a save_to_disk directory, or "
-                   "data.synthetic: true for synthetic tokens (benchmarks, smoke tests)")
 
 
 def check_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
@@ -362,8 +359,6 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
                                 "adapts the megatron-core linears of a transformer family", "remove training.lora "
                                 "(full fine-tuning of this model), or fine-tune a supported transformer family"))
     problems += check_validation_data(spec=spec, shape=None)  # evaluated by PlainEngine.evaluate
-    from toolkit.spec.plain_checks import check_plain_model_data  # imports the data package, which imports this
-
     problems += check_plain_model_data(spec=spec, model_type=model_type)
     return problems
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.errors import DsmtError
-from toolkit.spec.checks import DATA_SOURCE_FIX
 from toolkit.spec.report import Problem
-from toolkit.spec.schema import JobSpec
+from toolkit.spec.schema import DATA_SOURCE_FIX, JobSpec
 
 CHEAP_SCAN_BYTES = 64 * 2**20  # jsonl files up to this size have their labels checked by `dsmt check`
 CHEAP_SCAN_FILES = 2000  # image folders up to this many files are decoded by `dsmt check`
@@ -78,7 +77,7 @@ def _image_folder_problems(*, path: Path, spec: JobSpec, config: dict) -> list[P
         return [Problem("error", "image_folder_classes", f"image folder data.path={spec.data.path} has "
                         f"{len(classes)} class sub-folder(s) ({', '.join(classes) or 'none'})",
                         "lay it out as DIR/<class>/<image>, at least two classes")]
-    from toolkit.data.tasks import named_labels
+    from toolkit.data.labels import named_labels
 
     facts, problems = _ConfigFacts(config), []
     if named_labels(facts) is None:  # classes are the sorted sub-folders, ids 0 .. len - 1

@@ -339,6 +339,11 @@ class TrainingSpec(Section):
         return self
 
 
+# The fix of a spec with no data (rule data_source), as `dsmt check` and the trainer word it.
+DATA_SOURCE_FIX = ("set data.path to a jsonl/json/csv/parquet/text file or a save_to_disk directory, or "
+                   "data.synthetic: true for synthetic tokens (benchmarks, smoke tests)")
+
+
 class DataSpec(Section):
     path: str | None = None  # jsonl/json/csv/parquet/text file or save_to_disk dir (or data.synthetic: true)
     synthetic: bool = False  # generated token sequences instead of data.path (benchmarks, smoke tests)

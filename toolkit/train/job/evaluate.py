@@ -126,8 +126,8 @@ def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValid
 
     from megatron.core import parallel_state
 
-    from toolkit.data.cache import cache_root_for
-    from toolkit.data.validation import describe_source, has_validation, shared_validation_examples
+    from toolkit.data.cache import cache_root_for, shared_validation_examples
+    from toolkit.data.validation import describe_source, has_validation
 
     data = spec.data
     if not has_validation(data):

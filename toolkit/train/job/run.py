@@ -128,7 +128,7 @@ def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pa
                                          show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
                                          attention=spec_attention(spec), zero3_config=zero3_config)
     if spec.training.lora is not None:  # freeze the base, attach the adapters (toolkit/train/lora/adapters.py)
-        from toolkit.train.lora.adapters import apply_lora
+        from toolkit.train.lora.apply import apply_lora
 
         apply_lora(chunks, settings=info.settings, lora=spec.training.lora, seed=spec.training.seed)
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,

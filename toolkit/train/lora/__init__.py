@@ -1,1 +1,2 @@
-"""LoRA: adapters on megatron-core chunks (`adapters`) and PEFT's format in and out (`export`)."""
+"""LoRA: adapters on megatron-core linears (`adapters`), applied to a rank's chunks (`apply`), and PEFT's format in
+and out (`export`)."""
