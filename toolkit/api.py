@@ -7,6 +7,10 @@
     api.generate(spec, out_dir=Path("run/"))    # ds_config.json, megatron.json, launch scripts, hostfile
     history = api.train(spec)                   # ranks on this machine, as `dsmt train`; per-step metrics
 
+    run = api.initialize(spec)                  # in every process of YOUR script under deepspeed / torchrun / srun
+    stats = run.train_step(micro_batches)       # HF-convention batches: {"loss", "grad_norm", "lr", "tokens"}
+    run.save_checkpoint("ckpt/"); run.export_hf("hf-out/")
+
 A spec is the same `JobSpec` the YAML files validate into (toolkit/spec/schema.py), so a script that builds specs
 in a loop gets the same checks and the same generated files as the CLI. Errors raise `DsmtError`s (bad specs a
 `SpecError` carrying the whole report); nothing is written for a spec that does not pass its checks.
@@ -72,6 +76,36 @@ def train(spec: JobSpec, *, spec_file: Path | None = None) -> list[dict]:
     spec_file.write_text(dump_spec(spec))
     launch_training(path=str(spec_file))
     return [record for record in _metrics(output_dir) if "loss" in record]
+
+
+def initialize(spec: JobSpec | dict[str, Any] | str | Path, *, overrides: list[str] | tuple[str, ...] = ()):
+    """For a training script of one's own: call it in every process of a job started by `deepspeed`, torchrun or
+    srun, as `deepspeed.initialize`. It checks the spec (as `dsmt check`; the `data` section may be left out: the
+    script brings its batches), sets up the process groups of its layout, builds this rank's megatron-core chunks
+    with the checkpoint's weights (LoRA when `training.lora`), and wraps them in DeepSpeed with the config
+    `dsmt generate` writes. Returns a `TrainingRun` (toolkit/train/session.py):
+
+        run.train_step(micro_batches)  # pulls run.micro_batches_per_step HF batches (input_ids, labels, ...)
+        run.eval_step(micro_batches)   # {"loss", "tokens"}
+        run.save_checkpoint(dir), run.load_checkpoint(dir), run.export_hf(dir)
+        run.dp_rank, run.dp_size, run.micro_batches_per_step, run.layout, run.engine, run.model_chunks
+
+    `spec`: a JobSpec, a mapping with the YAML's sections, or a YAML / JSON path; `overrides` as `--set`. A spec
+    that fails its checks raises SpecError on every rank before any process group exists."""
+    from toolkit.train.session import start_run
+
+    if isinstance(spec, (str, Path)):
+        spec = load_job(spec, overrides=overrides)
+    elif not isinstance(spec, JobSpec):
+        spec = job_spec(spec, overrides=overrides, source="initialize(spec)")
+    elif overrides:
+        spec = job_spec(spec.model_dump(mode="json"), overrides=overrides, source="initialize(spec)")
+    report = check(spec, source="initialize(spec)")
+    # No data.path is no error here: the script brings its batches.
+    problems = tuple(p for p in report.problems if p.rule != "data_source")
+    if any(p.severity == "error" for p in problems):
+        raise SpecError(Report(source=report.source, problems=problems))
+    return start_run(spec=spec)
 
 
 def validation_history(spec: JobSpec) -> list[dict]:

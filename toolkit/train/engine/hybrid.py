@@ -53,6 +53,7 @@ class StepStats:
     grad_norm: float | None
     lr: float
     step_time_s: float
+    tokens: int | None = None  # loss units of the global batch (counted tokens; samples for classification)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,7 @@ class HybridEngine:
         aux = moe.aux_loss_value(self.chunks, num_microbatches=len(micro_batches), device=device) if self.is_moe else 0.0
         return StepStats(loss=self._global_loss(local_sum, global_tokens=global_tokens) + aux,
                          grad_norm=None if norm is None else float(norm), lr=float(lr),
-                         step_time_s=time.perf_counter() - start)
+                         step_time_s=time.perf_counter() - start, tokens=global_tokens)
 
     def evaluate(self, micro_batches: list[dict]) -> EvalSums:
         """Forward only, no gradient, dropout off (eval mode, restored after): the task's loss summed over this

@@ -109,6 +109,17 @@ def _node_joined(*, layout) -> None:
 
 def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
     """megatron-core chunks from the adapters inside DeepSpeed, on tokenised `datasets` data."""
+    hybrid, info = build_hybrid(spec=spec, layout=layout, hf_dir=hf_dir, ds_config=ds_config)
+    if info.settings.encoder is not None:  # BERT-style: HF keyword batches of the head's task
+        batches = encoder_batches(spec=spec, layout=layout, hf_dir=hf_dir, hf_config=info.hf_config)
+    else:
+        batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
+    return hybrid, batches, lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir), None
+
+
+def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
+    """(HybridEngine, checkpoint info): this rank's megatron-core chunks of `hf_dir` (or megatron-core's own init
+    for `model.builtin`), LoRA when the spec asks, inside DeepSpeed. Process groups must exist."""
     import torch.distributed as dist
 
     from toolkit.models.chunks import load_model_chunks
@@ -118,13 +129,14 @@ def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pa
 
     # At ZeRO-3 the chunks are built partitioned (and loaded one parameter at a time): toolkit/train/engine/zero3.py.
     zero3_config = ds_config if spec.parallel.zero_stage == 3 else None
+    dtype = params_dtype(spec.training.precision)
     if spec.model.builtin is not None:  # megatron-core's own initialisation, no weights read
         from toolkit.train.job.pretrain import init_chunks
 
-        chunks, info = init_chunks(spec=spec, hf_dir=hf_dir, layout=layout, params_dtype=params_dtype(spec.training.precision),
+        chunks, info = init_chunks(spec=spec, hf_dir=hf_dir, layout=layout, params_dtype=dtype,
                                    zero3_config=zero3_config)
     else:
-        chunks, info = load_model_chunks(checkpoint=hf_dir, layout=layout, params_dtype=params_dtype(spec.training.precision),
+        chunks, info = load_model_chunks(checkpoint=hf_dir, layout=layout, params_dtype=dtype,
                                          show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
                                          attention=spec_attention(spec), zero3_config=zero3_config)
     if spec.training.lora is not None:  # freeze the base, attach the adapters (toolkit/train/lora/adapters.py)
@@ -134,11 +146,7 @@ def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pa
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
                           tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp,
                           task=task_for_model(settings=info.settings))
-    if info.settings.encoder is not None:  # BERT-style: HF keyword batches of the head's task
-        batches = encoder_batches(spec=spec, layout=layout, hf_dir=hf_dir, hf_config=info.hf_config)
-    else:
-        batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
-    return hybrid, batches, lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir), None
+    return hybrid, info
 
 
 def encoder_batches(*, spec, layout, hf_dir: Path, hf_config):
@@ -265,11 +273,19 @@ def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path, validati
 
 
 def _export(*, hybrid, info, spec, output_dir: Path) -> None:
-    """Trained weights -> dsmt megatron checkpoint, saved collectively (every rank writes its own shards; ZeRO-3
-    parameters are gathered one at a time into CPU copies) -> HF directory, streamed tensor by tensor from that
-    checkpoint by rank 0 while the other ranks wait on its status file: liveness-checked, no collective timeout a
-    long export could outlast, and a failure on rank 0 raises on every rank. With LoRA, the merge and the adapter
-    files also read the gathered CPU copies (base weights and adapters are partitioned at ZeRO-3)."""
+    export_trained(hybrid=hybrid, info=info, precision=spec.training.precision, lora=spec.training.lora,
+                   mcore_dir=output_dir / "final-mcore", hf_dir=output_dir / "final-hf",
+                   adapter_dir=output_dir / "final-hf-adapter", status_file=output_dir / ".final-hf.status.json")
+
+
+def export_trained(*, hybrid, info, precision: str, lora, mcore_dir: Path, hf_dir: Path, adapter_dir: Path,
+                   status_file: Path) -> None:
+    """Trained weights -> dsmt megatron checkpoint `mcore_dir`, saved collectively (every rank writes its own
+    shards; ZeRO-3 parameters are gathered one at a time into CPU copies) -> HF directory `hf_dir`, streamed tensor
+    by tensor from that checkpoint by rank 0 while the other ranks wait on its status file: liveness-checked, no
+    collective timeout a long export could outlast, and a failure on rank 0 raises on every rank. With LoRA, the
+    merge and the PEFT adapter (`adapter_dir`) also read the gathered CPU copies (base weights and adapters are
+    partitioned at ZeRO-3). Both output directories are replaced."""
     import contextlib
 
     from toolkit.convert.checkpoint import run_on_rank0
@@ -278,25 +294,23 @@ def _export(*, hybrid, info, spec, output_dir: Path) -> None:
     from toolkit.train.lora.export import gather_peft_adapter, merged_lora, write_peft_adapter
     from toolkit.train.engine.zero3 import params_on_cpu
 
-    mcore_dir, hf_dir = output_dir / "final-mcore", output_dir / "final-hf"
-    lora = spec.training.lora
     adapter = None
     with params_on_cpu(hybrid.engine.module):
-        # LoRA: final-mcore / final-hf get W + scaling * B A (merged into copies: the engine keeps the adapters)
+        # LoRA: the exports get W + scaling * B A (merged into copies: the engine keeps the adapters)
         with merged_lora(hybrid.chunks) if lora is not None else contextlib.nullcontext():
             save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
-                                  params_dtype=params_dtype(spec.training.precision), overwrite=True)
-        if lora is not None:  # PEFT's files, for PeftModel.from_pretrained(original model, final-hf-adapter)
+                                  params_dtype=params_dtype(precision), overwrite=True)
+        if lora is not None:  # PEFT's files, for PeftModel.from_pretrained(original model, adapter_dir)
             adapter = gather_peft_adapter(hybrid.chunks, settings=info.settings, lora=lora)
 
     def export(progress) -> str:
         line = convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True, progress=progress).line()
-        if lora is not None:  # after final-hf: trained embeddings are read from it
-            write_peft_adapter(adapter, settings=info.settings, lora=lora, out_dir=output_dir / "final-hf-adapter",
+        if lora is not None:  # after the HF export: trained embeddings are read from it
+            write_peft_adapter(adapter, settings=info.settings, lora=lora, out_dir=adapter_dir,
                                base_model=info.source_checkpoint(), hf_dir=hf_dir)
         return line
 
-    run_on_rank0(export, status_file=output_dir / ".final-hf.status.json", what=f"export of {hf_dir}")
+    run_on_rank0(export, status_file=status_file, what=f"export of {hf_dir}")
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,85 @@
+"""HF-convention micro-batches (toolkit/train/hf_batches.py): the shift into dsmt's token rows, every check, and
+`api.initialize` refusing a bad spec before any process group exists. One process, no ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.train import hf_batches
+
+RULES = hf_batches.BatchRules(micro_batch_size=2, seq_length=5, vocab_size=50)
+
+
+def batch(**changes):
+    values = {"input_ids": torch.tensor([[3, 4, 5, 6, 7], [8, 9, 1, 0, 0]]),
+              "labels": torch.tensor([[3, 4, 5, 6, 7], [8, 9, 1, -100, -100]]),
+              "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}
+    values.update(changes)
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def test_rows_carry_the_labels_shifted_as_hf_shifts_them():
+    rows = hf_batches.to_token_rows(batch())
+    assert rows["tokens"].tolist() == [[3, 4, 5, 6, 7], [8, 9, 1, 0, 0]]
+    # logits at t predict HF labels[t + 1]; nothing is predicted from the last position or into padding
+    assert rows["labels"].tolist() == [[4, 5, 6, 7, 0], [9, 1, 0, 0, 0]]
+    assert rows["loss_mask"].tolist() == [[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 3, 4]] * 2
+
+
+def test_packed_records_keep_their_position_ids():
+    packed = batch(attention_mask=None, position_ids=torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]),
+                   labels=torch.tensor([[3, 4, -100, 6, 7], [8, 9, 1, 0, 0]]))
+    assert hf_batches.micro_batch_problems(packed, index=0, rules=RULES) == []
+    rows = hf_batches.to_token_rows(packed)
+    assert rows["position_ids"].tolist() == [[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]
+    assert rows["loss_mask"][0].tolist() == [1, 0, 1, 1, 0]  # no label from one record into the next
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"labels": None}, "micro-batch 0 lacks 'labels'"),
+    ({"token_type_ids": torch.zeros(2, 5, dtype=torch.long)}, "keys ['token_type_ids'] dsmt does not read"),
+    ({"input_ids": torch.zeros(2, 4, dtype=torch.long)}, "input_ids has shape [2, 4], the run takes"),
+    ({"labels": torch.zeros(2, 5)}, "labels has dtype torch.float32"),
+    ({"input_ids": torch.tensor([[3, 4, 5, 6, 50], [8, 9, 1, 0, 0]])}, "input_ids holds 50 outside the vocabulary"),
+    ({"labels": torch.tensor([[3, 4, -1, 6, 7], [8, 9, 1, -100, -100]])}, "labels holds -1 outside"),
+    ({"attention_mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}, "padding (0) before tokens"),
+    ({"attention_mask": torch.tensor([[1, 1, 1, 1, 2], [1, 1, 1, 0, 0]])}, "values other than 0 and 1"),
+    ({"labels": torch.tensor([[3, 4, 5, 6, 7], [8, 9, 1, 0, -100]])}, "labels are not -100 where attention_mask"),
+    ({"position_ids": torch.tensor([[0, 1, 2, 3, -4], [0, 1, 2, 3, 4]])}, "position_ids holds negative values"),
+])
+def test_each_fault_is_named(changes, expected):
+    problems = hf_batches.micro_batch_problems(batch(**changes), index=0, rules=RULES)
+    assert any(expected in problem for problem in problems), problems
+
+
+def test_not_a_mapping_and_a_short_iterator_are_named():
+    assert "is a list, not a mapping" in hf_batches.micro_batch_problems([1, 2], index=0, rules=RULES)[0]
+    rows, problems = hf_batches.take_micro_batches([batch()], count=2, rules=RULES)
+    assert len(rows) == 1 and "ended after 1; one optimizer step takes 2" in problems[0]
+    _, problems = hf_batches.take_micro_batches(42, count=2, rules=RULES)
+    assert "not an iterable" in problems[0]
+
+
+def test_the_fingerprint_tells_different_micro_batches_apart():
+    rows = [hf_batches.to_token_rows(batch())]
+    swapped = batch()
+    swapped["input_ids"] = swapped["input_ids"].flip(0)
+    assert hf_batches.fingerprint(rows) == hf_batches.fingerprint([hf_batches.to_token_rows(batch())])
+    assert hf_batches.fingerprint(rows) != hf_batches.fingerprint([hf_batches.to_token_rows(swapped)])
+    assert hf_batches.fingerprint(rows * 2) != hf_batches.fingerprint(rows)
+
+
+def test_initialize_refuses_a_bad_spec_before_any_process_group(tiny_llama):
+    import torch.distributed as dist
+
+    from toolkit import api
+    from toolkit.spec.report import SpecError
+
+    spec = {"model": {"path": str(tiny_llama)}, "parallel": {"tp": 3},
+            "cluster": {"nodes": 1, "gpus_per_node": 3, "gpu": "cpu", "device": "cpu", "interconnect": "tcp"}}
+    with pytest.raises(SpecError) as raised:
+        api.initialize(spec)
+    assert "heads" in str(raised.value) and "data_source" not in str(raised.value)
+    assert not dist.is_initialized()

@@ -1,0 +1,183 @@
+"""A training run driven by the user's own script (`toolkit.api.initialize`): what `deepspeed.initialize` is for a
+plain module, over megatron-core TP / PP chunks built from an HF checkpoint inside DeepSpeed ZeRO.
+
+Every process of the job (started by `deepspeed`, torchrun or srun) calls `start_run(spec=...)`; the returned
+`TrainingRun` trains on the micro-batches the script brings (HF convention: toolkit/train/hf_batches.py) with the
+same engine, loss, checkpoints and export as `dsmt train` (toolkit/train/run.py, engine.py, checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+from toolkit.train import checkpoints, hf_batches
+
+
+def start_run(*, spec) -> TrainingRun:
+    """Process groups for the spec's layout, this rank's chunks with the checkpoint's weights (LoRA when asked),
+    the DeepSpeed engine on the config `dsmt generate` writes. Collective: every rank of the job calls it."""
+    from toolkit import backend as backends
+    from toolkit.generate.deepspeed_config import build_deepspeed_config
+    from toolkit.parallel import init_process_groups
+    from toolkit.spec.layout import derive_layout
+    from toolkit.train.run import build_hybrid, model_checkpoint
+
+    backend = backends.select(device=spec.cluster.device)  # the spec's device or an error, never a silent CPU run
+    layout = derive_layout(spec)
+    init_process_groups(layout=layout, dist_backend=backend.dist_backend)
+    backend.seed(spec.training.seed)
+    hf_dir = model_checkpoint(spec=spec, output_dir=Path(spec.training.output_dir))
+    _require_causal_lm(hf_dir, builtin=spec.model.builtin is not None)
+    ds_config = build_deepspeed_config(spec=spec, layout=layout)
+    hybrid, info = build_hybrid(spec=spec, layout=layout, hf_dir=hf_dir, ds_config=ds_config)
+    return TrainingRun(spec=spec, layout=layout, hybrid=hybrid, info=info, hf_dir=hf_dir, ds_config=ds_config)
+
+
+def _require_causal_lm(hf_dir: Path, *, builtin: bool) -> None:
+    """The script API trains megatron-core causal LMs; the same answer on every rank (they read the same files)."""
+    from toolkit.train import plain
+
+    if plain.is_plain_model(hf_dir):
+        raise DsmtError(f"model_type {plain.model_type_of(hf_dir)!r} has no megatron-core adapter, and "
+                        "toolkit.api.initialize builds megatron-core models; for this model use "
+                        "deepspeed.initialize on the HF model, or `dsmt train` (its plain ZeRO engine)")
+    if builtin:
+        return
+    from toolkit.models import inspect_checkpoint
+
+    encoder = inspect_checkpoint(hf_dir).settings.encoder
+    if encoder is not None:
+        raise DsmtError(f"{hf_dir} is an encoder with a {encoder.task} head; toolkit.api.initialize trains causal "
+                        "language models (input_ids / labels shifted inside); train encoders with `dsmt train`")
+
+
+class TrainingRun:
+    """One rank's share of the run. Micro-batches are this data-parallel rank's (every TP / PP / CP rank of a
+    replica passes the same ones), `run.micro_batches_per_step` of them per optimizer step."""
+
+    def __init__(self, *, spec, layout, hybrid, info, hf_dir: Path, ds_config: dict):
+        from megatron.core import parallel_state
+
+        self.spec, self.layout, self.hybrid, self.info = spec, layout, hybrid, info
+        self.model_dir, self.ds_config = Path(hf_dir), ds_config  # the HF checkpoint (its tokenizer)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.step = 0  # optimizer steps taken (or loaded from a checkpoint)
+        self._rules = hf_batches.BatchRules(micro_batch_size=layout.micro_batch_size, seq_length=layout.seq_length,
+                                            vocab_size=info.settings.vocab_size)
+
+    # The layout and the raw objects, for scripts that need them.
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.layout.grad_accum_steps
+
+    @property
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    @property
+    def engine(self):
+        """DeepSpeed's engine (its module: the chunks, or a ModuleList of them with virtual pipeline stages)."""
+        return self.hybrid.engine
+
+    @property
+    def model_chunks(self) -> list:
+        return self.hybrid.chunks
+
+    def train_step(self, micro_batches) -> dict:
+        """One optimizer step on `run.micro_batches_per_step` micro-batches pulled from the iterable
+        `micro_batches`: {"loss" per token of the global batch, "grad_norm" (before clipping), "lr" of this step,
+        "tokens" counted in the global batch}, the same on every rank."""
+        rows, _ = self._take(micro_batches, count=self.micro_batches_per_step, what="train_step")
+        stats = self.hybrid.train_step(rows)
+        self.step += 1
+        return {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "tokens": stats.tokens}
+
+    def eval_step(self, micro_batches) -> dict:
+        """Forward only, dropout off, over every micro-batch of the iterable (ranks may pass different numbers;
+        the short ones are padded with rows that count nothing): {"loss" per token over all ranks' micro-batches,
+        "tokens" counted}. Collective."""
+        rows, counts = self._take(micro_batches, count=None, what="eval_step")
+        needed = max(counts)
+        if needed == 0:
+            raise DsmtError("eval_step: no rank passed a micro-batch; pass at least one on some rank")
+        if len(self.model_chunks) > 1:  # megatron's interleaved schedule takes a multiple of pp micro-batches
+            needed = -(-needed // self.layout.pp) * self.layout.pp
+        rows += [hf_batches.padding_rows(self._rules) for _ in range(needed - len(rows))]
+        sums = self.hybrid.evaluate(rows)
+        return {"loss": sums.loss, "tokens": sums.units}
+
+    def _take(self, micro_batches, *, count: int | None, what: str) -> tuple[list[dict], list[int]]:
+        """(this rank's token rows, every rank's micro-batch count), or the same DsmtError on every rank."""
+        from toolkit import backend as backends
+
+        rows, problems = hf_batches.take_micro_batches(micro_batches, count=count, rules=self._rules)
+        counts = hf_batches.agree(problems=problems, rows=rows, dp_rank=self.dp_rank, what=what,
+                                  device=backends.current().device)
+        return rows, counts
+
+    def save_checkpoint(self, checkpoint_dir: str | Path) -> Path:
+        """DeepSpeed's checkpoint of this step (model, optimizer, LR schedule, RNG) and its layout-free copy, as
+        `dsmt train` writes them (toolkit/train/checkpoints.py); returns the tag's directory. Collective."""
+        checkpoint_dir = Path(checkpoint_dir)
+        checkpoints.save(engine=self.engine, checkpoint_dir=checkpoint_dir, step=self.step,
+                         keep_checkpoints=self.spec.training.keep_checkpoints, **self._checkpoint_layout())
+        return checkpoint_dir / checkpoints.tag_for(self.step)
+
+    def load_checkpoint(self, checkpoint_dir: str | Path) -> int:
+        """Resume from the newest complete checkpoint under `checkpoint_dir` (written at this layout or any other,
+        by `save_checkpoint` or by `dsmt train` in OUTPUT_DIR/checkpoints); returns the step it holds (0, nothing
+        loaded, when the directory holds no complete checkpoint). Collective."""
+        from toolkit import backend as backends
+
+        resumed = checkpoints.resume(engine=self.engine, checkpoint_dir=Path(checkpoint_dir),
+                                     **self._checkpoint_layout())
+        if resumed.resharded:  # another layout's per-rank RNG streams do not map onto this one's ranks
+            backends.current().seed(self.spec.training.seed + resumed.step)
+        self.step = resumed.step
+        return resumed.step
+
+    def _checkpoint_layout(self) -> dict:
+        from toolkit.train.reshard import LayoutFreeState, layout_record
+
+        record = layout_record(layout=self.layout, zero_stage=self.spec.parallel.zero_stage)
+        return {"layout": record, "layout_free": LayoutFreeState(engine=self.engine, chunks=self.model_chunks,
+                                                                 layout=record,
+                                                                 global_batch_size=self.layout.global_batch_size)}
+
+    def export_hf(self, out_dir: str | Path, *, adapter_dir: str | Path | None = None,
+                  overwrite: bool = False) -> Path:
+        """The trained model as an HF checkpoint `out_dir` that `transformers` loads (LoRA merged in), and with
+        LoRA the PEFT adapter in `adapter_dir` (default: OUT_DIR-adapter). Collective; refuses an existing
+        `out_dir` unless `overwrite`, before anything is written."""
+        import torch.distributed as dist
+
+        from toolkit.train.run import export_trained
+
+        out_dir = Path(out_dir)
+        adapter_dir = Path(adapter_dir) if adapter_dir is not None else out_dir.with_name(out_dir.name + "-adapter")
+        verdict = [_existing_output(out_dir) if dist.get_rank() == 0 and not overwrite else None]
+        dist.broadcast_object_list(verdict, src=0)  # rank 0 decides for all: no rank races another's writes
+        if verdict[0]:
+            raise DsmtError(verdict[0])
+        mcore_dir = out_dir.with_name(f".{out_dir.name}.mcore")
+        export_trained(hybrid=self.hybrid, info=self.info, precision=self.spec.training.precision,
+                       lora=self.spec.training.lora, mcore_dir=mcore_dir, hf_dir=out_dir, adapter_dir=adapter_dir,
+                       status_file=out_dir.with_name(f".{out_dir.name}.status.json"))
+        if dist.get_rank() == 0:  # every rank is past the export: the intermediate megatron copy can go
+            shutil.rmtree(mcore_dir, ignore_errors=True)
+        return out_dir
+
+
+def _existing_output(out_dir: Path) -> str | None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        return (f"export_hf: {out_dir} already exists and is not empty; choose a new directory or pass "
+                "overwrite=True to replace it")
+    return None
