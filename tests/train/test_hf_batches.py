@@ -28,6 +28,15 @@ def test_rows_carry_the_labels_shifted_as_hf_shifts_them():
     assert rows["position_ids"].tolist() == [[0, 1, 2, 3, 4]] * 2
 
 
+def test_rows_stay_on_the_device_of_the_batch():
+    """A script may pass CUDA tensors: nothing may be created on the CPU beside them ('meta' stands in here)."""
+    on_device = {key: value.to("meta") for key, value in batch(position_ids=None).items()}
+    rows = hf_batches.to_token_rows(on_device)
+    assert {value.device.type for value in rows.values()} == {"meta"}
+    del on_device["attention_mask"]
+    assert hf_batches.to_token_rows(on_device)["position_ids"].device.type == "meta"
+
+
 def test_packed_records_keep_their_position_ids():
     packed = batch(attention_mask=None, position_ids=torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]),
                    labels=torch.tensor([[3, 4, -100, 6, 7], [8, 9, 1, 0, 0]]))

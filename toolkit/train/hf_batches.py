@@ -106,15 +106,17 @@ def _some(values: torch.Tensor) -> str:
 
 
 def to_token_rows(batch) -> dict[str, torch.Tensor]:
-    """A checked HF micro-batch as dsmt's token row (see the module docstring); CPU tensors as given."""
+    """A checked HF micro-batch as dsmt's token row (see the module docstring), on the device the batch is on (a
+    script may hand over CUDA tensors; the engine moves CPU ones)."""
     tokens = batch["input_ids"].long()
     rows, length = tokens.shape
     labels = batch["labels"].long()
-    shifted = torch.cat([labels[:, 1:], torch.full((rows, 1), IGNORE_INDEX, dtype=torch.long)], dim=1)
+    last = torch.full((rows, 1), IGNORE_INDEX, dtype=torch.long, device=labels.device)
+    shifted = torch.cat([labels[:, 1:], last], dim=1)
     counted = shifted != IGNORE_INDEX
     position_ids = batch.get("position_ids")
     if position_ids is None:
-        position_ids = torch.arange(length).expand(rows, length)
+        position_ids = torch.arange(length, device=tokens.device).expand(rows, length)
     return {"tokens": tokens, "position_ids": position_ids.long().contiguous(),
             "labels": shifted.masked_fill(~counted, 0), "loss_mask": counted.float()}
 
@@ -162,7 +164,7 @@ def fingerprint(rows: list[dict]) -> int:
     total = torch.zeros((), dtype=torch.int64)
     for number, row in enumerate(rows):
         for slot, key in enumerate(("tokens", "labels", "loss_mask", "position_ids")):
-            flat = row[key].long().flatten()
+            flat = row[key].long().flatten().cpu()  # a few thousand ids per micro-batch
             weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64) * (2 * (4 * number + slot) + 1)
             total += (flat * weights + flat).sum()  # int64 arithmetic wraps: a hash, not a sum
     return int(total)
