@@ -25,7 +25,7 @@ from pathlib import Path
 from toolkit.plan.search import evaluate
 from toolkit.plan.layout import Cluster
 from toolkit.plan.timing import training_flops
-from toolkit.spec.checks import _planner_inputs  # the spec -> planner mapping `dsmt check` uses
+from toolkit.spec.checks import planner_inputs  # the spec -> planner mapping `dsmt check` uses
 from toolkit.spec.load import load_spec, model_shape
 
 run_dir = Path(sys.argv[1])
@@ -34,7 +34,7 @@ rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().spl
 if not rows:
     sys.exit(f"{run_dir}/metrics.jsonl has no steps")
 shape = model_shape(spec.model)
-layout, training, gpu, assumptions = _planner_inputs(spec)
+layout, training, gpu, assumptions = planner_inputs(spec)
 cluster = Cluster(nodes=spec.cluster.nodes, gpus_per_node=spec.cluster.gpus_per_node, gpu=gpu)
 planned = evaluate(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=assumptions)
 

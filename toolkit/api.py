@@ -83,7 +83,7 @@ def initialize(spec: JobSpec | dict[str, Any] | str | Path, *, overrides: list[s
     srun, as `deepspeed.initialize`. It checks the spec (as `dsmt check`; the `data` section may be left out: the
     script brings its batches), sets up the process groups of its layout, builds this rank's megatron-core chunks
     with the checkpoint's weights (LoRA when `training.lora`), and wraps them in DeepSpeed with the config
-    `dsmt generate` writes. Returns a `TrainingRun` (toolkit/train/session.py):
+    `dsmt generate` writes. Returns a `TrainingRun` (toolkit/train/job/session.py):
 
         run.train_step(micro_batches)  # pulls run.micro_batches_per_step HF batches (input_ids, labels, ...)
         run.eval_step(micro_batches)   # {"loss", "tokens"}
@@ -92,7 +92,7 @@ def initialize(spec: JobSpec | dict[str, Any] | str | Path, *, overrides: list[s
 
     `spec`: a JobSpec, a mapping with the YAML's sections, or a YAML / JSON path; `overrides` as `--set`. A spec
     that fails its checks raises SpecError on every rank before any process group exists."""
-    from toolkit.train.session import start_run
+    from toolkit.train.job.session import start_run
 
     if isinstance(spec, (str, Path)):
         spec = load_job(spec, overrides=overrides)

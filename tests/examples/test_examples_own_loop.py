@@ -35,7 +35,7 @@ def eval_losses(stdout: str) -> dict[int, float]:
 
 
 def test_own_loop_under_torchrun_then_resumed_under_the_deepspeed_launcher(tmp_path):
-    from toolkit.launch import free_port
+    from toolkit.launch.ports import free_port
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
                 "--rdzv_endpoint", f"127.0.0.1:{free_port()}"]

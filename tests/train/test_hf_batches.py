@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.train import hf_batches
+from toolkit.train.engine import hf_batches
 
 RULES = hf_batches.BatchRules(micro_batch_size=2, seq_length=5, vocab_size=50)
 

@@ -2,8 +2,9 @@
 plain module, over megatron-core TP / PP chunks built from an HF checkpoint inside DeepSpeed ZeRO.
 
 Every process of the job (started by `deepspeed`, torchrun or srun) calls `start_run(spec=...)`; the returned
-`TrainingRun` trains on the micro-batches the script brings (HF convention: toolkit/train/hf_batches.py) with the
-same engine, loss, checkpoints and export as `dsmt train` (toolkit/train/run.py, engine.py, checkpoints.py).
+`TrainingRun` trains on the micro-batches the script brings (HF convention: toolkit/train/engine/hf_batches.py)
+with the same engine, loss, checkpoints and export as `dsmt train` (toolkit/train/job/run.py,
+toolkit/train/engine/hybrid.py, toolkit/train/checkpoint/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import shutil
 from pathlib import Path
 
 from toolkit.errors import DsmtError
-from toolkit.train import checkpoints, hf_batches
+from toolkit.train.checkpoint import checkpoints
+from toolkit.train.engine import hf_batches
 
 
 def start_run(*, spec) -> TrainingRun:
@@ -20,9 +22,9 @@ def start_run(*, spec) -> TrainingRun:
     the DeepSpeed engine on the config `dsmt generate` writes. Collective: every rank of the job calls it."""
     from toolkit import backend as backends
     from toolkit.generate.deepspeed_config import build_deepspeed_config
-    from toolkit.parallel import init_process_groups
+    from toolkit.parallel.groups import init_process_groups
     from toolkit.spec.layout import derive_layout
-    from toolkit.train.run import build_hybrid, model_checkpoint
+    from toolkit.train.job.run import build_hybrid, model_checkpoint
 
     backend = backends.select(device=spec.cluster.device)  # the spec's device or an error, never a silent CPU run
     layout = derive_layout(spec)
@@ -37,7 +39,7 @@ def start_run(*, spec) -> TrainingRun:
 
 def _require_causal_lm(hf_dir: Path, *, builtin: bool) -> None:
     """The script API trains megatron-core causal LMs; the same answer on every rank (they read the same files)."""
-    from toolkit.train import plain
+    from toolkit.train.plain import engine as plain
 
     if plain.is_plain_model(hf_dir):
         raise DsmtError(f"model_type {plain.model_type_of(hf_dir)!r} has no megatron-core adapter, and "
@@ -45,7 +47,7 @@ def _require_causal_lm(hf_dir: Path, *, builtin: bool) -> None:
                         "deepspeed.initialize on the HF model, or `dsmt train` (its plain ZeRO engine)")
     if builtin:
         return
-    from toolkit.models import inspect_checkpoint
+    from toolkit.models.chunks import inspect_checkpoint
 
     encoder = inspect_checkpoint(hf_dir).settings.encoder
     if encoder is not None:
@@ -125,7 +127,7 @@ class TrainingRun:
 
     def save_checkpoint(self, checkpoint_dir: str | Path) -> Path:
         """DeepSpeed's checkpoint of this step (model, optimizer, LR schedule, RNG) and its layout-free copy, as
-        `dsmt train` writes them (toolkit/train/checkpoints.py); returns the tag's directory. Collective."""
+        `dsmt train` writes them (toolkit/train/checkpoint/checkpoints.py); returns the tag's directory. Collective."""
         checkpoint_dir = Path(checkpoint_dir)
         checkpoints.save(engine=self.engine, checkpoint_dir=checkpoint_dir, step=self.step,
                          keep_checkpoints=self.spec.training.keep_checkpoints, **self._checkpoint_layout())
@@ -145,7 +147,7 @@ class TrainingRun:
         return resumed.step
 
     def _checkpoint_layout(self) -> dict:
-        from toolkit.train.reshard import LayoutFreeState, layout_record
+        from toolkit.train.checkpoint.reshard import LayoutFreeState, layout_record
 
         record = layout_record(layout=self.layout, zero_stage=self.spec.parallel.zero_stage)
         return {"layout": record, "layout_free": LayoutFreeState(engine=self.engine, chunks=self.model_chunks,
@@ -159,7 +161,7 @@ class TrainingRun:
         `out_dir` unless `overwrite`, before anything is written."""
         import torch.distributed as dist
 
-        from toolkit.train.run import export_trained
+        from toolkit.train.job.run import export_trained
 
         out_dir = Path(out_dir)
         adapter_dir = Path(adapter_dir) if adapter_dir is not None else out_dir.with_name(out_dir.name + "-adapter")
