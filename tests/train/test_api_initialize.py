@@ -58,12 +58,17 @@ def script_runs(tiny_llama, tmp_path_factory):
     rows["eval"] = {key: value[GLOBAL * STEPS:] for key, value in rows["train"].items()}
     torch.save(rows, root / "rows.pt")
     layouts = {"tp1-pp1": dict(tp=1, pp=1, dp=1, zero=1), "tp2-pp2": dict(tp=2, pp=2, dp=1, zero=1),
-               "dp2-zero2": dict(tp=1, pp=1, dp=2, zero=2)}
+               "dp2-zero2": dict(tp=1, pp=1, dp=2, zero=2), "lora": dict(tp=1, pp=1, dp=1, zero=1)}
     for name, layout in layouts.items():
         plan = {"spec": spec_for(tiny_llama, root / name, **layout), "rows": str(root / "rows.pt"),
                 "results": str(root / f"{name}.rank{{rank}}.json")}
+        if name == "lora":
+            plan["spec"]["training"]["lora"] = {"rank": 4, "alpha": 8.0}
+            plan["export"] = str(root / "lora-hf")
         if name == "tp2-pp2":
             plan.update(checkpoints=str(root / "tp2-pp2-checkpoints"), export=str(root / "tp2-pp2-hf"), bad=True)
+        if name == "tp1-pp1":
+            plan["resave"] = str(root / "tp1-pp1-checkpoints")
         if name == "dp2-zero2":
             plan["resume_from"] = str(root / "tp2-pp2-checkpoints")
         (root / f"{name}.json").write_text(json.dumps(plan))
@@ -89,6 +94,7 @@ def test_the_same_global_batch_gives_the_same_losses_at_every_layout(script_runs
     first_batch = {key: value[:GLOBAL] for key, value in rows["train"].items()}
     reference = hf_loss(tiny_llama, first_batch)
     counted = int((first_batch["labels"][:, 1:] != -100).sum())
+    results = {name: ranks for name, ranks in results.items() if name != "lora"}
     losses = {name: [step["loss"] for step in ranks[0]["steps"]] for name, ranks in results.items()}
     for name, ranks in results.items():
         assert all(rank["steps"] == ranks[0]["steps"] for rank in ranks), name  # every rank reports the same
@@ -104,7 +110,7 @@ def test_the_same_global_batch_gives_the_same_losses_at_every_layout(script_runs
 def test_eval_and_the_export_agree_with_transformers(script_runs):
     root, rows, results = script_runs
     exported = hf_loss(root / "tp2-pp2-hf", rows["eval"])
-    evaluations = {name: ranks[0]["eval"] for name, ranks in results.items()}
+    evaluations = {name: ranks[0]["eval"] for name, ranks in results.items() if name != "lora"}
     assert abs(evaluations["tp2-pp2"]["loss"] - exported) <= 1e-5, (evaluations, exported)
     counted = int((rows["eval"]["labels"][:, 1:] != -100).sum())
     for name, evaluation in evaluations.items():
@@ -114,11 +120,34 @@ def test_eval_and_the_export_agree_with_transformers(script_runs):
 
 
 @pytest.mark.multiproc
+def test_lora_trains_and_exports_the_merged_model_and_the_peft_adapter(script_runs, tiny_llama):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, rows, results = script_runs
+    losses = [step["loss"] for step in results["lora"][0]["steps"]]
+    first_batch = {key: value[:GLOBAL] for key, value in rows["train"].items()}
+    assert abs(losses[0] - hf_loss(tiny_llama, first_batch)) <= 1e-5  # B = 0: the base model's loss
+    assert losses[-1] < losses[0] - 0.01, losses
+    tokens = rows["eval"]["input_ids"][:4]
+    merged = AutoModelForCausalLM.from_pretrained(root / "lora-hf", dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    tuned = PeftModel.from_pretrained(base, root / "lora-hf-adapter").eval()
+    with torch.no_grad():
+        gap = (tuned(input_ids=tokens).logits - merged(input_ids=tokens).logits).abs().max().item()
+    assert gap <= 1e-4, gap  # the adapter on the original = the merged export
+    exported = hf_loss(root / "lora-hf", rows["eval"])
+    assert abs(exported - results["lora"][0]["eval"]["loss"]) <= 1e-5
+    assert exported < hf_loss(tiny_llama, rows["eval"]) - 0.01  # the merge carries what the adapters learned
+
+
+@pytest.mark.multiproc
 def test_a_checkpoint_resumes_at_another_layout(script_runs):
     _, _, results = script_runs
     resumed = results["dp2-zero2"][0]["resumed"]
     original = results["tp2-pp2"][0]["steps"][SAVE_AT:]
     assert resumed["step"] == SAVE_AT
+    assert results["tp1-pp1"][0]["reloaded"] == [STEPS, STEPS]  # a step saved twice loads; an empty dir keeps it
     for mine, theirs in zip(resumed["steps"], original, strict=True):
         assert abs(mine["loss"] - theirs["loss"]) <= 1e-5, (resumed, original)
 
@@ -211,6 +240,10 @@ def worker(plan_path: str) -> None:
     results["eval"] = run.eval_step(rank_eval_batches(rows["eval"], run=run))
     if "export" in plan:
         run.export_hf(plan["export"])
+    if "resave" in plan:  # the same step saved twice, then an empty directory loads nothing
+        for _ in range(2):
+            run.save_checkpoint(plan["resave"])
+        results["reloaded"] = [run.load_checkpoint(plan["resave"]), run.load_checkpoint(Path(plan["resave"]) / "none")]
     if plan.get("bad"):
         results["bad"] = bad_batch_cases(run, rows["train"])
         results["after_bad"] = run.train_step(rank_micro_batches(rows["train"], run=run, step=0))

@@ -54,9 +54,12 @@ def test_packed_records_keep_their_position_ids():
     ({"input_ids": torch.tensor([[3, 4, 5, 6, 50], [8, 9, 1, 0, 0]])}, "input_ids holds 50 outside the vocabulary"),
     ({"labels": torch.tensor([[3, 4, -1, 6, 7], [8, 9, 1, -100, -100]])}, "labels holds -1 outside"),
     ({"attention_mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}, "padding (0) before tokens"),
-    ({"attention_mask": torch.tensor([[1, 1, 1, 1, 2], [1, 1, 1, 0, 0]])}, "values other than 0 and 1"),
+    ({"attention_mask": torch.tensor([[1, 1, 1, 1, 2], [1, 1, 1, 0, 0]])}, "attention_mask holds 2; it takes 1 (token) and 0"),
     ({"labels": torch.tensor([[3, 4, 5, 6, 7], [8, 9, 1, 0, -100]])}, "labels are not -100 where attention_mask"),
-    ({"position_ids": torch.tensor([[0, 1, 2, 3, -4], [0, 1, 2, 3, 4]])}, "position_ids holds negative values"),
+    ({"position_ids": torch.tensor([[0, 1, 2, 3, -4], [0, 1, 2, 3, 4]])}, "position_ids_form: micro-batch 0"),
+    ({"position_ids": torch.tensor([[0, 1, 2, 3, 4], [512, 513, 514, 515, 516]])}, "row 1 is [512, 513"),
+    ({"position_ids": torch.tensor([[0, 1, 3, 4, 5], [0, 1, 2, 3, 4]])}, "restart at 0 where a packed record"),
+    ({"attention_mask": torch.ones(2, 5, dtype=torch.long).to("meta")}, "micro_batch_device"),
 ])
 def test_each_fault_is_named(changes, expected):
     problems = hf_batches.micro_batch_problems(batch(**changes), index=0, rules=RULES)
@@ -65,10 +68,38 @@ def test_each_fault_is_named(changes, expected):
 
 def test_not_a_mapping_and_a_short_iterator_are_named():
     assert "is a list, not a mapping" in hf_batches.micro_batch_problems([1, 2], index=0, rules=RULES)[0]
-    rows, problems = hf_batches.take_micro_batches([batch()], count=2, rules=RULES)
+    rows, problems = hf_batches.take_micro_batches(iter([batch()]), count=2, rules=RULES)
     assert len(rows) == 1 and "ended after 1; one optimizer step takes 2" in problems[0]
     _, problems = hf_batches.take_micro_batches(42, count=2, rules=RULES)
     assert "not an iterable" in problems[0]
+
+
+def test_packed_records_are_refused_on_a_layout_that_cannot_take_them():
+    refusing = hf_batches.BatchRules(micro_batch_size=2, seq_length=5, vocab_size=50,
+                                     packing_refusal="parallel.cp=2: packed records are not cut")
+    packed = batch(attention_mask=None, position_ids=torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]))
+    problems = hf_batches.micro_batch_problems(packed, index=0, rules=refusing)
+    assert problems and problems[0].startswith("packed_layout: ") and "parallel.cp=2" in problems[0]
+    assert hf_batches.micro_batch_problems(batch(), index=0, rules=refusing) == []  # one record per row is fine
+
+
+def test_a_list_of_the_wrong_length_and_an_unreadable_batch_are_problems_not_raises():
+    _, problems = hf_batches.take_micro_batches([batch()] * 3, count=2, rules=RULES)
+    assert "a list of 3 micro-batches; one optimizer step takes 2" in problems[0]
+
+    class Broken(dict):
+        def get(self, key, default=None):
+            raise RuntimeError("lazy column failed")
+
+    _, problems = hf_batches.take_micro_batches([Broken(batch())], count=1, rules=RULES)
+    assert "could not be read: RuntimeError: lazy column failed" in problems[0]
+
+
+def test_the_same_problem_on_many_ranks_is_one_line():
+    reports = [["micro_batch_shape: x"]] * 12 + [None, ["labels_vocab: y"]]
+    text = hf_batches._merged(reports)
+    assert text.splitlines() == ["  ranks 0, 1, 2, 3, 4, 5, 6, 7, ... (12 ranks): micro_batch_shape: x",
+                                 "  rank 13: labels_vocab: y"]
 
 
 def test_the_fingerprint_tells_different_micro_batches_apart():

@@ -47,15 +47,23 @@ def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | Non
     import torch.distributed as dist
 
     tag = tag_for(step)
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"dsmt_step": step}, save_latest=False)
     rank = dist.get_rank()
+    marker = Path(checkpoint_dir) / tag / COMPLETE_MARKER
+    again = [marker.exists() if rank == 0 else None]
+    dist.broadcast_object_list(again, src=0)  # rank 0 looks for all: every rank takes the same branch
+    if again[0]:  # saving a step again (a script may): unmarked first, so a crash mid-way leaves it incomplete, then
+        if rank == 0:  # removed (megatron's dist_checkpointing writes into an empty layout-free directory only)
+            marker.unlink()
+            shutil.rmtree(Path(checkpoint_dir) / tag)
+        dist.barrier()
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"dsmt_step": step}, save_latest=False)
     torch.save(rng_states(), Path(checkpoint_dir) / tag / f"dsmt_rng_rank{rank}.pt")
     if layout_free is not None:
         layout_free.save(Path(checkpoint_dir) / tag)
     dist.barrier()
     if rank == 0:
-        marker = {"step": step, "world_size": dist.get_world_size(), "layout": layout}
-        (Path(checkpoint_dir) / tag / COMPLETE_MARKER).write_text(json.dumps(marker))
+        record = {"step": step, "world_size": dist.get_world_size(), "layout": layout}
+        marker.write_text(json.dumps(record))
         temp = Path(checkpoint_dir) / f".{LATEST}.tmp"
         temp.write_text(tag)
         os.replace(temp, Path(checkpoint_dir) / LATEST)

@@ -36,6 +36,7 @@ class BatchRules:
     micro_batch_size: int
     seq_length: int
     vocab_size: int
+    packing_refusal: str | None = None  # why this layout cannot take packed records (None: it can)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -46,31 +47,37 @@ def micro_batch_problems(batch, *, index: int, rules: BatchRules) -> list[str]:
     """Everything wrong with micro-batch `index` (empty when it is fine); never raises."""
     where = f"micro-batch {index}"
     if not hasattr(batch, "keys") or not hasattr(batch, "__getitem__"):
-        return [f"{where} is a {type(batch).__name__}, not a mapping of tensors (input_ids, labels, ...)"]
+        return [f"micro_batch_type: {where} is a {type(batch).__name__}, not a mapping of tensors (input_ids, "
+                "labels, ...)"]
     keys = set(batch.keys())
-    problems = [f"{where} lacks {name!r}" for name in ("input_ids", "labels") if name not in keys]
+    problems = [f"micro_batch_keys: {where} lacks {name!r}" for name in ("input_ids", "labels") if name not in keys]
     unknown = sorted(str(key) for key in keys - set(KEYS))
     if unknown:
-        problems.append(f"{where} has keys {unknown} dsmt does not read; the keys are {list(KEYS)} "
-                        "(drop the others, e.g. token_type_ids)")
+        problems.append(f"micro_batch_keys: {where} has keys {unknown} dsmt does not read; the keys are "
+                        f"{list(KEYS)} (drop the others, e.g. token_type_ids)")
     for name in sorted(keys & set(KEYS)):
         problems += _tensor_problems(batch[name], name=name, where=where, rules=rules)
     if problems:
         return problems
-    return _value_problems(batch, where=where, rules=rules)
+    devices = {name: str(batch[name].device) for name in sorted(keys)}
+    if len(set(devices.values())) > 1:
+        return [f"micro_batch_device: {where} has tensors on different devices {devices}; put them on one"]
+    return _value_problems(batch, where=where, rules=rules) + _position_problems(batch, where=where, rules=rules)
 
 
 def _tensor_problems(value, *, name: str, where: str, rules: BatchRules) -> list[str]:
     if not isinstance(value, torch.Tensor):
-        return [f"{where}: {name} is a {type(value).__name__}, not a torch.Tensor"]
+        return [f"micro_batch_type: {where}: {name} is a {type(value).__name__}, not a torch.Tensor"]
     problems = []
     if tuple(value.shape) != rules.shape:
-        problems.append(f"{where}: {name} has shape {list(value.shape)}, the run takes [micro_batch_size, "
+        problems.append(f"micro_batch_shape: {where}: {name} has shape {list(value.shape)}, the run takes "
+                        "[micro_batch_size, "
                         f"seq_length] = {list(rules.shape)} (training.micro_batch_size, training.seq_length; pad "
                         "shorter rows on the right with labels -100)")
     allowed = INTEGER_DTYPES + ((torch.bool,) if name == "attention_mask" else ())
     if value.dtype not in allowed:
-        problems.append(f"{where}: {name} has dtype {value.dtype}, not an integer dtype (torch.long)")
+        problems.append(f"micro_batch_dtype: {where}: {name} has dtype {value.dtype}, not an integer dtype "
+                        "(torch.long)")
     return problems
 
 
@@ -79,25 +86,46 @@ def _value_problems(batch, *, where: str, rules: BatchRules) -> list[str]:
     input_ids, labels = batch["input_ids"].long(), batch["labels"].long()
     bad = (input_ids < 0) | (input_ids >= rules.vocab_size)
     if bad.any():
-        problems.append(f"{where}: input_ids holds {_some(input_ids[bad])} outside the vocabulary "
+        problems.append(f"token_ids_vocab: {where}: input_ids holds {_some(input_ids[bad])} outside the vocabulary "
                         f"[0, {rules.vocab_size}) (config.vocab_size): tokenise with the model's tokenizer")
     bad = ((labels < 0) | (labels >= rules.vocab_size)) & (labels != IGNORE_INDEX)
     if bad.any():
-        problems.append(f"{where}: labels holds {_some(labels[bad])} outside the vocabulary [0, {rules.vocab_size}) "
+        problems.append(f"labels_vocab: {where}: labels holds {_some(labels[bad])} outside the vocabulary "
+                        f"[0, {rules.vocab_size}) "
                         f"and not {IGNORE_INDEX} (HF's 'no loss' label)")
     if "attention_mask" in batch:
         mask = batch["attention_mask"].long()
         if ((mask != 0) & (mask != 1)).any():
-            problems.append(f"{where}: attention_mask holds values other than 0 and 1")
+            odd = mask[(mask != 0) & (mask != 1)]
+            problems.append(f"attention_mask_values: {where}: attention_mask holds {_some(odd)}; "
+                            "it takes 1 (token) and 0 (padding) only")
         elif (mask[:, 1:] > mask[:, :-1]).any():  # a 1 after a 0: padding on the left or inside the row
-            problems.append(f"{where}: attention_mask has padding (0) before tokens (1); dsmt takes right padding "
-                            "(tokenizer.padding_side = 'right'), or packed records with position_ids")
+            problems.append(f"attention_mask_padding: {where}: attention_mask has padding (0) before tokens (1); "
+                            "dsmt takes right padding (tokenizer.padding_side = 'right'), or packed records with "
+                            "position_ids")
         elif ((mask == 0) & (labels != IGNORE_INDEX)).any():
-            problems.append(f"{where}: labels are not {IGNORE_INDEX} where attention_mask is 0 (padding); set "
-                            "them to -100, as HF's collators do")
-    if "position_ids" in batch and (batch["position_ids"].long() < 0).any():
-        problems.append(f"{where}: position_ids holds negative values")
+            problems.append(f"padding_labels: {where}: labels are not {IGNORE_INDEX} where attention_mask is 0 "
+                            "(padding); set them to -100, as HF's collators do")
     return problems
+
+
+def _position_problems(batch, *, where: str, rules: BatchRules) -> list[str]:
+    """position_ids count 0, 1, 2, ... within each record: every row starts a record (0) and each next position is
+    0 (a new packed record) or the previous + 1. Offsets (a row starting at 512) are not taken: RoPE would read
+    them as 0 .. s-1."""
+    if "position_ids" not in batch:
+        return []
+    positions = batch["position_ids"].long()
+    steps_ok = (positions[:, 1:] == 0) | (positions[:, 1:] == positions[:, :-1] + 1)
+    if (positions[:, 0] != 0).any() or not steps_ok.all():
+        row = int(((positions[:, 0] != 0) | ~steps_ok.all(dim=1)).nonzero()[0])
+        return [f"position_ids_form: {where}: position_ids row {row} is {positions[row, :8].tolist()}...; each "
+                "row must count 0, 1, 2, ... and restart at 0 where a packed record starts (as HF's "
+                "DataCollatorWithFlattening writes them)"]
+    if rules.packing_refusal and (positions[:, 1:] == 0).any():
+        return [f"packed_layout: {where}: position_ids restart inside a row (packed records), but "
+                f"{rules.packing_refusal}"]
+    return []
 
 
 def _some(values: torch.Tensor) -> str:
@@ -132,10 +160,14 @@ def padding_rows(rules: BatchRules) -> dict[str, torch.Tensor]:
 def take_micro_batches(micro_batches, *, count: int | None, rules: BatchRules) -> tuple[list[dict], list[str]]:
     """(token rows, problems): `count` micro-batches pulled from the iterable `micro_batches` (None: all of it),
     each checked; never raises, so that `agree` can tell every rank."""
+    if count is not None and isinstance(micro_batches, (list, tuple)) and len(micro_batches) != count:
+        return [], [f"micro_batch_count: got a {type(micro_batches).__name__} of {len(micro_batches)} micro-batches; "
+                    f"one optimizer step takes {count} per data-parallel rank (run.micro_batches_per_step)"]
     try:
         iterator = iter(micro_batches)
     except TypeError:
-        return [], [f"micro_batches is a {type(micro_batches).__name__}, not an iterable of micro-batches"]
+        return [], [f"micro_batch_type: micro_batches is a {type(micro_batches).__name__}, not an iterable of "
+                    "micro-batches"]
     rows: list[dict] = []
     problems: list[str] = []
     index = 0
@@ -144,17 +176,21 @@ def take_micro_batches(micro_batches, *, count: int | None, rules: BatchRules) -
             batch = next(iterator)
         except StopIteration:
             if count is not None:
-                problems.append(f"the micro-batch iterator ended after {index}; one optimizer step takes {count} "
+                problems.append(f"micro_batch_count: the micro-batch iterator ended after {index}; one optimizer "
+                                f"step takes {count} "
                                 "per data-parallel rank (run.micro_batches_per_step = global batch / "
                                 "(micro_batch_size x dp))")
             break
         except Exception as err:  # the user's iterator failed: every rank must hear of it
-            problems.append(f"the micro-batch iterator raised {type(err).__name__}: {err}")
+            problems.append(f"micro_batch_iterator: the micro-batch iterator raised {type(err).__name__}: {err}")
             break
-        found = micro_batch_problems(batch, index=index, rules=rules)
+        try:
+            found = micro_batch_problems(batch, index=index, rules=rules)
+            if not found:
+                rows.append(to_token_rows(batch))
+        except Exception as err:  # a check that could not run on this input is a problem too, never a lone raise
+            found = [f"micro_batch_type: micro-batch {index} could not be read: {type(err).__name__}: {err}"]
         problems += found
-        if not found:
-            rows.append(to_token_rows(batch))
         index += 1
     return rows, problems
 
@@ -183,12 +219,32 @@ def agree(*, problems: list[str], rows: list[dict], dp_rank: int, what: str, dev
     table = [row.cpu().tolist() for row in gathered]
     if any(flag for flag, *_ in table):
         reports: list = [None] * len(table)
-        dist.all_gather_object(reports, problems)
-        lines = [f"  rank {rank}: {problem}" for rank, found in enumerate(reports) for problem in found or ()]
-        raise DsmtError(f"{what}: bad micro-batches on rank(s) {[r for r, found in enumerate(reports) if found]}, "
-                        "raised on every rank (nothing was computed for this step):\n" + "\n".join(lines))
+        dist.all_gather_object(reports, problems[:MAX_PROBLEMS_PER_RANK])
+        raise DsmtError(f"{what}: bad micro-batches on {_rank_list([r for r, found in enumerate(reports) if found])}, "
+                        "raised on every rank (nothing was computed for this step):\n" + _merged(reports))
     _require_same_within_replicas(table, what=what)
     return [count for *_, count in table]
+
+
+MAX_PROBLEMS_PER_RANK = 5
+MAX_LINES = 20
+
+
+def _merged(reports: list[list[str] | None]) -> str:
+    """One line per distinct problem with the ranks that have it (a thousand ranks with one wrong seq_length make
+    one line), at most MAX_LINES."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, found in enumerate(reports):
+        for problem in found or ():
+            ranks_of.setdefault(problem, []).append(rank)
+    lines = [f"  {_rank_list(ranks)}: {problem}" for problem, ranks in ranks_of.items()]
+    more = [f"  ... and {len(lines) - MAX_LINES} more"] if len(lines) > MAX_LINES else []
+    return "\n".join(lines[:MAX_LINES] + more)
+
+
+def _rank_list(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
 
 
 def _require_same_within_replicas(table: list[list[int]], *, what: str) -> None:
@@ -198,7 +254,8 @@ def _require_same_within_replicas(table: list[list[int]], *, what: str) -> None:
     for dp_rank, variants in sorted(by_replica.items()):
         if len(variants) > 1:
             groups = " vs ".join(str(ranks) for ranks in variants.values())
-            raise DsmtError(f"{what}: ranks {groups} hold shards of the same model replica (dp_rank {dp_rank}: its "
+            raise DsmtError(f"replica_batches: {what}: ranks {groups} hold shards of the same model replica "
+                            f"(dp_rank {dp_rank}: its "
                             "tensor / pipeline / context-parallel ranks) but passed different micro-batches; every "
                             "rank of a replica must pass the same ones: choose them by run.dp_rank and "
                             "run.dp_size, not by the global rank")

@@ -10,6 +10,7 @@ toolkit/train/engine/hybrid.py, toolkit/train/checkpoint/checkpoints.py).
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from toolkit.errors import DsmtError
@@ -26,6 +27,11 @@ def start_run(*, spec) -> TrainingRun:
     from toolkit.spec.layout import derive_layout
     from toolkit.train.job.run import build_hybrid, model_checkpoint
 
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        raise DsmtError("initialize: this process already holds a run's process groups (megatron's model-parallel "
+                        "state); one run per process at a time: call run.close() before initializing another")
     backend = backends.select(device=spec.cluster.device)  # the spec's device or an error, never a silent CPU run
     layout = derive_layout(spec)
     init_process_groups(layout=layout, dist_backend=backend.dist_backend)
@@ -67,7 +73,8 @@ class TrainingRun:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.step = 0  # optimizer steps taken (or loaded from a checkpoint)
         self._rules = hf_batches.BatchRules(micro_batch_size=layout.micro_batch_size, seq_length=layout.seq_length,
-                                            vocab_size=info.settings.vocab_size)
+                                            vocab_size=info.settings.vocab_size,
+                                            packing_refusal=_packing_refusal(layout=layout, chunks=hybrid.chunks))
 
     # The layout and the raw objects, for scripts that need them.
     @property
@@ -98,6 +105,10 @@ class TrainingRun:
         `micro_batches`: {"loss" per token of the global batch, "grad_norm" (before clipping), "lr" of this step,
         "tokens" counted in the global batch}, the same on every rank."""
         rows, _ = self._take(micro_batches, count=self.micro_batches_per_step, what="train_step")
+        if self.step == self.spec.training.train_steps and self.rank == 0:
+            print(f"dsmt: step {self.step + 1} is beyond training.train_steps={self.spec.training.train_steps}, the "
+                  "length of the LR schedule: the rate stays where the schedule ended (min_lr; 0 for linear "
+                  "decay); raise training.train_steps to train longer", file=sys.stderr, flush=True)
         stats = self.hybrid.train_step(rows)
         self.step += 1
         return {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "tokens": stats.tokens}
@@ -135,10 +146,12 @@ class TrainingRun:
 
     def load_checkpoint(self, checkpoint_dir: str | Path) -> int:
         """Resume from the newest complete checkpoint under `checkpoint_dir` (written at this layout or any other,
-        by `save_checkpoint` or by `dsmt train` in OUTPUT_DIR/checkpoints); returns the step it holds (0, nothing
-        loaded, when the directory holds no complete checkpoint). Collective."""
+        by `save_checkpoint` or by `dsmt train` in OUTPUT_DIR/checkpoints); returns the step it holds. A directory
+        with no complete checkpoint loads nothing and returns the run's own step (0 at the start). Collective."""
         from toolkit import backend as backends
 
+        if checkpoints.latest_complete(Path(checkpoint_dir)) is None:  # the same answer on every rank (shared files)
+            return self.step
         resumed = checkpoints.resume(engine=self.engine, checkpoint_dir=Path(checkpoint_dir),
                                      **self._checkpoint_layout())
         if resumed.resharded:  # another layout's per-rank RNG streams do not map onto this one's ranks
@@ -176,6 +189,28 @@ class TrainingRun:
         if dist.get_rank() == 0:  # every rank is past the export: the intermediate megatron copy can go
             shutil.rmtree(mcore_dir, ignore_errors=True)
         return out_dir
+
+
+    def close(self) -> None:
+        """Destroy the process groups (megatron's and the world), so that this process may initialize another run."""
+        from toolkit.parallel.groups import destroy_process_groups
+
+        destroy_process_groups()
+
+
+def _packing_refusal(*, layout, chunks: list) -> str | None:
+    """Why this layout cannot take packed records (position_ids restarting inside a row), as `dsmt check`'s
+    packing rules say for `dsmt train`: checked on every rank before the step, not deep in a forward on some."""
+    from toolkit.adapters import packed
+
+    if layout.cp > 1:
+        return (f"parallel.cp={layout.cp}: packed records are not cut for context parallelism; pass one record per "
+                "row (right-padded, attention_mask) or set parallel.cp: 1")
+    if layout.pp > 1 and layout.micro_batch_size > 1 and packed.uses_thd(chunks[0]):
+        return (f"Transformer Engine's attention takes packed records as one THD row per micro-batch, and at "
+                f"pp={layout.pp} the pipeline's activations are micro_batch_size x seq_length; set "
+                "training.micro_batch_size: 1 or pass one record per row")
+    return None
 
 
 def _existing_output(out_dir: Path) -> str | None:
