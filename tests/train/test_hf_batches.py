@@ -123,3 +123,9 @@ def test_initialize_refuses_a_bad_spec_before_any_process_group(tiny_llama):
         api.initialize(spec)
     assert "heads" in str(raised.value) and "data_source" not in str(raised.value)
     assert not dist.is_initialized()
+
+
+def test_a_padding_row_counts_nothing():
+    rows = hf_batches.padding_rows(RULES)
+    assert rows["loss_mask"].sum() == 0 and rows["tokens"].shape == (2, 5)
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 3, 4]] * 2

@@ -44,7 +44,8 @@ class BatchRules:
 
 
 def micro_batch_problems(batch, *, index: int, rules: BatchRules) -> list[str]:
-    """Everything wrong with micro-batch `index` (empty when it is fine); never raises."""
+    """Everything wrong with micro-batch `index` (empty when it is fine). A mapping too odd to check may raise:
+    `take_micro_batches` turns that into a problem too."""
     where = f"micro-batch {index}"
     if not hasattr(batch, "keys") or not hasattr(batch, "__getitem__"):
         return [f"micro_batch_type: {where} is a {type(batch).__name__}, not a mapping of tensors (input_ids, "
@@ -151,10 +152,8 @@ def to_token_rows(batch) -> dict[str, torch.Tensor]:
 
 def padding_rows(rules: BatchRules) -> dict[str, torch.Tensor]:
     """A micro-batch that adds nothing to a loss (loss_mask 0): what evaluation pads a short rank with."""
-    rows, length = rules.shape
-    zeros = torch.zeros(rules.shape, dtype=torch.long)
-    return {"tokens": zeros, "position_ids": torch.arange(length).expand(rows, length).contiguous(),
-            "labels": zeros.clone(), "loss_mask": torch.zeros(rules.shape)}
+    return to_token_rows({"input_ids": torch.zeros(rules.shape, dtype=torch.long),
+                          "labels": torch.full(rules.shape, IGNORE_INDEX, dtype=torch.long)})
 
 
 def take_micro_batches(micro_batches, *, count: int | None, rules: BatchRules) -> tuple[list[dict], list[str]]:
@@ -177,9 +176,8 @@ def take_micro_batches(micro_batches, *, count: int | None, rules: BatchRules) -
         except StopIteration:
             if count is not None:
                 problems.append(f"micro_batch_count: the micro-batch iterator ended after {index}; one optimizer "
-                                f"step takes {count} "
-                                "per data-parallel rank (run.micro_batches_per_step = global batch / "
-                                "(micro_batch_size x dp))")
+                                f"step takes {count} per data-parallel rank (run.micro_batches_per_step = global "
+                                "batch / (micro_batch_size x dp))")
             break
         except Exception as err:  # the user's iterator failed: every rank must hear of it
             problems.append(f"micro_batch_iterator: the micro-batch iterator raised {type(err).__name__}: {err}")

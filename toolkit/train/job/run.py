@@ -69,17 +69,11 @@ def train(*, spec, ds_config: dict | None = None) -> list[dict]:
 
     `ds_config`: the run directory's ds_config.json, already compared with the spec (`toolkit/train/job/run_files.py`);
     None generates it from the spec."""
-    from toolkit import backend as backends
     from toolkit.generate.deepspeed_config import build_deepspeed_config
-    from toolkit.parallel.groups import init_process_groups
-    from toolkit.spec.layout import derive_layout
     from toolkit.train.plain import engine as plain
 
-    backend = backends.select(device=spec.cluster.device)  # the spec's device or an error, never a silent CPU run
-    layout = derive_layout(spec)
-    init_process_groups(layout=layout, dist_backend=backend.dist_backend)
+    layout = start_process_groups(spec=spec)
     _node_joined(layout=layout)
-    backend.seed(spec.training.seed)
     output_dir = Path(spec.training.output_dir)
     hf_dir = model_checkpoint(spec=spec, output_dir=output_dir)
     if ds_config is None:
@@ -89,6 +83,20 @@ def train(*, spec, ds_config: dict | None = None) -> list[dict]:
                                              ds_config=ds_config, output_dir=output_dir)
     return _run(trainer=trainer, batches=batches, export=export, notice=notice, spec=spec, layout=layout,
                 ds_config=ds_config, output_dir=output_dir, hf_dir=hf_dir)
+
+
+def start_process_groups(*, spec):
+    """This rank's start, as `dsmt train` and `toolkit.api.initialize` make it: the spec's backend (its device or an
+    error, never a silent CPU run), the layout's process groups, the seeded RNGs; returns the layout. Collective."""
+    from toolkit import backend as backends
+    from toolkit.parallel.groups import init_process_groups
+    from toolkit.spec.layout import derive_layout
+
+    backend = backends.select(device=spec.cluster.device)
+    layout = derive_layout(spec)
+    init_process_groups(layout=layout, dist_backend=backend.dist_backend)
+    backend.seed(spec.training.seed)
+    return layout
 
 
 def _node_joined(*, layout) -> None:
@@ -216,12 +224,9 @@ def _run(*, trainer, batches, export, notice: str | None, spec, layout, ds_confi
     if notice and dist.get_rank() == 0:
         print(notice, flush=True)
     validation = build_validation(spec=spec, layout=layout, trainer=trainer, hf_dir=hf_dir)
-    saving = _checkpoint_settings(trainer=trainer, spec=spec, layout=layout)
-    resumed = checkpoints.resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", **saving)
-    if resumed.resharded:  # the per-rank RNG streams of another layout do not map onto this one's ranks
-        from toolkit import backend as backends
-
-        backends.current().seed(spec.training.seed + resumed.step)
+    saving = checkpoint_settings(trainer=trainer, spec=spec, layout=layout)
+    resumed = resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", seed=spec.training.seed,
+                     saving=saving)
     log.started(start_step=resumed.step, total_steps=spec.training.train_steps, validation=validation,
                 resharded=resumed.resharded)
     _loop(trainer=trainer, batches=batches, spec=spec, log=log, start=resumed.step, output_dir=output_dir,
@@ -231,7 +236,18 @@ def _run(*, trainer, batches, export, notice: str | None, spec, layout, ds_confi
     return log.history
 
 
-def _checkpoint_settings(*, trainer, spec, layout) -> dict:
+def resume(*, engine, checkpoint_dir: Path, seed: int, saving: dict) -> checkpoints.Resumed:
+    """The newest complete checkpoint under `checkpoint_dir` loaded (`saving`: `checkpoint_settings`). Resharded
+    from another layout, the RNGs are seeded anew: that layout's per-rank streams do not map onto this one's ranks."""
+    from toolkit import backend as backends
+
+    resumed = checkpoints.resume(engine=engine, checkpoint_dir=checkpoint_dir, **saving)
+    if resumed.resharded:
+        backends.current().seed(seed + resumed.step)
+    return resumed
+
+
+def checkpoint_settings(*, trainer, spec, layout) -> dict:
     """This run's layout record, and for megatron-core models the layout-free state other layouts resume from."""
     from toolkit.train.engine.hybrid import HybridEngine
     from toolkit.train.checkpoint.reshard import LayoutFreeState, layout_record

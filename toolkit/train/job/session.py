@@ -21,21 +21,15 @@ from toolkit.train.engine import hf_batches
 def start_run(*, spec) -> TrainingRun:
     """Process groups for the spec's layout, this rank's chunks with the checkpoint's weights (LoRA when asked),
     the DeepSpeed engine on the config `dsmt generate` writes. Collective: every rank of the job calls it."""
-    from toolkit import backend as backends
-    from toolkit.generate.deepspeed_config import build_deepspeed_config
-    from toolkit.parallel.groups import init_process_groups
-    from toolkit.spec.layout import derive_layout
-    from toolkit.train.job.run import build_hybrid, model_checkpoint
-
     from megatron.core import parallel_state
+
+    from toolkit.generate.deepspeed_config import build_deepspeed_config
+    from toolkit.train.job.run import build_hybrid, model_checkpoint, start_process_groups
 
     if parallel_state.model_parallel_is_initialized():
         raise DsmtError("initialize: this process already holds a run's process groups (megatron's model-parallel "
                         "state); one run per process at a time: call run.close() before initializing another")
-    backend = backends.select(device=spec.cluster.device)  # the spec's device or an error, never a silent CPU run
-    layout = derive_layout(spec)
-    init_process_groups(layout=layout, dist_backend=backend.dist_backend)
-    backend.seed(spec.training.seed)
+    layout = start_process_groups(spec=spec)
     hf_dir = model_checkpoint(spec=spec, output_dir=Path(spec.training.output_dir))
     _require_causal_lm(hf_dir, builtin=spec.model.builtin is not None)
     ds_config = build_deepspeed_config(spec=spec, layout=layout)
@@ -141,31 +135,26 @@ class TrainingRun:
         `dsmt train` writes them (toolkit/train/checkpoint/checkpoints.py); returns the tag's directory. Collective."""
         checkpoint_dir = Path(checkpoint_dir)
         checkpoints.save(engine=self.engine, checkpoint_dir=checkpoint_dir, step=self.step,
-                         keep_checkpoints=self.spec.training.keep_checkpoints, **self._checkpoint_layout())
+                         keep_checkpoints=self.spec.training.keep_checkpoints, **self._checkpoint_settings())
         return checkpoint_dir / checkpoints.tag_for(self.step)
 
     def load_checkpoint(self, checkpoint_dir: str | Path) -> int:
         """Resume from the newest complete checkpoint under `checkpoint_dir` (written at this layout or any other,
         by `save_checkpoint` or by `dsmt train` in OUTPUT_DIR/checkpoints); returns the step it holds. A directory
         with no complete checkpoint loads nothing and returns the run's own step (0 at the start). Collective."""
-        from toolkit import backend as backends
+        from toolkit.train.job.run import resume
 
         if checkpoints.latest_complete(Path(checkpoint_dir)) is None:  # the same answer on every rank (shared files)
             return self.step
-        resumed = checkpoints.resume(engine=self.engine, checkpoint_dir=Path(checkpoint_dir),
-                                     **self._checkpoint_layout())
-        if resumed.resharded:  # another layout's per-rank RNG streams do not map onto this one's ranks
-            backends.current().seed(self.spec.training.seed + resumed.step)
+        resumed = resume(engine=self.engine, checkpoint_dir=Path(checkpoint_dir), seed=self.spec.training.seed,
+                         saving=self._checkpoint_settings())
         self.step = resumed.step
         return resumed.step
 
-    def _checkpoint_layout(self) -> dict:
-        from toolkit.train.checkpoint.reshard import LayoutFreeState, layout_record
+    def _checkpoint_settings(self) -> dict:
+        from toolkit.train.job.run import checkpoint_settings
 
-        record = layout_record(layout=self.layout, zero_stage=self.spec.parallel.zero_stage)
-        return {"layout": record, "layout_free": LayoutFreeState(engine=self.engine, chunks=self.model_chunks,
-                                                                 layout=record,
-                                                                 global_batch_size=self.layout.global_batch_size)}
+        return checkpoint_settings(trainer=self.hybrid, spec=self.spec, layout=self.layout)
 
     def export_hf(self, out_dir: str | Path, *, adapter_dir: str | Path | None = None,
                   overwrite: bool = False) -> Path:
@@ -189,7 +178,6 @@ class TrainingRun:
         if dist.get_rank() == 0:  # every rank is past the export: the intermediate megatron copy can go
             shutil.rmtree(mcore_dir, ignore_errors=True)
         return out_dir
-
 
     def close(self) -> None:
         """Destroy the process groups (megatron's and the world), so that this process may initialize another run."""
