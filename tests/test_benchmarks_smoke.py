@@ -40,3 +40,11 @@ def test_plan_vs_live_benchmark_compares_one_launch():
     output = run("benchmarks/plan_vs_live.py", "--smoke")
     assert "launch 0: 2 processes" in output and "launch 1" not in output, output
     assert "largest |deviation| over every rank: parameters" in output, output
+
+
+def test_data_prepare_benchmark_prints_its_ratios():
+    output = run("benchmarks/data_prepare.py", "--smoke")
+    for name in ("tiny-char", "bpe-512"):
+        assert f"\n{name}:\n" in output, output
+    assert len(re.findall(r"^  ratio prepare/tokenizer = \d+\.\d+  \(--workers [12]\)$", output, re.MULTILINE)) == 4
+    assert output.count("outputs byte-identical across --workers: yes") == 2, output

@@ -26,7 +26,19 @@ COMMAND_MODULES = [
     "toolkit.plan.cli",            # dsmt plan
     "toolkit.launch.preflight",    # dsmt preflight
     "toolkit.launch.env_report",   # dsmt env
+    "toolkit.data.cli",            # dsmt data prepare
 ]
+
+
+def workers_count(text: str) -> int:
+    """`--workers N` of the commands that run work in parallel: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--workers must be a whole number >= 1, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

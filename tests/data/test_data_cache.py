@@ -14,7 +14,7 @@ import torch
 from data_helpers import EXAMPLES
 
 from toolkit.convert.checkpoint import lead_task
-from toolkit.data import MicroBatches, build_examples, cache, examples as uncached, open_cache, prepare_cache
+from toolkit.data import MicroBatches, build_examples, cache, open_cache, prepare_cache
 from toolkit.errors import DsmtError
 from toolkit.launch.ports import free_port
 from toolkit.spec.schema import DataSpec
@@ -26,13 +26,13 @@ REPO = Path(__file__).parents[2]
 def tokenize_calls(monkeypatch):
     """Counts every tokenisation of a data file (the step the cache must run once)."""
     calls = []
-    real = uncached.tokenize_path
+    real = cache.part_examples
 
     def counting(**kwargs):
         calls.append(kwargs["data"].path)
         return real(**kwargs)
 
-    monkeypatch.setattr(uncached, "tokenize_path", counting)
+    monkeypatch.setattr(cache, "part_examples", counting)
     return calls
 
 
@@ -158,13 +158,13 @@ def test_simulated_nonzero_rank_only_opens_what_rank_zero_wrote(tiny_checkpoint,
 WORKER = textwrap.dedent('''
     import json, sys
     import torch.distributed as dist
-    from toolkit.data import cache, examples as uncached
+    from toolkit.data import cache
     from toolkit.spec.schema import DataSpec
 
     dist.init_process_group("gloo")
     calls = []
-    real = uncached.tokenize_path
-    uncached.tokenize_path = lambda **kw: calls.append(1) or real(**kw)
+    real = cache.part_examples
+    cache.part_examples = lambda **kw: calls.append(1) or real(**kw)
     model_dir, root, out = sys.argv[1:4]
     data = DataSpec(path=sys.argv[4])
     examples = cache.shared_examples(data=data, model_path=model_dir, seq_length=32, vocab_size=250, seed=0,

@@ -92,7 +92,7 @@ def test_chat_without_template_uses_role_lines_and_eos(write_jsonl, cache_dir, t
 
 def test_chat_bad_messages_name_the_record(write_jsonl, cache_dir, tokenizer):
     rows = [{"messages": CHAT[:2]}, {"messages": [{"role": "user", "content": None}]}]
-    with pytest.raises(DsmtError, match=r"record 1: field 'messages' must be a non-empty list"):
+    with pytest.raises(DsmtError, match=r"record 1: turn 0 of 'messages' has no 'content'"):
         _examples(write_jsonl, cache_dir, tokenizer, rows, seq_length=30, messages_field="messages")
 
 

@@ -41,6 +41,9 @@ VARIANTS: dict[str, dict] = {
                                      "sequence_parallel": True}, training={"global_batch_size": 64, "micro_batch_size": 1}),
     # One node through mpirun (tests/launch/test_mpi_real.py trains it): DeepSpeed's OpenMPI runner, no ssh.
     "openmpi-1x2-cpu": {**_TINY, "cluster": {**_TINY["cluster"], "launcher": "openmpi"}},
+    # DeepSpeed's wandb monitor: entity is DeepSpeed's `team`, the run name reaches W&B as WANDB_NAME (not here).
+    "tiny-cpu-wandb": {**_TINY, "training": {**_TINY["training"], "wandb": {
+        "project": "dsmt-test", "name": "tiny", "entity": "my-team", "group": "sweep-1"}}},
     # Every cluster.slurm extra, with the characters sbatch's directive parser treats specially (blanks, '#', '&').
     "slurm-site-extras": _gpu_variant(parallel={"tp": 8}, cluster={"hosts": "slurm", "slurm": {
         "account": "ml research", "partition": "gpu,gpu-long", "time": "2-12:00:00", "qos": "high",

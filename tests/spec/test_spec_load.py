@@ -62,13 +62,16 @@ def test_override_unknown_key_is_named(write_spec):
 
 
 def test_schema_rules_list_is_complete():
-    source = Path(schema.__file__).read_text()
+    from toolkit.spec import data_schema, sections
+
+    source = "".join(Path(module.__file__).read_text() for module in (schema, data_schema, sections))
     raised = set(re.findall(r'PydanticCustomError\(\s*"(\w+)"', source))
     assert raised == set(schema.SCHEMA_RULES)
 
 
 def test_spec_and_generate_import_without_heavy_frameworks():
-    code = ("import sys, toolkit.spec.cli, toolkit.spec.checks, toolkit.generate.writer; "
-            "print(sorted(m for m in ('torch', 'deepspeed', 'megatron', 'transformers') if m in sys.modules))")
+    # the parser imports every command module (toolkit.data.cli included: toolkit/data/__init__.py is lazy)
+    code = ("import sys, toolkit.spec.cli, toolkit.spec.checks, toolkit.generate.writer, toolkit.cli; "
+            "toolkit.cli.build_parser(); print(sorted(m for m in ('torch', 'deepspeed', 'megatron', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from toolkit.cli import workers_count
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("convert", help="convert between HF and dsmt megatron checkpoints")
@@ -26,21 +28,9 @@ def register(subparsers) -> None:
 
 
 def _common_flags(parser) -> None:
-    parser.add_argument("--workers", type=_positive_int, default=1,
+    parser.add_argument("--workers", type=workers_count, default=1,
                         help="tensors read and written in parallel (threads); memory grows by one tensor per worker")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, only the summary line")
-
-
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--workers must be a whole number >= 1, got {text!r}")
-    return value
 
 
 def run_hf_to_mcore(args) -> int:

@@ -1,17 +1,31 @@
-"""The training data pipeline: records (`sources`) -> fixed-length examples (`tokenize`, `synthetic`) ->
-per-rank micro-batches (`batches`). `build_examples` wires the first two from a `DataSpec` in one process;
-`shared_examples` (`cache`) does it once per job, on disk, and memory-maps the result on every rank."""
+"""The training data pipeline, one module per stage:
+
+    source (`sources`: file, folder, cached name; `indexed`: Megatron corpora) -> records of a part
+    (`validation`) -> formatting by `data.type` (`formats`, `records`) -> tokenisation (`tokenize`) -> long
+    records and packing (`packing`) -> cache (`cache`) -> rows (`examples`, `mix`) -> micro-batches (`batches`).
+
+`pipeline.build_examples` runs the record stages in one process; `training.job_rows` gives a training job the rows
+of any source kind (records cached once per job and memory-mapped on every rank; Megatron corpora through
+megatron-core's datasets; mixes); `prepare` writes Megatron corpora (`dsmt data prepare`)."""
 
 from __future__ import annotations
 
-from toolkit.data.batches import FIRST_STAGE_KEYS, LAST_STAGE_KEYS, MicroBatches, stage_inputs
-from toolkit.data.cache import cache_root_for, open_cache, prepare_cache, shared_examples
-from toolkit.data.examples import build_examples
-from toolkit.data.sources import FILE_BUILDERS, load_records, required_fields
-from toolkit.data.synthetic import synthetic_examples
-from toolkit.data.tokenize import Examples, assistant_spans, load_tokenizer, record_kind, tokenize_examples
+import importlib
 
-__all__ = ["FILE_BUILDERS", "FIRST_STAGE_KEYS", "LAST_STAGE_KEYS", "Examples", "MicroBatches", "assistant_spans",
-           "build_examples", "cache_root_for", "load_records", "load_tokenizer", "open_cache", "prepare_cache",
-           "record_kind", "required_fields", "shared_examples", "stage_inputs", "synthetic_examples",
-           "tokenize_examples"]
+# name -> module: loaded on first use, so `dsmt` (which imports toolkit.data.cli to build its parser) and
+# `dsmt check` stay free of torch until a command needs it
+_EXPORTS = {
+    "FIRST_STAGE_KEYS": "batches", "LAST_STAGE_KEYS": "batches", "MicroBatches": "batches", "stage_inputs": "batches",
+    "cache_root_for": "cache", "open_cache": "cache", "prepare_cache": "cache", "Examples": "examples",
+    "build_examples": "pipeline", "FILE_BUILDERS": "sources", "load_records": "sources",
+    "required_fields": "sources", "synthetic_examples": "synthetic", "assistant_spans": "tokenize",
+    "load_tokenizer": "tokenize", "record_kind": "tokenize", "tokenize_examples": "tokenize",
+    "job_rows": "training",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'toolkit.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"toolkit.data.{_EXPORTS[name]}"), name)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.data.tokenize import Examples
 from toolkit.errors import DsmtError
 
 FIRST_STAGE_KEYS = ("tokens", "position_ids")  # what the embedding stage reads
@@ -30,7 +29,7 @@ LAST_STAGE_KEYS = ("labels", "loss_mask")  # what the loss stage reads
 class MicroBatches:
     """The micro-batches of data-parallel rank `dp_rank` for any step; see the module docstring for the rule."""
 
-    def __init__(self, *, examples: Examples, micro_batch_size: int, num_microbatches: int, dp_rank: int,
+    def __init__(self, *, examples, micro_batch_size: int, num_microbatches: int, dp_rank: int,
                  dp_size: int, seed: int, shuffle: bool = True):
         _check_layout(micro_batch_size=micro_batch_size, num_microbatches=num_microbatches, dp_rank=dp_rank,
                       dp_size=dp_size, num_examples=len(examples))
@@ -92,13 +91,13 @@ class MicroBatches:
         return self._permutations[epoch]
 
     def _gather(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        ids = self.examples.token_ids[rows]
+        ids, loss_mask, position_ids = self.examples.rows(rows)
         return {
             "tokens": ids[:, :-1].contiguous(),
             "labels": ids[:, 1:].contiguous(),
-            "loss_mask": self.examples.loss_mask[rows].to(torch.float32),
-            # restart at 0 at each packed record: the model masks attention across records (toolkit/data/tokenize.py)
-            "position_ids": self.examples.positions(rows),
+            "loss_mask": loss_mask,
+            # restart at 0 at each packed record: the model masks attention across records (toolkit/data/packing.py)
+            "position_ids": position_ids,
         }
 
 

@@ -33,16 +33,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolkit.data import examples as uncached
 from toolkit.data import validation
+from toolkit.data.examples import Examples, check_vocab
+from toolkit.data.pipeline import part_examples, require_data_path
 from toolkit.data.sources import source_identity
-from toolkit.data.tokenize import Examples, load_tokenizer
+from toolkit.data.tokenize import load_tokenizer, tokenizer_identity
 from toolkit.errors import DsmtError
 from toolkit.spec.schema import DataSpec
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # bump when the arrays or the tokenisation rules change meaning (2: data.packing, position_ids)
+# bump when the arrays, the tokenisation rules or the key's inputs change (2: data.packing, position_ids; 3: data.type,
+# data.config, data.blend / data.mix in the key's DataSpec fields)
+FORMAT_VERSION = 3
 META = "meta.json"
 # DataSpec fields that do not change the tokens: the order of use, where the cache lives, and `tokenizer`, whose
 # location matters less than its content (`tokenizer_identity`).
@@ -61,34 +64,20 @@ def shared_examples(*, data: DataSpec, model_path: str | None, seq_length: int, 
     `part`: "train" or "validation" (toolkit/data/validation.py: which records; `seed` also draws a held-out share)."""
     from toolkit.convert.checkpoint import run_on_rank0
 
-    if data.synthetic:
-        return uncached.build_examples(data=data, model_path=model_path, seq_length=seq_length,
-                                       vocab_size=vocab_size, seed=seed)
-
     def prepare(progress) -> str:
         return str(prepare_cache(data=data, model_path=model_path, seq_length=seq_length, vocab_size=vocab_size,
                                  cache_root=cache_root, part=part, split_seed=seed))
 
-    directory = run_on_rank0(prepare, status_file=status_file, what="preparing the training data")
+    what = "preparing the validation data" if part == validation.VALIDATION else "preparing the training data"
+    directory = run_on_rank0(prepare, status_file=status_file, what=what)
     return open_cache(Path(directory))
-
-
-def shared_validation_examples(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int,
-                               seed: int, cache_root: Path, status_file: Path):
-    """Collective, like `shared_examples`: the validation examples (toolkit/data/validation.py), tokenised once
-    (rank 0)."""
-    if data.synthetic:
-        raise validation.ValidationDataError("data.synthetic=true has no validation records; unset "
-                                             "data.validation_path and data.validation_fraction, or train on data.path")
-    return shared_examples(data=data, model_path=model_path, seq_length=seq_length, vocab_size=vocab_size,
-                           seed=seed, cache_root=cache_root, status_file=status_file, part=validation.VALIDATION)
 
 
 def prepare_cache(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, cache_root: Path,
                   datasets_cache_dir: str | None = None, part: str = "train", split_seed: int = 0) -> Path:
     """The cache directory for these inputs, tokenising and writing it first when it does not exist yet.
     `datasets_cache_dir` is where `datasets` keeps its own files (None: its default)."""
-    uncached.require_data_path(data)
+    require_data_path(data)
     tokenizer = load_tokenizer(data=data, model_path=model_path)
     key, inputs = cache_key(data=data, tokenizer=tokenizer, seq_length=seq_length, part=part, split_seed=split_seed)
     directory = Path(cache_root) / key
@@ -96,11 +85,11 @@ def prepare_cache(*, data: DataSpec, model_path: str | None, seq_length: int, vo
         meta = json.loads((directory / META).read_text())
         log.info("data cache: reusing %s (%d examples)", directory, meta["num_examples"])
     else:
-        examples = validation.tokenize_part(data=data, part=part, seed=split_seed, tokenizer=tokenizer,
-                                            seq_length=seq_length, cache_dir=datasets_cache_dir)
+        examples = part_examples(data=data, part=part, seed=split_seed, tokenizer=tokenizer, seq_length=seq_length,
+                                 cache_dir=datasets_cache_dir)
         meta = write_cache(directory=directory, examples=examples, inputs=inputs)
         log.info("data cache: tokenised %d examples into %s", meta["num_examples"], directory)
-    uncached.check_vocab(largest_id=meta["max_token_id"], vocab_size=vocab_size, data=data)
+    check_vocab(largest_id=meta["max_token_id"], vocab_size=vocab_size, tokenizer_ref=data.tokenizer)
     return directory
 
 
@@ -115,20 +104,6 @@ def cache_key(*, data: DataSpec, tokenizer, seq_length: int, part: str = "train"
               **validation.key_inputs(data=data, part=part, seed=split_seed)}
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     return digest[:24], inputs
-
-
-def tokenizer_identity(tokenizer) -> str:
-    """A hash of what decides the ids: a fast tokenizer's whole serialised pipeline (vocab, merges, normalizer,
-    BOS/EOS post-processing), else its vocabulary and init arguments; plus special ids and the chat template."""
-    if getattr(tokenizer, "is_fast", False):
-        pipeline = tokenizer.backend_tokenizer.to_str()
-    else:
-        settings = {k: v for k, v in tokenizer.init_kwargs.items() if k != "name_or_path"}
-        pipeline = json.dumps([sorted(tokenizer.get_vocab().items()), settings], sort_keys=True, default=str)
-    specials = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
-    described = json.dumps([type(tokenizer).__name__, pipeline, specials, getattr(tokenizer, "chat_template", None)],
-                           default=str)
-    return hashlib.sha256(described.encode()).hexdigest()
 
 
 def write_cache(*, directory: Path, examples: Examples, inputs: dict) -> dict:

@@ -1,44 +1,71 @@
-"""`DataSpec` -> `Examples` in this process: synthetic sequences, or `data.path` read and tokenised.
+"""The rows a training job draws from: `Examples`, fixed-length rows in memory or memory-mapped.
 
-This is the uncached path; a training job goes through `toolkit.data.cache.shared_examples`, which runs it once
-(rank 0) and memory-maps the result everywhere else."""
+Every row is `seq_length + 1` token ids; the model reads `ids[:-1]` at `position_ids` and predicts
+`labels = ids[1:]`, and `loss_mask[t]` says whether `labels[t]` counts. Whatever makes rows (tokenised records:
+toolkit/data/packing.py; a Megatron corpus: toolkit/data/indexed.py; a mix: toolkit/data/mix.py) offers the same
+three calls the batches need: `len()`, `seq_length`, `rows(indices)` and `counted_tokens()`.
+"""
 
 from __future__ import annotations
 
-from toolkit.data.sources import load_records
-from toolkit.data.synthetic import synthetic_examples
-from toolkit.data.tokenize import Examples, load_tokenizer, tokenize_examples
+from dataclasses import dataclass
+
+import torch
+
 from toolkit.errors import DsmtError
-from toolkit.spec.schema import DATA_SOURCE_FIX, DataSpec
 
 
-def build_examples(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, seed: int,
-                   num_synthetic_examples: int = 1024, cache_dir: str | None = None) -> Examples:
-    """Examples for `data`: synthetic ones when `data.synthetic`, else `data.path` tokenised with `data.tokenizer`
-    or the checkpoint's tokenizer at `model_path`. `cache_dir` is the `datasets` cache (None: its default)."""
-    if data.synthetic:
-        return synthetic_examples(vocab_size=vocab_size, seq_length=seq_length, num_examples=num_synthetic_examples,
-                                  seed=seed)
-    require_data_path(data)
-    tokenizer = load_tokenizer(data=data, model_path=model_path)
-    examples = tokenize_path(data=data, tokenizer=tokenizer, seq_length=seq_length, cache_dir=cache_dir)
-    check_vocab(largest_id=int(examples.token_ids.max()), vocab_size=vocab_size, data=data)
-    return examples
+@dataclass(frozen=True)
+class Examples:
+    """Fixed-length examples: `token_ids [N, seq_length + 1]` int64 and `loss_mask [N, seq_length]` float32,
+    aligned with `labels = token_ids[:, 1:]`; `position_ids [N, seq_length]` of the inputs `token_ids[:, :-1]`
+    (None: 0 .. seq_length - 1 in every row)."""
+
+    token_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    kind: str  # "text", "prompt_completion", "chat" or "synthetic"
+    used_chat_template: bool | None = None  # chat only: False means the "<role>: content" fallback was used
+    num_dropped: int = 0  # records left with no loss-bearing label (toolkit/data/packing.py)
+    num_truncated: int = 0  # prompt/completion and chat records cut at seq_length + 1
+    position_ids: torch.Tensor | None = None  # restarting at 0 at each packed record
+    num_records: int = 0  # records (text: documents, or their pieces) placed in the rows
+    num_split: int = 0  # text documents longer than seq_length + 1, split into pieces
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def seq_length(self) -> int:
+        return int(self.token_ids.shape[1]) - 1
+
+    def positions(self, rows: torch.Tensor) -> torch.Tensor:
+        """int64 `[len(rows), seq_length]` position ids of `rows`."""
+        if self.position_ids is None:
+            return torch.arange(self.seq_length).expand(len(rows), self.seq_length).contiguous()
+        return self.position_ids[rows].to(torch.int64)
+
+    def rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token_ids int64 `[n, seq_length + 1]`, loss_mask float32 `[n, seq_length]`, position_ids int64
+        `[n, seq_length]`) of the row indices `rows`."""
+        return self.token_ids[rows], self.loss_mask[rows].to(torch.float32), self.positions(rows)
+
+    def counted_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def max_token_id(self) -> int:
+        return int(self.token_ids.max())
+
+    def describe(self) -> str:
+        """One line for the start-up log: rows, records, and what the long-record policy did."""
+        counters = [f"{self.num_records} records" if self.num_records else None,
+                    f"{self.num_split} documents split into pieces of seq_length + 1" if self.num_split else None,
+                    f"{self.num_truncated} records truncated" if self.num_truncated else None,
+                    f"{self.num_dropped} records dropped (no loss-bearing label)" if self.num_dropped else None]
+        return f"{len(self)} {self.kind} rows of {self.seq_length + 1} ids" + "".join(
+            f", {c}" for c in counters if c)
 
 
-def require_data_path(data: DataSpec) -> None:
-    if data.path is None:  # `dsmt check` reports this as rule data_source; callers that skip it land here
-        raise DsmtError(f"data_source: data.path is unset and data.synthetic=false, so there is no data to train "
-                        f"on; {DATA_SOURCE_FIX}")
-
-
-def tokenize_path(*, data: DataSpec, tokenizer, seq_length: int, cache_dir: str | None = None) -> Examples:
-    """Read `data.path` and tokenise every record: the expensive step the on-disk cache runs once per job."""
-    records = load_records(data=data, cache_dir=cache_dir)
-    return tokenize_examples(records=records, data=data, tokenizer=tokenizer, seq_length=seq_length)
-
-
-def check_vocab(*, largest_id: int, vocab_size: int, data: DataSpec) -> None:
+def check_vocab(*, largest_id: int, vocab_size: int, tokenizer_ref: str | None) -> None:
     if largest_id >= vocab_size:  # an embedding lookup past the table fails far from here, or silently on GPU
-        raise DsmtError(f"the tokenizer produced id {largest_id} but the model's vocab_size is {vocab_size}; use the "
-                        f"checkpoint's own tokenizer (data.tokenizer={data.tokenizer!r})")
+        raise DsmtError(f"token_ids_vocab: the data holds token id {largest_id} but the model's vocab_size is "
+                        f"{vocab_size}; use the checkpoint's own tokenizer (data.tokenizer={tokenizer_ref!r})")

@@ -1,20 +1,25 @@
-"""Reading `data.path` into a `datasets.Dataset` of raw records (no tokenisation here).
+"""The source stage: `data.path` read into a `datasets.Dataset` of raw records (no formatting, no tokens).
 
 Accepted sources, decided in this order:
-  * a directory: `datasets.load_from_disk` (a `DatasetDict` gives up `data.split`);
+  * a directory written by `save_to_disk`: `datasets.load_from_disk` (a `DatasetDict` gives up `data.split`);
+  * any other directory is a dataset repository folder as `huggingface-cli download --repo-type dataset` leaves
+    it: `datasets.load_dataset(folder, name=data.config, split=data.split)`, which takes the splits from the file
+    names (`data/train-00000-of-00001.parquet`, `test.jsonl`) or from the README's `configs`;
   * a file: `datasets.load_dataset(<builder>, data_files=...)`, the builder from `data.format` or, for
     `format="auto"`, from the extension (`FILE_BUILDERS`); `.gz/.bz2/.xz/.zst` wrappers are looked through;
-  * anything else shaped like a hub id (`owner/name`): `datasets.load_dataset(name)`, which needs the network; when
-    the hub cannot be reached the error says so and asks for a local file.
+  * anything else shaped like a hub id (`owner/name`): with `HF_HUB_OFFLINE=1`, the snapshot the hub CLI left in
+    the local Hugging Face cache, read as a repository folder (else `datasets`' own cache of an earlier
+    `load_dataset`); online, `datasets.load_dataset(name)`.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from toolkit.errors import DsmtError
-from toolkit.spec.schema import DataSpec
+from toolkit.spec.data_schema import RecordSource
 
 # Extension -> `datasets` packaged builder. `.json` is handled by the json builder whether it holds JSON lines or
 # one top-level list of records.
@@ -24,20 +29,20 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
 FORMAT_BUILDERS = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet", "text": "text",
                    "arrow": "arrow"}
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+# Files `save_to_disk` writes at a dataset's (or a DatasetDict's) top level.
+SAVE_TO_DISK_MARKERS = ("state.json", "dataset_dict.json")
 # A hub dataset id: `name` or `owner/name`, letters, digits, '-', '_', '.'; no extension we know as a file.
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def required_fields(*, data: DataSpec) -> list[str]:
-    """The record columns the tokenizer will read, for the record kind `data` selects."""
-    if data.messages_field is not None:
-        return [data.messages_field]
-    if data.prompt_field is not None:
-        return [data.prompt_field, data.completion_field]
-    return [data.text_field]
+def required_fields(*, data: RecordSource) -> list[str]:
+    """The record columns the formatting of `data.type` reads (toolkit/data/records.py)."""
+    from toolkit.data.records import required_fields as fields_of_type
+
+    return fields_of_type(data)
 
 
-def load_records(*, data: DataSpec, cache_dir: str | None = None):
+def load_records(*, data: RecordSource, cache_dir: str | None = None):
     """Load the raw records of `data.path` (split `data.split`) as a `datasets.Dataset`, checked non-empty and
     holding every field the record kind needs. `cache_dir` is the `datasets` cache (None: its default)."""
     if data.path is None:
@@ -48,7 +53,7 @@ def load_records(*, data: DataSpec, cache_dir: str | None = None):
         records = _load_directory(path=path, data=data)
     elif path.is_file():
         records = _load_file(path=path, data=data, cache_dir=cache_dir)
-    elif _looks_like_hub_id(data.path):
+    elif looks_like_hub_id(data.path):
         records = _load_hub(name=data.path, data=data, cache_dir=cache_dir)
     else:
         raise DsmtError(
@@ -59,7 +64,7 @@ def load_records(*, data: DataSpec, cache_dir: str | None = None):
     return records
 
 
-def _looks_like_hub_id(text: str) -> bool:
+def looks_like_hub_id(text: str) -> bool:
     # A path with a known file extension, or one that starts like a filesystem path, is a missing local file.
     if text.startswith((".", "/", "~")) or _file_suffix(Path(text)) in FILE_BUILDERS:
         return False
@@ -74,7 +79,7 @@ def _file_suffix(path: Path) -> str:
     return suffixes[-1] if suffixes else ""
 
 
-def _builder_for(*, path: Path, data: DataSpec) -> str:
+def _builder_for(*, path: Path, data: RecordSource) -> str:
     if data.format != "auto":
         return FORMAT_BUILDERS[data.format]
     suffix = _file_suffix(path)
@@ -88,7 +93,7 @@ def _builder_for(*, path: Path, data: DataSpec) -> str:
     return FILE_BUILDERS[suffix]
 
 
-def _load_file(*, path: Path, data: DataSpec, cache_dir: str | None):
+def _load_file(*, path: Path, data: RecordSource, cache_dir: str | None):
     import datasets
 
     builder = _builder_for(path=path, data=data)
@@ -111,14 +116,13 @@ def _load_file(*, path: Path, data: DataSpec, cache_dir: str | None):
                         f"({type(err).__name__}: {err}); check the file's content matches its extension") from err
 
 
-def _load_directory(*, path: Path, data: DataSpec):
+def _load_directory(*, path: Path, data: RecordSource):
     import datasets
 
+    if not any((path / marker).is_file() for marker in SAVE_TO_DISK_MARKERS):
+        return _load_repository_folder(path=path, data=data)
     try:
         loaded = datasets.load_from_disk(str(path))
-    except FileNotFoundError as err:
-        raise DsmtError(f"data.path={str(path)!r} is a directory but not a datasets.save_to_disk output "
-                        f"({err}); point at a data file or the directory save_to_disk wrote") from err
     except Exception as err:  # `datasets` fails on some directories it wrote itself (an empty dataset: IndexError)
         raise DsmtError(f"data.path={str(path)!r}: datasets.load_from_disk failed ({type(err).__name__}: {err}); "
                         f"re-save it with save_to_disk, or export it to a jsonl file") from err
@@ -130,30 +134,79 @@ def _load_directory(*, path: Path, data: DataSpec):
     return loaded
 
 
-def _load_hub(*, name: str, data: DataSpec, cache_dir: str | None):
+def _load_repository_folder(*, path: Path, data: RecordSource, what: str = "data.path"):
+    """A dataset repository folder: splits from file names or the README's `configs` (`datasets`' own rules)."""
     import datasets
 
+    found = sorted(str(f.relative_to(path)) for f in path.rglob("*")
+                   if f.is_file() and _file_suffix(f) in FILE_BUILDERS and ".cache" not in f.parts)
+    if not found:
+        raise DsmtError(f"{what}={str(path)!r} is a directory but neither a datasets.save_to_disk output (no "
+                        f"{' / '.join(SAVE_TO_DISK_MARKERS)}) nor a dataset repository folder (no "
+                        f"{'/'.join(e.lstrip('.') for e in FILE_BUILDERS)} files in it); point at the folder the "
+                        f"hub CLI downloaded, a save_to_disk output or a data file")
     try:
-        return datasets.load_dataset(name, split=data.split, cache_dir=cache_dir)
+        return datasets.load_dataset(str(path), name=data.config, split=data.split)
+    except ValueError as err:  # unknown split / config: `datasets` lists the valid ones in its message
+        raise DsmtError(f"{what}={str(path)!r} (a dataset repository folder with {', '.join(found[:4])}"
+                        f"{' ...' if len(found) > 4 else ''}): data.split={data.split!r}, data.config="
+                        f"{data.config!r}: {err}; set data.split / data.config to one it has") from err
+    except Exception as err:
+        raise DsmtError(f"{what}={str(path)!r}: reading it as a dataset repository folder failed "
+                        f"({type(err).__name__}: {err}); check its files and README configs") from err
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE") or os.environ.get(
+        "HF_DATASETS_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def cached_snapshot(name: str) -> Path | None:
+    """The newest snapshot of dataset repository `name` in the local Hugging Face hub cache, if one is there."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=name, repo_type="dataset", local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
+
+
+def _load_hub(*, name: str, data: RecordSource, cache_dir: str | None):
+    import datasets
+
+    if hub_offline():
+        snapshot = cached_snapshot(name)
+        if snapshot is not None:
+            return _load_repository_folder(path=snapshot, data=data, what=f"data.path={name!r} in the hub cache at")
+    try:
+        return datasets.load_dataset(name, name=data.config, split=data.split, cache_dir=cache_dir)
     except ConnectionError as err:  # `datasets` raises this for offline mode and unreachable hosts alike
+        from huggingface_hub.constants import HF_HUB_CACHE
+
         raise DsmtError(
-            f"data.path={name!r} is not a local file or directory, so it was tried as a Hugging Face hub dataset, "
-            f"but the network/hub is unreachable ({err}); pass a local jsonl/json/csv/parquet/txt file or a "
-            f"save_to_disk directory as data.path"
+            f"data.path={name!r} is not a local file or directory, and it is not in the local Hugging Face cache "
+            f"(hub cache {HF_HUB_CACHE}, datasets cache {cache_dir or datasets.config.HF_DATASETS_CACHE}) while "
+            f"the hub is unreachable or HF_HUB_OFFLINE=1 ({err}); download it where there is network "
+            f"(`huggingface-cli download --repo-type dataset {name}`) into the cache or a folder, and give that"
         ) from err
     except Exception as err:  # not found, gated, no such split: the hub answered, and said no
         raise DsmtError(f"data.path={name!r}: loading it as a hub dataset failed ({type(err).__name__}: {err}); "
-                        f"check the name and data.split={data.split!r}, or pass a local file") from err
+                        f"check the name, data.config={data.config!r} and data.split={data.split!r}, or pass a "
+                        f"local file") from err
 
 
-def _check_records(*, records, data: DataSpec) -> None:
+def _check_records(*, records, data: RecordSource) -> None:
     present = list(records.column_names)
     missing = [name for name in required_fields(data=data) if name not in present]
     if missing:
+        from toolkit.data.records import record_type
+
         raise DsmtError(
-            f"data.path={data.path!r} has no field {', '.join(repr(m) for m in missing)}; fields present: "
-            f"{', '.join(present) or '(none)'}; set data.text_field, data.prompt_field/completion_field or "
-            f"data.messages_field to one of them"
+            f"record_missing_field: data.path={data.path!r} has no field {', '.join(repr(m) for m in missing)}, "
+            f"which data.type={record_type(data)} reads; fields present: {', '.join(present) or '(none)'}; set "
+            f"data.type to the records' type (text, completion, alpaca, sharegpt, messages), or data.text_field, "
+            f"data.prompt_field/completion_field or data.messages_field to one of the fields present"
         )
     if len(records) == 0:
         raise DsmtError(f"data.path={data.path!r} (split {data.split!r}) has no records; give a non-empty dataset")
@@ -171,4 +224,7 @@ def source_identity(path_text: str) -> list:
             stat = file.stat()
             found.append([str(file.relative_to(path)), stat.st_size, stat.st_mtime_ns])
         return found
+    snapshot = cached_snapshot(path_text) if hub_offline() and looks_like_hub_id(path_text) else None
+    if snapshot is not None:  # the revision the hub cache holds now
+        return [["hub", path_text], *source_identity(str(snapshot))[1:]]
     return [["hub", path_text]]  # not local: load_records decides whether it is a hub id

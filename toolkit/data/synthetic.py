@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.data.tokenize import Examples
+from toolkit.data.examples import Examples
 from toolkit.errors import DsmtError
 
 STRIDES = (1, 2, 3)

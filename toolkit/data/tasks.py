@@ -208,11 +208,11 @@ def _causal_examples(*, data, tokenizer, seq_length: int, cache_dir: str | None,
     """`toolkit.data.tokenize` rows of `seq_length` tokens (its `seq_length - 1` + the shifted label), one record
     per row whatever data.packing says: a plain HF model has no per-record attention. HF shifts `labels` itself,
     so labels = input_ids with -100 where the row's loss_mask says no loss."""
-    from toolkit.data.validation import tokenize_part
+    from toolkit.data.pipeline import part_examples
 
     if seq_length < 2:
         raise DsmtError(f"seq_length={seq_length}: causal LM needs at least 2 tokens (one input, one label)")
-    examples = tokenize_part(data=data.model_copy(update={"packing": False}), part=part, seed=seed,
+    examples = part_examples(data=data.model_copy(update={"packing": False}), part=part, seed=seed,
                              tokenizer=tokenizer, seq_length=seq_length - 1, cache_dir=cache_dir)
     ids = examples.token_ids
     labels = ids.clone()

@@ -1,46 +1,33 @@
-"""Raw records -> fixed-length examples, with the checkpoint's own tokenizer.
+"""Canonical records -> token ids and loss targets, with the checkpoint's own tokenizer (the tokenisation stage).
 
-Every example is `seq_length + 1` token ids; the model reads `ids[:-1]` at `position_ids` and predicts
-`labels = ids[1:]`, and `loss_mask[t]` says whether `labels[t]` counts. Three record kinds (chosen by `DataSpec`):
+A record reaches here through its type's formatting (toolkit/data/formats.py) as one of three canonical kinds:
 
-* text (`text_field`): each document is tokenised as the tokenizer does by default (BOS if it adds one), followed
+* text (`{"text"}`): each document is tokenised as the tokenizer does by default (BOS if it adds one), followed
   by EOS (a tokenizer that already ends it with EOS gets no second one). Every label inside the document counts,
   its EOS included: a document of L tokens has L - 1 labels. With the dsmt tiny tokenizer (no BOS) document `ab`
   is `a b EOS`.
-* prompt/completion (`prompt_field` + `completion_field`): `prompt (tokenizer's default specials) + completion +
-  EOS`. Labels count on the completion and its EOS only. No chat template: the fields are raw text.
-* chat (`messages_field`, a list of `{"role", "content"}`): rendered with `tokenizer.apply_chat_template` when the
-  tokenizer has a `chat_template`, else with the fallback `"<role>: <content>\n"` per message and EOS after a
-  final assistant turn (`Examples.used_chat_template` and a log line say which). Labels count on each assistant
-  turn: the text between the prompt rendered with `add_generation_prompt=True` and the conversation rendered up to
-  and including that turn, so the template's end-of-turn marker is learned as well.
+* prompt/completion (`{"prompt", "completion"}`; Alpaca records with their template): `prompt (tokenizer's
+  default specials) + completion + EOS`. Labels count on the completion and its EOS only. No chat template.
+* chat (`{"messages": [{"role", "content"}]}`; ShareGPT records with their roles mapped): rendered with
+  `tokenizer.apply_chat_template` when the tokenizer has a `chat_template`, else with the fallback
+  `"<role>: <content>\\n"` per message and EOS after a final assistant turn (`Examples.used_chat_template` and a log
+  line say which). Labels count on each assistant turn: the text between the prompt rendered with
+  `add_generation_prompt=True` and the conversation rendered up to and including that turn, so the template's
+  end-of-turn marker is learned as well.
 
-Records longer than `seq_length + 1` tokens: a text document is split into consecutive pieces of `seq_length + 1`
-tokens, each piece its own document (a last piece of one token has no label and is dropped); the documents split
-are counted in `Examples.num_split`. A prompt/completion or chat record is cut at the right (its tail would have no
-prompt) and counted in `Examples.num_truncated`. Records whose every label is masked (a prompt longer than the
-sequence, a chat with no assistant turn) are dropped and counted in `Examples.num_dropped`: they would only add
-zero-loss rows.
-
-Rows (`DataSpec.packing`):
-* packing=true (default): whole records, in record order, fill each row greedily; a record that does not fit in
-  what is left of the row starts the next one. Each record attends only to itself and its positions restart at 0
-  (`position_ids`; a 0 after column 0 is a record boundary, which the model turns into a block-diagonal causal
-  mask, toolkit/adapters/packed.py). The label that would cross from one record into the next is masked, so a
-  record contributes exactly the labels a forward of that record alone has. The rest of a row is padding
-  (`pad_token_id`, EOS when the tokenizer has none): loss 0, its own segment with positions from 0.
-* packing=false: one record per row, padded; positions run 0 .. seq_length - 1 (the padding follows the record
-  under causal attention, which cannot change the record's logits, and the row needs no mask).
+`tokenize_examples` then fits the records into rows (toolkit/data/packing.py: the long-record policy, packing).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from dataclasses import dataclass
 
-import numpy as np
-import torch
-
+from toolkit.data.examples import Examples
+from toolkit.data.formats import canonical_kind, format_record
+from toolkit.data.packing import pack_examples
+from toolkit.data.records import record_fields, record_type
 from toolkit.errors import DsmtError
 from toolkit.spec.schema import DataSpec
 
@@ -49,49 +36,9 @@ log = logging.getLogger(__name__)
 MAP_BATCH_SIZE = 1000  # records per tokenizer call: big enough for the Rust tokenizer's batching to pay off
 
 
-@dataclass(frozen=True)
-class Examples:
-    """Fixed-length examples: `token_ids [N, seq_length + 1]` int64 and `loss_mask [N, seq_length]` float32,
-    aligned with `labels = token_ids[:, 1:]`; `position_ids [N, seq_length]` of the inputs `token_ids[:, :-1]`
-    (None: 0 .. seq_length - 1 in every row)."""
-
-    token_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    kind: str  # "text", "prompt_completion", "chat" or "synthetic"
-    used_chat_template: bool | None = None  # chat only: False means the "<role>: content" fallback was used
-    num_dropped: int = 0  # records left with no loss-bearing label (see the module docstring)
-    num_truncated: int = 0  # prompt/completion and chat records cut at seq_length + 1
-    position_ids: torch.Tensor | None = None  # restarting at 0 at each packed record (see the module docstring)
-    num_records: int = 0  # records (text: documents, or their pieces) placed in the rows
-    num_split: int = 0  # text documents longer than seq_length + 1, split into pieces
-
-    def __len__(self) -> int:
-        return int(self.token_ids.shape[0])
-
-    @property
-    def seq_length(self) -> int:
-        return int(self.token_ids.shape[1]) - 1
-
-    def positions(self, rows: torch.Tensor) -> torch.Tensor:
-        """int64 `[len(rows), seq_length]` position ids of `rows`."""
-        if self.position_ids is None:
-            return torch.arange(self.seq_length).expand(len(rows), self.seq_length).contiguous()
-        return self.position_ids[rows].to(torch.int64)
-
-    def describe(self) -> str:
-        """One line for the start-up log: rows, records, and what the long-record policy did."""
-        counters = [f"{self.num_records} records" if self.num_records else None,
-                    f"{self.num_split} documents split into pieces of seq_length + 1" if self.num_split else None,
-                    f"{self.num_truncated} records truncated" if self.num_truncated else None,
-                    f"{self.num_dropped} records dropped (no loss-bearing label)" if self.num_dropped else None]
-        return f"{len(self)} {self.kind} rows of {self.seq_length + 1} ids" + "".join(
-            f", {c}" for c in counters if c)
-
-
 def record_kind(*, data: DataSpec) -> str:
-    if data.messages_field is not None:
-        return "chat"
-    return "prompt_completion" if data.prompt_field is not None else "text"
+    """The canonical kind `data`'s records become: "text", "prompt_completion" or "chat"."""
+    return canonical_kind(record_type(data))
 
 
 def load_tokenizer(*, data: DataSpec, model_path: str | None):
@@ -108,8 +55,22 @@ def load_tokenizer(*, data: DataSpec, model_path: str | None):
                         f"holding tokenizer.json / tokenizer_config.json") from err
 
 
+def tokenizer_identity(tokenizer) -> str:
+    """A hash of what decides the ids: a fast tokenizer's whole serialised pipeline (vocab, merges, normalizer,
+    BOS/EOS post-processing), else its vocabulary and init arguments; plus special ids and the chat template."""
+    if getattr(tokenizer, "is_fast", False):
+        pipeline = tokenizer.backend_tokenizer.to_str()
+    else:
+        settings = {k: v for k, v in tokenizer.init_kwargs.items() if k != "name_or_path"}
+        pipeline = json.dumps([sorted(tokenizer.get_vocab().items()), settings], sort_keys=True, default=str)
+    specials = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    described = json.dumps([type(tokenizer).__name__, pipeline, specials, getattr(tokenizer, "chat_template", None)],
+                           default=str)
+    return hashlib.sha256(described.encode()).hexdigest()
+
+
 def tokenize_examples(*, records, data: DataSpec, tokenizer, seq_length: int) -> Examples:
-    """Tokenise `records` (from `load_records`) into `Examples` of `seq_length + 1` ids; see the module docstring."""
+    """Tokenise `records` (from `load_records`) and fit them into `Examples` of `seq_length + 1` ids (packing.py)."""
     if seq_length < 1:
         raise DsmtError(f"seq_length={seq_length} must be at least 1")
     if tokenizer.eos_token_id is None:
@@ -117,90 +78,30 @@ def tokenize_examples(*, records, data: DataSpec, tokenizer, seq_length: int) ->
                         "eos_token in its tokenizer_config.json")
     kind = record_kind(data=data)
     used_template = None
-    if kind == "text":
-        encode = _text_encoder(field=data.text_field, tokenizer=tokenizer)
-    elif kind == "prompt_completion":
-        encode = _prompt_completion_encoder(data=data, tokenizer=tokenizer)
-    else:
+    if kind == "chat":
         used_template = bool(getattr(tokenizer, "chat_template", None))
         if not used_template:
             log.warning("tokenizer has no chat_template: rendering chat records as '<role>: <content>\\n' lines")
-        encode = _chat_encoder(field=data.messages_field, tokenizer=tokenizer, use_template=used_template)
-    mapped = _map(records, encode=encode, desc=f"tokenize-{kind}")
-    pieces, counters = _fit_records(mapped["ids"], mapped["target"], kind=kind, example_length=seq_length + 1)
-    if not pieces:
-        raise DsmtError(f"none of the {len(records)} {kind} records has a loss-bearing token within seq_length + 1 = "
-                        f"{seq_length + 1} tokens; raise training.seq_length or shorten the prompts")
+    encode = _encoder(kind=kind, tokenizer=tokenizer, use_template=used_template)
+    mapped = _map(records, encode=_formatted(encode, data=data), desc=f"tokenize-{kind}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = pack_rows(pieces, example_length=seq_length + 1) if data.packing else [[piece] for piece in pieces]
-    token_ids, loss_mask, position_ids = _row_arrays(rows, pad=pad, example_length=seq_length + 1,
-                                                     packed=data.packing)
-    examples = Examples(token_ids=token_ids, loss_mask=loss_mask, position_ids=position_ids, kind=kind,
-                        used_chat_template=used_template, num_dropped=len(records) - counters["kept"],
-                        num_truncated=counters["truncated"], num_records=len(pieces), num_split=counters["split"])
+    examples = pack_examples(ids=mapped["ids"], targets=mapped["target"], kind=kind, seq_length=seq_length,
+                             pad=pad, packed=data.packing, used_chat_template=used_template)
     log.info("data: %s (data.packing=%s)", examples.describe(), data.packing)
     return examples
 
 
-def _fit_records(all_ids, all_targets, *, kind: str, example_length: int) -> tuple[list, dict]:
-    """Each record as `(ids, target)` pieces of at most `example_length` tokens by the long-record policy of the
-    module docstring; pieces without a loss-bearing label are left out. `target[t]` says whether token t is a
-    label (of token t - 1): `target[0]` never counts."""
-    pieces, kept, truncated, split = [], 0, 0, 0
-    for ids, target in zip(all_ids, all_targets):
-        if len(ids) > example_length and kind == "text":
-            split += 1
-            parts = [(ids[i:i + example_length], target[i:i + example_length])
-                     for i in range(0, len(ids), example_length)]
-        else:
-            truncated += len(ids) > example_length
-            parts = [(ids[:example_length], target[:example_length])]
-        parts = [(list(i), list(t)) for i, t in parts if any(t[1:])]
-        kept += bool(parts)
-        pieces += parts
-    return pieces, {"kept": kept, "truncated": truncated, "split": split}
+def _formatted(encode, *, data: DataSpec):
+    """`encode` over the batch's records formatted by `data.type` (toolkit/data/formats.py) into canonical ones."""
+    kind_of_type, fields = record_type(data), record_fields(data)
 
+    def encode_records(batch, indices):
+        names = list(batch)
+        records = [{**format_record(dict(zip(names, values)), record_type=kind_of_type, fields=fields, index=index),
+                    "index": index} for index, values in zip(indices, zip(*(batch[name] for name in names)))]
+        return encode(records)
 
-def pack_rows(pieces: list, *, example_length: int) -> list[list]:
-    """Greedy packing in record order: a piece goes into the current row if it fits in what is left, else it
-    starts the next row. Every piece is at most `example_length` long."""
-    rows, row, used = [], [], 0
-    for piece in pieces:
-        if row and used + len(piece[0]) > example_length:
-            rows.append(row)
-            row, used = [], 0
-        row.append(piece)
-        used += len(piece[0])
-    if row:
-        rows.append(row)
-    return rows
-
-
-def _row_arrays(rows: list[list], *, pad: int, example_length: int, packed: bool):
-    """(token_ids [N, L] int64, loss_mask [N, L-1] float32, position_ids [N, L-1] int32) for rows of pieces; the
-    label from a piece's last token to the next piece's first is masked, the padding is its own segment when
-    `packed` (else its positions continue the record's)."""
-    token_ids = np.full((len(rows), example_length), pad, dtype=np.int64)
-    targets = np.zeros((len(rows), example_length), dtype=np.float32)
-    positions = np.zeros((len(rows), example_length), dtype=np.int32)
-    for r, row in enumerate(rows):
-        start = 0
-        for ids, target in row:
-            end = start + len(ids)
-            token_ids[r, start:end] = ids
-            targets[r, start + 1:end] = target[1:]  # target[0] would be the crossing label: never counted
-            positions[r, start:end] = np.arange(len(ids))
-            start = end
-        positions[r, start:] = np.arange(example_length - start) + (0 if packed else start)
-    return (torch.from_numpy(token_ids), torch.from_numpy(targets[:, 1:].copy()),
-            torch.from_numpy(positions[:, :-1].copy()))
-
-
-def _check_strings(values, *, field: str, offset: int) -> None:
-    for i, value in enumerate(values):
-        if not isinstance(value, str):
-            raise DsmtError(f"record {offset + i}: field {field!r} is {type(value).__name__} ({value!r:.60}), "
-                            f"expected a string; clean the record or pick another field")
+    return encode_records
 
 
 def _map(records, *, encode, desc: str):
@@ -211,12 +112,19 @@ def _map(records, *, encode, desc: str):
                        new_fingerprint=f"dsmt-{desc}-{records._fingerprint}", desc=desc)
 
 
-def _text_encoder(*, field: str, tokenizer):
+def _encoder(*, kind: str, tokenizer, use_template: bool | None):
+    if kind == "text":
+        return _text_encoder(tokenizer=tokenizer)
+    if kind == "prompt_completion":
+        return _prompt_completion_encoder(tokenizer=tokenizer)
+    return _chat_encoder(tokenizer=tokenizer, use_template=use_template)
+
+
+def _text_encoder(*, tokenizer):
     eos = tokenizer.eos_token_id
 
-    def encode(batch, indices):
-        _check_strings(batch[field], field=field, offset=indices[0])
-        ids = tokenizer(batch[field])["input_ids"]
+    def encode(records):
+        ids = tokenizer([record["text"] for record in records])["input_ids"]
         # EOS ends every document; a tokenizer that appends EOS itself must not get a second one.
         ids = [doc if doc and doc[-1] == eos else doc + [eos] for doc in ids]
         return {"ids": ids, "target": [[1] * len(doc) for doc in ids]}
@@ -224,14 +132,12 @@ def _text_encoder(*, field: str, tokenizer):
     return encode
 
 
-def _prompt_completion_encoder(*, data: DataSpec, tokenizer):
-    prompt_field, completion_field, eos = data.prompt_field, data.completion_field, tokenizer.eos_token_id
+def _prompt_completion_encoder(*, tokenizer):
+    eos = tokenizer.eos_token_id
 
-    def encode(batch, indices):
-        _check_strings(batch[prompt_field], field=prompt_field, offset=indices[0])
-        _check_strings(batch[completion_field], field=completion_field, offset=indices[0])
-        prompts = tokenizer(batch[prompt_field])["input_ids"]  # BOS etc. as the tokenizer adds them at inference
-        completions = tokenizer(batch[completion_field], add_special_tokens=False)["input_ids"]
+    def encode(records):
+        prompts = tokenizer([r["prompt"] for r in records])["input_ids"]  # BOS etc. as at inference
+        completions = tokenizer([r["completion"] for r in records], add_special_tokens=False)["input_ids"]
         return {"ids": [p + c + [eos] for p, c in zip(prompts, completions)],
                 "target": [[0] * len(p) + [1] * (len(c) + 1) for p, c in zip(prompts, completions)]}
 
@@ -243,15 +149,6 @@ def _render(*, tokenizer, messages, add_generation_prompt: bool, use_template: b
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     return text + ("assistant: " if add_generation_prompt else "")
-
-
-def _check_messages(messages, *, field: str, index: int) -> list[dict]:
-    ok = isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
-    if not ok or not messages:
-        raise DsmtError(f"record {index}: field {field!r} must be a non-empty list of {{'role': str, 'content': str}} "
-                        f"messages; got {messages!r:.120}")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]  # json loading adds None-valued keys
 
 
 def assistant_spans(*, tokenizer, messages, use_template: bool, index: int = 0) -> tuple[str, list[tuple[int, int]]]:
@@ -274,15 +171,15 @@ def assistant_spans(*, tokenizer, messages, use_template: bool, index: int = 0) 
     return full, spans
 
 
-def _chat_encoder(*, field: str, tokenizer, use_template: bool):
+def _chat_encoder(*, tokenizer, use_template: bool):
     eos = tokenizer.eos_token_id
 
-    def encode(batch, indices):
+    def encode(records):
         texts, all_spans, ends_with_assistant = [], [], []
-        for index, raw in zip(indices, batch[field]):
-            messages = _check_messages(raw, field=field, index=index)
+        for record in records:
+            messages = record["messages"]
             text, spans = assistant_spans(tokenizer=tokenizer, messages=messages, use_template=use_template,
-                                          index=index)
+                                          index=record.get("index", 0))
             texts.append(text)
             all_spans.append(spans)
             ends_with_assistant.append(messages[-1]["role"] == "assistant")

@@ -1,6 +1,6 @@
 """Validation records: `data.validation_path`, or a share of `data.path` held out (`data.validation_fraction`).
 
-Both sides are tokenised by the rules of `toolkit.data.tokenize`, each side on its own (a held-out record never
+Both sides go through the same stages (toolkit/data/pipeline.py), each side on its own (a held-out record never
 shares an example with a training one), and cached apart (`toolkit.data.cache`, key part "train" / "validation").
 
 * `validation_path`: a file (or save_to_disk directory) read like `data.path` (same `data.format`, `data.split`),
@@ -86,7 +86,7 @@ def load_validation_file(*, data: DataSpec, cache_dir: str | None = None):
     """The records of `data.validation_path` (a local file or save_to_disk directory), checked to hold the fields
     the record kind reads and to be non-empty."""
     from toolkit.data import sources
-    from toolkit.data.tokenize import record_kind
+    from toolkit.data.records import record_type
 
     path = Path(data.validation_path).expanduser()
     expected = sources.required_fields(data=data)
@@ -105,8 +105,8 @@ def load_validation_file(*, data: DataSpec, cache_dir: str | None = None):
     if any(name not in found for name in expected):
         raise ValidationFieldsError(
             f"validation_fields: data.validation_path={data.validation_path!r} has the field(s) "
-            f"{', '.join(found) or '(none)'}, but the training data (data.path={data.path!r}, record kind "
-            f"{record_kind(data=data)}) reads {', '.join(expected)}; give validation records of the same kind and "
+            f"{', '.join(found) or '(none)'}, but the training data (data.path={data.path!r}, data.type "
+            f"{record_type(data)}) reads {', '.join(expected)}; give validation records of the same kind and "
             f"fields")
     if len(records) == 0:
         raise ValidationDataError(f"data.validation_path={data.validation_path!r} (split {data.split!r}) has no "
@@ -134,22 +134,6 @@ def part_records(*, data: DataSpec, part: str, seed: int, cache_dir: str | None 
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"dsmt data: {split.describe(fraction=data.validation_fraction, seed=seed)}", flush=True)
     return records.select(split.train if part == TRAIN else split.validation)
-
-
-def tokenize_part(*, data: DataSpec, part: str, seed: int, tokenizer, seq_length: int, cache_dir: str | None = None):
-    """`part_records` tokenised by `toolkit.data.tokenize.tokenize_examples` (what the cache stores for `part`)."""
-    from toolkit.data import examples as uncached
-    from toolkit.data.tokenize import tokenize_examples
-
-    if part == TRAIN and data.validation_fraction is None:  # all of data.path: the path without validation
-        return uncached.tokenize_path(data=data, tokenizer=tokenizer, seq_length=seq_length, cache_dir=cache_dir)
-    records = part_records(data=data, part=part, seed=seed, cache_dir=cache_dir)
-    try:
-        return tokenize_examples(records=records, data=data, tokenizer=tokenizer, seq_length=seq_length)
-    except DsmtError as err:
-        if part == TRAIN:
-            raise
-        raise ValidationDataError(f"the validation records ({describe_source(data)}): {err}") from err
 
 
 def key_inputs(*, data: DataSpec, part: str, seed: int) -> dict:

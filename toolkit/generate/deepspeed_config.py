@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from toolkit.spec.layout import RunLayout
-from toolkit.spec.schema import JobSpec
+from toolkit.spec.schema import JobSpec, WandbSpec
 
 # DeepSpeed scheduler for each spec lr_schedule (all warm up linearly from 0 to lr).
 _SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
@@ -36,9 +36,18 @@ def build_deepspeed_config(*, spec: JobSpec, layout: RunLayout) -> dict:
                         "job_name": spec.cluster.job_name},
         "csv_monitor": {"enabled": True, "output_path": f"{training.output_dir}/monitor", "job_name": spec.cluster.job_name},
     }
+    if training.wandb is not None:  # absent otherwise: DeepSpeed's default is off
+        config["wandb"] = _wandb_section(wandb=training.wandb)
     if spec.parallel.offload_optimizer or spec.parallel.offload_params:
         config["zero_force_ds_cpu_optimizer"] = True  # offload needs DeepSpeed's CPU Adam, not a client optimizer
     return config
+
+
+def _wandb_section(*, wandb: WandbSpec) -> dict:
+    """DeepSpeed's WandbConfig keys (deepspeed/monitor/config.py); W&B's entity is DeepSpeed's `team`. Its
+    `wandb.init(project, group, entity)` on global rank 0 takes no run name: `wandb.name` reaches W&B as WANDB_NAME
+    (toolkit/train/job/run.py `start_process_groups`)."""
+    return {"enabled": True, "project": wandb.project, "team": wandb.entity, "group": wandb.group}
 
 
 def _zero_section(*, spec: JobSpec) -> dict:

@@ -15,12 +15,13 @@ from toolkit.models.shapes import ModelShape, ModelShapeError
 from toolkit.parallel.rules import ModelFacts, RunFacts, layout_problems, run_problems
 from toolkit.spec.layout import (derive_layout, padded_vocab_size, parallel_layout, requested_global_batch,
                                  spec_attention, spec_model_type, world_size_of)
+from toolkit.spec.data_checks import check_data, megatron_rows_only_problems
 from toolkit.spec.loopback import loopback_problems
 from toolkit.spec.model_checks import check_model_adapter
 from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
 from toolkit.spec.plain_checks import check_plain_model_data
 from toolkit.spec.report import Problem, Report, SpecError
-from toolkit.spec.schema import DATA_SOURCE_FIX, JobSpec
+from toolkit.spec.schema import JobSpec
 
 Check = Callable[..., list[Problem]]
 
@@ -102,19 +103,6 @@ def check_lengths_and_intervals(*, spec: JobSpec, shape: ModelShape) -> list[Pro
                                 f"checkpoint_interval={spec.training.checkpoint_interval} > train_steps="
                                 f"{spec.training.train_steps}: only the final checkpoint is written", ""))
     return problems
-
-
-def check_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    path = spec.data.path
-    if spec.data.synthetic:
-        return [Problem("info", "synthetic_data", "data.synthetic=true: training uses synthetic tokens")]
-    if path is None:  # training on made-up tokens must be asked for, never a silent fallback
-        return [Problem("error", "data_source", "data.path is unset and data.synthetic=false: there is no data to "
-                        "train on", DATA_SOURCE_FIX)]
-    if not Path(path).expanduser().exists():
-        return [Problem("warning", "data_path_missing", f"data.path={path} does not exist on this machine",
-                        "fine if it exists on the cluster; otherwise fix the path")]
-    return []
 
 
 def check_validation_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
@@ -255,6 +243,8 @@ def check_encoder_model(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
                                 f"{spec.parallel.cp}: the encoder is built from megatron's local post-LayerNorm "
                                 "layers, which have no fused attention and no context parallelism",
                                 "set training.attention: local and parallel.cp: 1"))
+    problems += megatron_rows_only_problems(data=spec.data, trainer=f"the {model_type} head's task",
+                                            record_types=True)
     if spec.data.synthetic:
         problems.append(Problem("error", "encoder_synthetic_data",
                                 f"data.synthetic=true: model_type {model_type} trains its head's task "
@@ -308,7 +298,8 @@ def check_packing(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     from toolkit.spec.layout import spec_is_encoder
 
     data, parallel, micro = spec.data, spec.parallel, spec.training.micro_batch_size
-    if not data.packing or data.synthetic or data.path is None or spec_is_encoder(spec):
+    no_source = data.path is None and data.blend is None and data.mix is None
+    if not data.packing or data.synthetic or no_source or spec_is_encoder(spec):
         return []
     problems = []
     if parallel.cp > 1:
@@ -332,10 +323,24 @@ def check_sync_batchnorm(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
                     f"{shape.name}: a transformer has no BatchNorm layers", "remove training.sync_batchnorm")]
 
 
+def check_wandb(*, spec: JobSpec, shape: ModelShape | None) -> list[Problem]:
+    """training.wandb needs the wandb package: DeepSpeed's monitor imports it inside `deepspeed.initialize` on rank
+    0, after the model is built; here it fails before anything starts (`dsmt check`, `dsmt train`, every rank)."""
+    if spec.training.wandb is None:
+        return []
+    try:
+        import wandb  # noqa: F401  (only with training.wandb: ~0.4 s)
+    except Exception as err:  # ImportError, or a broken install failing inside its own imports
+        return [Problem("error", "wandb_missing", f"training.wandb (project {spec.training.wandb.project}) is set but "
+                        f"`import wandb` fails here: {type(err).__name__}: {err}",
+                        "pip install 'dsmt[wandb]' where the ranks run, or remove training.wandb")]
+    return []
+
+
 CHECKS: tuple[Check, ...] = (
     check_layout, check_vocab_padding, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node,
     check_lengths_and_intervals, check_data, check_validation_data, check_builtin_tokenizer, check_memory_fit,
-    check_encoder_model, check_sync_batchnorm, check_lora, check_packing, check_model_adapter,
+    check_encoder_model, check_sync_batchnorm, check_lora, check_packing, check_model_adapter, check_wandb,
 )
 
 
@@ -359,6 +364,7 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
                                 "adapts the megatron-core linears of a transformer family", "remove training.lora "
                                 "(full fine-tuning of this model), or fine-tune a supported transformer family"))
     problems += check_validation_data(spec=spec, shape=None)  # evaluated by PlainEngine.evaluate
+    problems += check_wandb(spec=spec, shape=None)
     problems += check_plain_model_data(spec=spec, model_type=model_type)
     return problems
 

@@ -30,6 +30,12 @@ def check_plain_model_data(*, spec: JobSpec, model_type: str) -> list[Problem]:
         return problems + [Problem("error", "plain_model_task", str(err))]  # the message lists the heads
     if spec.data.synthetic:
         return problems + [Problem("info", "synthetic_data", f"data.synthetic=true: {task} on synthetic inputs")]
+    from toolkit.spec.data_checks import megatron_rows_only_problems
+
+    refused = megatron_rows_only_problems(data=spec.data, trainer=f"{task} with DeepSpeed alone (model_type "
+                                          f"{model_type} has no megatron-core adapter)", record_types=False)
+    if refused:
+        return problems + refused
     if spec.data.path is None:
         return problems + [Problem("error", "data_source", f"data.path is unset and data.synthetic=false: there "
                                    f"is no data for {task}", DATA_SOURCE_FIX)]

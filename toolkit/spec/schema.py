@@ -10,8 +10,11 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from toolkit.spec.data_schema import DATA_RULES, DATA_SOURCE_FIX, DataSpec, MixSource  # noqa: F401  (part of the schema)
+from toolkit.spec.sections import Section, _safe_path
 
 # RFC 1123 host names (and IPv4 addresses): letters, digits, '-', '.'; nothing a shell would interpret.
 HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
@@ -32,20 +35,10 @@ GPU_MEMORY_GIB: dict[str, float | None] = {
 SCHEMA_RULES = frozenset({
     "bad_path", "batch_both", "batch_tokens_vs_seq", "duplicate_host", "env_name",
     "env_value", "gpu_device_mismatch", "host_name", "hosts_count", "hosts_required",
-    "job_name", "lora_rank", "messages_vs_prompt", "sbatch_option", "slurm_line", "slurm_time", "slurm_value", "validation_both", "min_lr_above_lr", "model_source", "network_interface",
-    "offload_optimizer_needs_zero", "offload_params_needs_zero3", "prompt_completion_pair", "synthetic_with_path", "unknown_gpu",
-    "warmup_vs_steps",
-})
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _safe_path(value: str | None, *, what: str) -> str | None:
-    if value is not None and (not value or any(ch in value for ch in "\n\r\0")):
-        raise PydanticCustomError("bad_path", "{what} must be a non-empty single-line path", {"what": what})
-    return value
+    "job_name", "lora_rank", "sbatch_option", "slurm_line", "slurm_time", "slurm_value", "min_lr_above_lr",
+    "model_source", "network_interface", "offload_optimizer_needs_zero", "offload_params_needs_zero3", "unknown_gpu",
+    "wandb_value", "warmup_vs_steps",
+}) | DATA_RULES
 
 
 class ModelSpec(Section):
@@ -276,6 +269,28 @@ class LoraSpec(Section):
         return _safe_path(value, what="training.lora.init_adapter")
 
 
+# W&B names: no '/', '#', '?', '%', ':' (W&B refuses them in projects) and nothing a shell or env file would parse.
+WANDB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class WandbSpec(Section):
+    """W&B through DeepSpeed's wandb monitor; `name` reaches wandb.init as WANDB_NAME (toolkit/train/job/run.py)."""
+
+    project: str
+    name: str | None = None  # None: W&B's own random run name
+    entity: str | None = None  # W&B user or team (DeepSpeed's `team`); None: the logged-in user's default
+    group: str | None = None  # groups runs in the W&B UI
+
+    @field_validator("project", "name", "entity", "group")
+    @classmethod
+    def _name_safe(cls, value, info):
+        if value is not None and not WANDB_NAME_RE.match(value):
+            raise PydanticCustomError(
+                "wandb_value", "{value} is not a W&B {field} dsmt accepts: use 1-128 letters, digits, '_', '.', '-' "
+                "(starting with a letter or digit)", {"field": info.field_name, "value": repr(value)})
+        return value
+
+
 class TrainingSpec(Section):
     global_batch_size: int | None = Field(None, ge=1)  # sequences per optimizer step
     global_batch_tokens: int | None = Field(None, ge=1)  # alternative: tokens per step (a multiple of seq_length)
@@ -304,6 +319,7 @@ class TrainingSpec(Section):
     seed: int = Field(1234, ge=0)
     output_dir: str = "runs/dsmt"
     tensorboard: bool = False
+    wandb: WandbSpec | None = None  # None: no Weights & Biases logging
     sync_batchnorm: bool = False  # models without an adapter: BatchNorm -> torch.nn.SyncBatchNorm (stats over DP)
     lora: LoraSpec | None = None  # None: full fine-tuning
     # Validation (data.validation_path / validation_fraction): before step 1 (logged as step 0), every
@@ -338,60 +354,6 @@ class TrainingSpec(Section):
             )
         return self
 
-
-# The fix of a spec with no data (rule data_source), as `dsmt check` and the trainer word it.
-DATA_SOURCE_FIX = ("set data.path to a jsonl/json/csv/parquet/text file or a save_to_disk directory, or "
-                   "data.synthetic: true for synthetic tokens (benchmarks, smoke tests)")
-
-
-class DataSpec(Section):
-    path: str | None = None  # jsonl/json/csv/parquet/text file or save_to_disk dir (or data.synthetic: true)
-    synthetic: bool = False  # generated token sequences instead of data.path (benchmarks, smoke tests)
-    cache_dir: str | None = None  # tokenised-examples cache; None: <training.output_dir>/data-cache
-    format: Literal["auto", "jsonl", "json", "csv", "parquet", "text", "arrow"] = "auto"
-    text_field: str = "text"
-    label_field: str = "label"  # *ForSequenceClassification: class id, label2id name, or a number (num_labels=1)
-    prompt_field: str | None = None  # with completion_field: loss on the completion only
-    completion_field: str | None = None
-    messages_field: str | None = None  # chat records [{"role", "content"}, ...]: loss on assistant turns only
-    tokenizer: str | None = None  # None: the model's path
-    split: str = "train"
-    shuffle: bool = True
-    # Causal LM records: true packs whole records into each sequence, each attending only to itself with positions
-    # restarting at 0 (per-document attention); false gives each record its own sequence, padded.
-    packing: bool = True
-    validation_path: str | None = None  # a file of the same kind and fields as data.path
-    validation_fraction: float | None = Field(None, gt=0, lt=1)  # or: hold out this share of data.path's records
-
-    @field_validator("path", "tokenizer", "cache_dir", "validation_path")
-    @classmethod
-    def _path_ok(cls, value):
-        return _safe_path(value, what="data path")
-
-    @model_validator(mode="after")
-    def _fields_paired(self):
-        if self.synthetic and self.path is not None:
-            raise PydanticCustomError(
-                "synthetic_with_path", "data.synthetic=true and data.path={path} are exclusive; set data.path for "
-                "real data, or data.synthetic: true (no path) for synthetic tokens", {"path": repr(self.path)},
-            )
-        if (self.prompt_field is None) != (self.completion_field is None):
-            raise PydanticCustomError(
-                "prompt_completion_pair", "prompt_field and completion_field go together (got only one)", {}
-            )
-        if self.validation_path is not None and self.validation_fraction is not None:
-            raise PydanticCustomError(
-                "validation_both", "data.validation_path={path} and data.validation_fraction={fraction} are "
-                "exclusive; give a validation file or the share of data.path to hold out",
-                {"path": repr(self.validation_path), "fraction": self.validation_fraction},
-            )
-        if self.messages_field is not None and self.prompt_field is not None:
-            raise PydanticCustomError(
-                "messages_vs_prompt",
-                "messages_field={messages} (chat) and prompt_field/completion_field are exclusive; keep one record kind",
-                {"messages": repr(self.messages_field)},
-            )
-        return self
 
 
 class CommunicationSpec(Section):

@@ -56,7 +56,7 @@ class Validation:
         from toolkit.data.batches import MicroBatches
 
         self.num_examples = len(examples)
-        self.counted_tokens = int(examples.loss_mask.sum().item())
+        self.counted_tokens = examples.counted_tokens()
         self._gatherer = MicroBatches(examples=examples, micro_batch_size=micro_batch_size, num_microbatches=1,
                                       dp_rank=dp_rank, dp_size=dp_size, seed=0, shuffle=False)
         self.rows = rank_rows(num_examples=self.num_examples, dp_rank=dp_rank, dp_size=dp_size,
@@ -122,12 +122,10 @@ def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValid
     megatron-core causal LM (collective: rank 0 tokenises into the data cache), the task's HF keyword rows for the
     encoder heads and the plain engine (every rank reads them, like its training rows). Refuses a trainer that
     has no `evaluate`, by name."""
-    from pathlib import Path
-
     from megatron.core import parallel_state
 
-    from toolkit.data.cache import cache_root_for, shared_validation_examples
-    from toolkit.data.validation import describe_source, has_validation
+    from toolkit.data.training import job_rows
+    from toolkit.data.validation import VALIDATION, describe_source, has_validation
 
     data = spec.data
     if not has_validation(data):
@@ -143,10 +141,8 @@ def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValid
                 dp_size=layout.dp, microbatch_multiple=layout.pp if interleaved else 1)
     if getattr(task, "name", None) != "causal_lm":  # encoder heads (hybrid), every plain model's task
         return TaskValidation(examples=task_validation_examples(spec=spec, layout=layout, hf_dir=hf_dir), **rows)
-    examples = shared_validation_examples(
-        data=data, model_path=str(hf_dir), seq_length=layout.seq_length, vocab_size=task.vocab_size,
-        seed=spec.training.seed, cache_root=cache_root_for(data=data, output_dir=spec.training.output_dir),
-        status_file=Path(spec.training.output_dir) / ".data-cache-validation.status.json")
+    examples = job_rows(data=data, model_path=str(hf_dir), seq_length=layout.seq_length, vocab_size=task.vocab_size,
+                        seed=spec.training.seed, output_dir=spec.training.output_dir, part=VALIDATION)
     return Validation(examples=examples, **rows)
 
 

@@ -1,5 +1,5 @@
 """What a user sees of a run: one line per step on rank 0, metrics.jsonl, DeepSpeed's monitors (CSV /
-TensorBoard, switched on in the job spec), the resolved configuration next to the checkpoints, a loss PNG.
+TensorBoard / W&B, switched on in the job spec), the resolved configuration next to the checkpoints, a loss PNG.
 
 metrics.jsonl holds one JSON line per training step (`step`, `loss`, `lr`, ...) and, with validation data, one
 per evaluation: `{"step": s, "val_loss": ..., "val_tokens": ..., "eval_time_s": ...}`, `s` the number of steps
@@ -49,6 +49,17 @@ def memory_in_use_gib() -> float | None:
         return psutil.Process().memory_info().rss / 2**30
     except ImportError:
         return None
+
+
+def _finish_wandb_run() -> None:
+    """End the W&B run DeepSpeed's wandb monitor started on this rank (DeepSpeed never does): its history is
+    written now, and a next run in this process (`train_in_one_launch`) gets its own run, where wandb.init would
+    return the active one."""
+    import sys
+
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
 
 
 class RunLog:
@@ -109,8 +120,12 @@ class RunLog:
                   "step_time_s": stats.step_time_s, "tokens_per_s": tokens_per_s,
                   "memory_gib": peak_memory_over_ranks_gib()}  # collective: step() runs on every rank
         self.history.append(record)
-        if not self._record(record, event=("Train/Samples/train_loss", stats.loss, step * self.global_batch_size),
-                            engine=engine):
+        # DeepSpeed's engine adds Train/Samples/lr (and loss_scale with fp16) at the same x: samples seen
+        samples = step * self.global_batch_size
+        events = [("Train/Samples/train_loss", stats.loss, samples)]
+        if stats.grad_norm is not None:
+            events.append(("Train/Samples/grad_norm", stats.grad_norm, samples))
+        if not self._record(record, events=events, engine=engine):
             return
         if step % self.log_interval == 0 or step == 1:
             norm = "n/a" if stats.grad_norm is None else f"{stats.grad_norm:.3f}"
@@ -123,24 +138,27 @@ class RunLog:
         record = {"step": step, "val_loss": result.loss, "val_tokens": result.units,
                   "eval_time_s": result.eval_time_s}
         self.validation_history.append(record)
-        if not self._record(record, event=("Validation/val_loss", result.loss, step * self.global_batch_size),
+        if not self._record(record, events=[("Validation/val_loss", result.loss, step * self.global_batch_size)],
                             engine=engine):
             return
         _say(f"step {step:5d} | val_loss {result.loss:.4f} | {result.units} tokens | {result.eval_time_s:.2f} s")
 
-    def _record(self, record: dict, *, event: tuple[str, float, int], engine) -> bool:
-        """Append `record` to metrics.jsonl and `event` (name, value, samples seen) to DeepSpeed's monitors; only
+    def _record(self, record: dict, *, events: list[tuple[str, float, int]], engine) -> bool:
+        """Append `record` to metrics.jsonl and `events` (name, value, samples seen) to DeepSpeed's monitors; only
         the writer (rank 0) does, and only it gets True."""
         if not self.is_writer:
             return False
         with (self.output_dir / "metrics.jsonl").open("a") as file:
             file.write(json.dumps(record) + "\n")
         if getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
-            engine.monitor.write_events([event])
+            engine.monitor.write_events(events)
         return True
 
     def finished(self) -> None:
-        if not self.is_writer or not self.history:
+        if not self.is_writer:
+            return
+        _finish_wandb_run()
+        if not self.history:
             return
         self._plot_loss()
         first, last = self.history[0]["loss"], self.history[-1]["loss"]

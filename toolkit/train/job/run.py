@@ -52,16 +52,17 @@ def params_dtype(precision: str) -> torch.dtype:
 def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
     from megatron.core import parallel_state
 
-    from toolkit.data import MicroBatches, cache_root_for, shared_examples
+    from toolkit.data import MicroBatches, job_rows
 
-    # Collective: rank 0 tokenises once into the on-disk cache, every rank memory-maps it (toolkit/data/cache.py).
-    examples = shared_examples(data=spec.data, model_path=str(hf_dir), seq_length=layout.seq_length,
-                               vocab_size=vocab_size, seed=spec.training.seed,
-                               cache_root=cache_root_for(data=spec.data, output_dir=spec.training.output_dir),
-                               status_file=Path(spec.training.output_dir) / ".data-cache.status.json")
+    # Collective: records are tokenised once (rank 0) into the on-disk cache and memory-mapped on every rank;
+    # Megatron corpora are read through megatron-core's datasets (toolkit/data/training.py).
+    examples = job_rows(data=spec.data, model_path=str(hf_dir), seq_length=layout.seq_length, vocab_size=vocab_size,
+                        seed=spec.training.seed, output_dir=spec.training.output_dir,
+                        num_samples=spec.training.train_steps * layout.global_batch_size)
+    # megatron-core's GPTDataset has shuffled its samples with the seed already
     return MicroBatches(examples=examples, micro_batch_size=layout.micro_batch_size,
                         num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
-                        dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle)
+                        dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle and not spec.data.is_megatron)
 
 
 def train(*, spec, ds_config: dict | None = None) -> list[dict]:
@@ -96,7 +97,20 @@ def start_process_groups(*, spec):
     layout = derive_layout(spec)
     init_process_groups(layout=layout, dist_backend=backend.dist_backend)
     backend.seed(spec.training.seed)
+    name_wandb_run(spec=spec)
     return layout
+
+
+def name_wandb_run(*, spec) -> None:
+    """DeepSpeed's wandb monitor calls `wandb.init(project, group, entity)` on global rank 0 with no run name, and
+    wandb.init then reads WANDB_NAME. Set here, in the rank itself before `deepspeed.initialize`, the name reaches
+    rank 0 under every launcher (`dsmt train`, torchrun, the deepspeed launcher over pdsh / mpirun, srun, a user's
+    script through `toolkit.api.initialize`) with nothing to forward. The spec's name wins over an exported one;
+    without `training.wandb.name` an exported WANDB_NAME (or W&B's random name) is used. WANDB_MODE and the other
+    WANDB_* variables are never touched: `WANDB_MODE=offline` reaches wandb as the user set it."""
+    wandb = spec.training.wandb
+    if wandb is not None and wandb.name is not None:
+        os.environ["WANDB_NAME"] = wandb.name
 
 
 def _node_joined(*, layout) -> None:
@@ -171,7 +185,7 @@ def task_batches(*, spec, layout, hf_dir: Path, model_config):
     data-parallel replica (TP / PP) draw the same rows."""
     from megatron.core import parallel_state
 
-    from toolkit.data.examples import require_data_path
+    from toolkit.data.pipeline import require_data_path
     from toolkit.data.tasks import TaskBatches, task_examples
 
     require_data_path(spec.data)

@@ -1,0 +1,206 @@
+"""Megatron indexed corpora as training rows: megatron-core's `GPTDataset` (one corpus, `data.format: megatron`)
+and `BlendedDataset` (`data.blend`), built by its `BlendedMegatronDatasetBuilder`.
+
+* A corpus is `PREFIX.bin` + `PREFIX.idx` (`dsmt data prepare`, or Megatron's preprocess_data.py with
+  `--append-eod`): documents of token ids, each ending with the end-of-document id (EOD).
+* Samples are `seq_length + 1` consecutive tokens of the shuffled documents (megatron-core's sample index, seeded
+  with `training.seed`); a sample may cut a document and hold several.
+* Document boundaries: per-document attention, as dsmt packs records. megatron-core's `reset_position_ids`
+  restarts the positions after every EOD, and dsmt's model turns a position 0 after column 0 into a
+  block-diagonal causal mask (toolkit/adapters/packed.py); `eod_mask_loss` masks the label read at an EOD, the one
+  that would predict the next document from this one. The EOD itself is a label (the model learns to end
+  documents). `reset_attention_mask` stays off: the positions carry the boundaries, no s x s mask is stored.
+* Split: `data.validation_fraction = f` is Megatron's `--split (1-f),f,0`: the last share of each corpus's
+  documents is validation, read once per evaluation; the training side draws `train_steps x global batch`
+  samples (more epochs when the corpus is smaller).
+* The index files megatron-core builds (document / sample / shuffle indices, the blend's) are cached under
+  `<data.cache_dir or OUTPUT/data-cache>/megatron`, built by global rank 0 first (a shared filesystem, as for
+  checkpoints), then read by the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from toolkit.data.validation import TRAIN, VALIDATION
+from toolkit.errors import DsmtError
+from toolkit.spec.data_schema import DataSpec
+
+SCAN_CHUNK_TOKENS = 1 << 26  # tokens per numpy max() while scanning a corpus without dsmt's sidecar
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """What the trainer must know of one corpus before it reads it."""
+
+    prefix: str
+    eod_id: int
+    max_token_id: int
+    num_documents: int
+    num_tokens: int
+    tokenizer_identity: str | None  # None: not prepared by dsmt (no sidecar)
+
+
+def corpus_prefixes(data: DataSpec) -> list[tuple[float | None, str]]:
+    """(weight, prefix) of each corpus: `data.blend`, or `data.path` alone (weight None)."""
+    if data.blend is not None:
+        return [(weight, prefix) for weight, prefix in data.blend]
+    return [(None, data.path)]
+
+
+def read_corpus(prefix: str, *, eod_fallback: int | None) -> Corpus:
+    """The corpus at `prefix`, checked whole; its EOD and largest id from dsmt's sidecar (`dsmt data prepare`),
+    else `eod_fallback` (the model tokenizer's EOS) and a scan of the `.bin`."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from toolkit.data.prepare import read_sidecar
+
+    base = Path(prefix).expanduser()
+    missing = [str(base) + suffix for suffix in (".bin", ".idx") if not Path(str(base) + suffix).is_file()]
+    if missing:
+        raise DsmtError(f"megatron_corpus_missing: data.format=megatron corpus {prefix!r} lacks "
+                        f"{', '.join(missing)}; give the PREFIX of PREFIX.bin / PREFIX.idx (`dsmt data prepare "
+                        f"INPUT --tokenizer DIR --output PREFIX` writes them)")
+    try:
+        dataset = IndexedDataset(str(base))
+    except Exception as err:  # a truncated .idx, a .bin of another corpus
+        raise DsmtError(f"megatron_corpus_damaged: {prefix!r} cannot be read by megatron-core's IndexedDataset "
+                        f"({type(err).__name__}: {err}); prepare it again") from err
+    sidecar = read_sidecar(str(base))
+    if sidecar is not None:
+        return Corpus(prefix=str(base), eod_id=int(sidecar["eod_id"]), max_token_id=int(sidecar["max_token_id"]),
+                      num_documents=len(dataset), num_tokens=int(dataset.sequence_lengths.sum()),
+                      tokenizer_identity=sidecar.get("tokenizer_identity"))
+    if eod_fallback is None:
+        raise DsmtError(f"megatron_eod: {prefix!r} has no dsmt sidecar ({base}.dsmt.json) saying its end-of-document "
+                        "id, and the model's tokenizer has no eos_token; prepare it with `dsmt data prepare`")
+    return Corpus(prefix=str(base), eod_id=eod_fallback, max_token_id=_scan_max(str(base) + ".bin", dataset),
+                  num_documents=len(dataset), num_tokens=int(dataset.sequence_lengths.sum()),
+                  tokenizer_identity=None)
+
+
+def _scan_max(bin_path: str, dataset) -> int:
+    tokens = np.memmap(bin_path, dtype=dataset.index.dtype, mode="r")
+    return max(int(tokens[i:i + SCAN_CHUNK_TOKENS].max()) for i in range(0, len(tokens), SCAN_CHUNK_TOKENS))
+
+
+def corpus_fit_problems(*, corpus: Corpus, vocab_size: int, tokenizer, tokenizer_identity: str) -> list[str]:
+    """Why the corpus cannot train this model: ids past the vocabulary, another tokenizer's EOD or ids."""
+    found = []
+    if corpus.max_token_id >= vocab_size:
+        found.append(f"token_ids_vocab: corpus {corpus.prefix} holds token id {corpus.max_token_id} but the model's "
+                     f"vocab_size is {vocab_size}; prepare it with the model's tokenizer")
+    if tokenizer.eos_token_id is not None and corpus.eod_id != tokenizer.eos_token_id:
+        found.append(f"megatron_eod: corpus {corpus.prefix} ends documents with id {corpus.eod_id}, the model's "
+                     f"tokenizer with eos id {tokenizer.eos_token_id}; prepare it with the model's tokenizer")
+    if corpus.tokenizer_identity is not None and corpus.tokenizer_identity != tokenizer_identity:
+        found.append(f"megatron_tokenizer: corpus {corpus.prefix} was prepared with another tokenizer than the "
+                     f"model's (their vocabularies or rules differ); prepare it again with --tokenizer set to the "
+                     f"model's directory, or set data.tokenizer to the one it was prepared with")
+    return found
+
+
+def check_corpora(*, data: DataSpec, tokenizer, vocab_size: int) -> list[Corpus]:
+    """Every corpus of `data` read and fitted to the model; one error lists every problem."""
+    from toolkit.data.tokenize import tokenizer_identity
+
+    identity = tokenizer_identity(tokenizer)
+    corpora, problems = [], []
+    for _, prefix in corpus_prefixes(data):
+        try:
+            corpus = read_corpus(prefix, eod_fallback=tokenizer.eos_token_id)
+        except DsmtError as err:
+            problems.append(str(err))
+            continue
+        corpora.append(corpus)
+        problems += corpus_fit_problems(corpus=corpus, vocab_size=vocab_size, tokenizer=tokenizer,
+                                        tokenizer_identity=identity)
+    if problems:
+        raise DsmtError("; ".join(problems))
+    return corpora
+
+
+class _TokenizerView:
+    """The part of a Megatron tokenizer GPTDataset reads: EOD, the vocabulary size, an identity for its cache
+    hash; no `pad` (megatron-core then pads with -1, an id no corpus holds)."""
+
+    def __init__(self, *, eod: int, vocab_size: int, identity: str):
+        self.eod = eod
+        self.vocab_size = vocab_size
+        self.unique_identifiers = {"class": "dsmt", "eod": eod, "vocab_size": vocab_size, "tokenizer": identity}
+
+
+def split_string(data: DataSpec) -> str:
+    """Megatron's `--split` for `data.validation_fraction`: "train,valid,test" weights."""
+    fraction = data.validation_fraction or 0.0
+    return f"{1 - fraction},{fraction},0"
+
+
+def megatron_rows(*, data: DataSpec, model_path: str | None, part: str, num_samples: int | None, seq_length: int,
+                  vocab_size: int, seed: int, cache_root: Path) -> MegatronRows:
+    """The samples of `part` ("train": `num_samples` of them; "validation": the held-out documents once).
+    Collective when torch.distributed is initialised (megatron-core builds the index cache on rank 0 first)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from toolkit.data.tokenize import tokenizer_identity
+    from toolkit.data.tokenize import load_tokenizer
+
+    if part == TRAIN and num_samples is None:
+        raise DsmtError("megatron_rows: the training side needs num_samples (train_steps x global batch)")
+    if part == VALIDATION and data.validation_fraction is None:
+        raise DsmtError("there is no validation data: set data.validation_fraction (Megatron's split)")
+    tokenizer = load_tokenizer(data=data, model_path=model_path)
+    corpora = check_corpora(data=data, tokenizer=tokenizer, vocab_size=vocab_size)
+    weights = [weight for weight, _ in corpus_prefixes(data)] if data.blend is not None else None
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, split=split_string(data), path_to_cache=str(cache_root),
+        blend=([corpus.prefix for corpus in corpora], weights if part == TRAIN else None),
+        tokenizer=_TokenizerView(eod=corpora[0].eod_id, vocab_size=vocab_size, identity=tokenizer_identity(tokenizer)),
+        reset_position_ids=True, reset_attention_mask=False, eod_mask_loss=True, create_attention_mask=False,
+        add_extra_token_to_sequence=True)
+    sizes = [num_samples, 0, 0] if part == TRAIN else [0, None, None]
+    Path(cache_root).mkdir(parents=True, exist_ok=True)
+    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    dataset = built[0 if part == TRAIN else 1]
+    if dataset is None or len(dataset) == 0:
+        documents = sum(corpus.num_documents for corpus in corpora)
+        raise DsmtError(f"megatron_split_empty: the {part} side of {', '.join(c.prefix for c in corpora)} "
+                        f"({documents} documents, split {split_string(data)}) holds no sample of seq_length + 1 = "
+                        f"{seq_length + 1} tokens; adjust data.validation_fraction or give a larger corpus")
+    return MegatronRows(dataset=dataset, seq_length=seq_length)
+
+
+class MegatronRows:
+    """A megatron-core dataset as dsmt rows (toolkit/data/examples.py's interface), read sample by sample."""
+
+    kind = "megatron"
+
+    def __init__(self, *, dataset, seq_length: int):
+        self.dataset = dataset
+        self._seq_length = seq_length
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def seq_length(self) -> int:
+        return self._seq_length
+
+    def rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        samples = [self.dataset[int(row)] for row in rows]
+        token_ids = torch.stack([torch.cat([s["tokens"], s["labels"][-1:]]) for s in samples]).to(torch.int64)
+        loss_mask = torch.stack([s["loss_mask"] for s in samples]).to(torch.float32)
+        position_ids = torch.stack([s["position_ids"] for s in samples]).to(torch.int64)
+        return token_ids, loss_mask, position_ids
+
+    def counted_tokens(self) -> int:
+        return sum(int(self.rows(torch.arange(start, min(start + 256, len(self))))[1].sum())
+                   for start in range(0, len(self), 256))
+
+    def describe(self) -> str:
+        return f"{len(self)} megatron samples of {self._seq_length + 1} ids"

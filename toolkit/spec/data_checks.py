@@ -1,0 +1,109 @@
+"""`dsmt check` on the `data` section: a source to train on, and what of it can be read on this machine.
+
+* records on this machine (a file, a folder, a dataset name in the local Hugging Face cache with
+  `HF_HUB_OFFLINE=1`): every record is formatted by its `data.type` (toolkit/data/formats.py), and each bad one
+  is an error naming the record, its line (jsonl) and the fix; nothing is tokenised here;
+* Megatron corpora (`format: megatron`, `data.blend`): `PREFIX.bin` / `PREFIX.idx` present, and the largest token
+  id `dsmt data prepare` recorded below the model's vocabulary (the tokenizer itself: `dsmt train --dry-run` and
+  every rank before reading);
+* sources that are not on this machine are a warning: the spec may be meant for the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolkit.models.shapes import ModelShape
+from toolkit.spec.data_schema import DATA_SOURCE_FIX, DataSpec, data_sources
+from toolkit.spec.report import Problem
+
+RECORD_ERRORS_SHOWN = 5  # bad records listed per source; the count of all is in the message
+
+
+def check_data(*, spec, shape: ModelShape | None) -> list[Problem]:
+    data = spec.data
+    if data.synthetic:
+        return [Problem("info", "synthetic_data", "data.synthetic=true: training uses synthetic tokens")]
+    if data.path is None and data.blend is None and data.mix is None:  # made-up tokens must be asked for
+        return [Problem("error", "data_source", "data.path is unset and data.synthetic=false: there is no data to "
+                        "train on", DATA_SOURCE_FIX)]
+    problems = []
+    for label, source in data_sources(data):
+        if source.is_megatron:
+            problems += corpus_problems(label=label, data=source, vocab_size=shape.vocab_size if shape else None)
+        else:
+            problems += record_problems(label=label, data=source)
+    return problems
+
+
+def corpus_problems(*, label: str, data: DataSpec, vocab_size: int | None) -> list[Problem]:
+    prefixes = [prefix for _, prefix in data.blend] if data.blend is not None else [data.path]
+    problems = []
+    for prefix in prefixes:
+        base = Path(prefix).expanduser()
+        missing = [f"{base}{suffix}" for suffix in (".bin", ".idx") if not Path(f"{base}{suffix}").is_file()]
+        if missing:
+            problems.append(Problem("warning", "megatron_corpus_missing", f"{label}: Megatron corpus {prefix} lacks "
+                                    f"{', '.join(missing)} on this machine", "fine if it exists on the cluster; "
+                                    "otherwise `dsmt data prepare INPUT --tokenizer DIR --output PREFIX`"))
+            continue
+        sidecar = Path(f"{base}.dsmt.json")
+        if not sidecar.is_file():
+            problems.append(Problem("info", "megatron_corpus", f"{label}: Megatron corpus {prefix} (not prepared by "
+                                    "dsmt: its token ids are scanned against the vocabulary when training starts)"))
+            continue
+        facts = json.loads(sidecar.read_text())
+        if vocab_size is not None and facts["max_token_id"] >= vocab_size:
+            problems.append(Problem("error", "token_ids_vocab", f"{label}: Megatron corpus {prefix} holds token id "
+                                    f"{facts['max_token_id']} (prepared with tokenizer {facts.get('tokenizer')}), but "
+                                    f"the model's vocab_size is {vocab_size}",
+                                    "prepare the corpus with the model's own tokenizer"))
+        else:
+            problems.append(Problem("info", "megatron_corpus", f"{label}: Megatron corpus {prefix}: "
+                                    f"{facts['num_documents']} documents, {facts['num_tokens']} tokens"))
+    return problems
+
+
+def record_problems(*, label: str, data: DataSpec) -> list[Problem]:
+    """The records of `data` formatted by their type when they are on this machine (see the module docstring)."""
+    from toolkit.data.sources import cached_snapshot, hub_offline, looks_like_hub_id
+
+    local = Path(data.path).expanduser().exists()
+    if not local and not (hub_offline() and looks_like_hub_id(data.path) and cached_snapshot(data.path)):
+        return [Problem("warning", "data_path_missing", f"{label}.path={data.path} does not exist on this machine",
+                        "fine if it exists on the cluster; otherwise fix the path")]
+    from toolkit.data.formats import check_records
+    from toolkit.data.records import record_fields, record_type
+    from toolkit.data.sources import load_records
+    from toolkit.errors import DsmtError
+
+    try:
+        records = load_records(data=data)
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "data_unreadable"), f"{label}: {err}",
+                        "fix the path, data.type or the field options")]
+    source = str(Path(data.path).expanduser()) if local and Path(data.path).expanduser().is_file() else None
+    checked = check_records(records, record_type=record_type(data), fields=record_fields(data), source=source,
+                            limit=RECORD_ERRORS_SHOWN)
+    if not checked.errors:
+        return [Problem("info", "records", f"{label}: {checked.num_records} {record_type(data)} records in "
+                        f"{data.path}, all readable")]
+    more = (f" ({checked.num_bad} bad records in all, the first {len(checked.errors)} shown)"
+            if checked.num_bad > len(checked.errors) else "")
+    return [Problem("error", err.rule, f"{label}: {data.path}: {err}{more if i == 0 else ''}", "fix or drop the record")
+            for i, err in enumerate(checked.errors)]
+
+
+def megatron_rows_only_problems(*, data: DataSpec, trainer: str, record_types: bool) -> list[Problem]:
+    """Sources only the megatron-core causal-LM path reads (Megatron corpora, mixes; with `record_types`, the
+    record types other than text), refused for `trainer` (an encoder head's task, a model without an adapter)."""
+    used = [name for name, present in (("data.format=megatron / data.blend", data.is_megatron),
+                                       ("data.mix", data.mix is not None),
+                                       (f"data.type={data.type}", record_types and data.type not in ("auto", "text")))
+            if present]
+    if not used:
+        return []
+    return [Problem("error", "data_needs_causal_lm", f"{', '.join(used)}: read only when a megatron-core causal LM "
+                    f"trains, but this model trains {trainer}",
+                    "give data.path with text records (and data.label_field for classification)")]

@@ -1,0 +1,172 @@
+"""`dsmt train --dry-run` on the data: every source read as training reads it (records, Megatron corpora with the
+model's tokenizer, a mix's entries), the validation side, and the tokenizer against the model's vocabulary."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+from toolkit.spec.report import Problem
+
+
+def data_problems(*, spec) -> list[Problem]:
+    """The data readable and the tokenizer present (and no larger than the model's vocabulary); for a model whose
+    head is not a causal LM (masked LM, classification, images) the examples built as training builds them."""
+    from toolkit.spec.data_schema import data_sources
+
+    data = spec.data
+    found = []
+    text_data = not data.synthetic and (data.path is not None or data.blend is not None or data.mix is not None)
+    task, head_config = _head_task(spec) if text_data else (None, None)
+    if task not in (None, "causal_lm"):
+        return task_data_problems(spec=spec, task=task, model_config=head_config) + validation_problems(
+            spec=spec, num_records=None, task=task, model_config=head_config)
+    if text_data:
+        for label, source in data_sources(data):
+            found += (corpus_problems(spec=spec, label=label, data=source) if source.is_megatron
+                      else source_problems(spec=spec, label=label, data=source, task=task))
+    elif data.synthetic:
+        found.append(Problem("info", "data", "data.synthetic=true: synthetic tokens, no tokenizer needed"))
+    if text_data or data.tokenizer is not None:
+        found += tokenizer_problems(spec=spec)
+    return found
+
+
+def source_problems(*, spec, label: str, data, task) -> list[Problem]:
+    from toolkit.data import load_records
+
+    try:
+        records = load_records(data=data)
+    except DsmtError as err:
+        where = "" if label == "data" else f"{label}: "
+        return [Problem("error", "data_unreadable", f"{where}{err}", "fix data.path, or data.synthetic: true")]
+    found = [Problem("info", "data", f"{label}.path={data.path}: {len(records)} records, fields "
+                     f"{', '.join(records.column_names)}")]
+    if label == "data":  # a mix's validation: toolkit/data/training.py
+        found += validation_problems(spec=spec, num_records=len(records), task=task)
+    return found
+
+
+def corpus_problems(*, spec, label: str, data) -> list[Problem]:
+    """The corpora read by megatron-core's IndexedDataset and fitted to the model's tokenizer and vocabulary."""
+    from toolkit.data import load_tokenizer
+    from toolkit.data.indexed import check_corpora
+    from toolkit.spec.load import model_shape
+
+    try:
+        tokenizer = load_tokenizer(data=data, model_path=spec.model.path)
+        corpora = check_corpora(data=data, tokenizer=tokenizer, vocab_size=model_shape(spec.model).vocab_size)
+    except DsmtError as err:
+        rule = str(err).split(":", 1)[0] if str(err).split(":", 1)[0].isidentifier() else "megatron_corpus"
+        return [Problem("error", rule, f"{label}: {err}", "prepare the corpus with the model's tokenizer "
+                        "(`dsmt data prepare INPUT --tokenizer MODEL_DIR --output PREFIX`)")]
+    return [Problem("info", "data", f"{label}: Megatron corpus {corpus.prefix}: {corpus.num_documents} documents, "
+                    f"{corpus.num_tokens} tokens, ids up to {corpus.max_token_id}") for corpus in corpora]
+
+
+def validation_problems(*, spec, num_records: int | None, task: str | None, model_config=None) -> list[Problem]:
+    """The validation records as training reads them (toolkit/data/validation.py): the file and its fields, or
+    the held-out share's record counts; for heads other than a causal LM the task's validation examples, built
+    as training builds them (toolkit/data/tasks.py)."""
+    from toolkit.data import validation
+
+    data = spec.data
+    if not validation.has_validation(data) or data.synthetic:
+        return []  # synthetic: `dsmt check` reports validation_synthetic
+    if data.validation_path is not None and not Path(data.validation_path).expanduser().exists():
+        return []  # `dsmt check` reports validation_path_missing
+    if task not in (None, "causal_lm"):
+        return task_validation_problems(spec=spec, task=task, model_config=model_config)
+    try:
+        if data.validation_path is not None:
+            records = validation.load_validation_file(data=data)
+            text = f"data.validation_path={data.validation_path}: {len(records)} validation records"
+        elif num_records is None:
+            return []
+        else:
+            split = validation.split_records(num_records=num_records, fraction=data.validation_fraction,
+                                             seed=spec.training.seed)
+            text = split.describe(fraction=data.validation_fraction, seed=spec.training.seed)
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "validation_data"), str(err),
+                        "fix data.validation_path / data.validation_fraction")]
+    return [Problem("info", "validation", text)]
+
+
+def _head_task(spec) -> tuple[str | None, object]:
+    """(training task of the checkpoint's head (toolkit/data/tasks.py), its HF config); (None, None) without a
+    readable config.json or for a head the model checks report."""
+    from transformers import AutoConfig
+
+    from toolkit.data.tasks import task_of
+
+    config_path = Path(spec.model.path or "") / "config.json"
+    if spec.model.path is None or not config_path.is_file():
+        return None, None
+    try:
+        config = AutoConfig.from_pretrained(spec.model.path)
+        return task_of(config), config
+    except (DsmtError, ValueError, OSError):
+        return None, None
+
+
+def task_data_problems(*, spec, task: str, model_config) -> list[Problem]:
+    """Build the task's examples as a rank does (labels validated, images listed, tokenizer loaded)."""
+    from toolkit.data.tasks import task_examples
+
+    try:
+        examples = task_examples(data=spec.data, model_config=model_config,
+                                 tokenizer_path=spec.data.tokenizer or spec.model.path,
+                                 seq_length=spec.training.seq_length, seed=spec.training.seed)
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "data_unreadable"), str(err), "fix data.path or its records")]
+    return [Problem("info", "data", f"data.path={spec.data.path}: {len(examples)} examples for {task}")]
+
+
+def task_validation_problems(*, spec, task: str, model_config) -> list[Problem]:
+    """The task's validation examples built as a rank builds them (`task_examples(part="validation")`)."""
+    from toolkit.data.tasks import task_examples
+    from toolkit.data.validation import VALIDATION, describe_source
+
+    try:
+        examples = task_examples(data=spec.data, model_config=model_config,
+                                 tokenizer_path=spec.data.tokenizer or spec.model.path,
+                                 seq_length=spec.training.seq_length, seed=spec.training.seed, part=VALIDATION)
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "validation_data"), f"{describe_source(spec.data)}: {err}",
+                        "fix data.validation_path / data.validation_fraction or the validation records")]
+    return [Problem("info", "validation", f"{describe_source(spec.data)}: {len(examples)} validation examples for "
+                    f"{task}")]
+
+
+def tokenizer_problems(*, spec) -> list[Problem]:
+    from toolkit.data import load_tokenizer
+    from toolkit.spec.load import model_shape
+    from toolkit.train.job.pretrain import tokenizer_fit_problems
+
+    data, model = spec.data, spec.model
+    if data.tokenizer is None and model.path is None:
+        if model.builtin is not None:
+            return []  # dsmt check's builtin_needs_tokenizer
+        vocab_size = model.config.get("vocab_size", 0)
+        if vocab_size >= 64:  # toolkit/demo/tiny.py save_random_init writes its character tokenizer then
+            return [Problem("info", "tokenizer", "tokenizer: dsmt's tiny character tokenizer, written with the "
+                            "random init of model.config")]
+        return [Problem("error", "tokenizer", f"model.config has vocab_size={vocab_size}, too small for dsmt's tiny "
+                        "tokenizer, and data.tokenizer is unset", "set data.tokenizer")]
+    try:
+        tokenizer = load_tokenizer(data=data, model_path=model.path)
+    except DsmtError as err:
+        return [Problem("error", "tokenizer", str(err), "")]
+    try:
+        vocab_size = model_shape(model).vocab_size
+    except DsmtError:
+        return []  # no transformer shape (a plain model): nothing to compare with
+    where = f"model.builtin={model.builtin}" if model.builtin else "the model"
+    fit = tokenizer_fit_problems(tokenizer=tokenizer, vocab_size=vocab_size, where=where,
+                                 tokenizer_ref=data.tokenizer or model.path)
+    if model.builtin is None:  # a checkpoint's own tokenizer may list ids its data never produces; training checks ids
+        fit = [dataclasses.replace(p, severity="warning") for p in fit]
+    ref = data.tokenizer or model.path
+    return fit or [Problem("info", "tokenizer", f"tokenizer {ref}: {len(tokenizer)} tokens, fits vocab_size={vocab_size}")]
