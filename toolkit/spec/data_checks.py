@@ -78,6 +78,7 @@ def record_problems(*, label: str, data: DataSpec) -> list[Problem]:
     from toolkit.data.sources import load_records
     from toolkit.errors import DsmtError
 
+    _quiet_datasets()
     try:
         records = load_records(data=data)
     except DsmtError as err:
@@ -91,7 +92,7 @@ def record_problems(*, label: str, data: DataSpec) -> list[Problem]:
                         f"{data.path}, all readable")]
     more = (f" ({checked.num_bad} bad records in all, the first {len(checked.errors)} shown)"
             if checked.num_bad > len(checked.errors) else "")
-    return [Problem("error", err.rule, f"{label}: {data.path}: {err}{more if i == 0 else ''}", "fix or drop the record")
+    return [Problem("error", err.rule, f"{label}: {data.path}: {err}{more if i == 0 else ''}", "")  # fix: in the text
             for i, err in enumerate(checked.errors)]
 
 
@@ -107,3 +108,15 @@ def megatron_rows_only_problems(*, data: DataSpec, trainer: str, record_types: b
     return [Problem("error", "data_needs_causal_lm", f"{', '.join(used)}: read only when a megatron-core causal LM "
                     f"trains, but this model trains {trainer}",
                     "give data.path with text records (and data.label_field for classification)")]
+
+
+def _quiet_datasets() -> None:
+    """No "Generating train split" bars in a check's report (`--verbose` / DSMT_SHOW_WARNINGS keep them)."""
+    import os
+
+    import datasets
+
+    from toolkit.launch.rank_output import verbose
+
+    if not (verbose() or os.environ.get("DSMT_SHOW_WARNINGS")):
+        datasets.disable_progress_bars()
