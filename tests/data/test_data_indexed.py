@@ -125,3 +125,13 @@ def test_missing_corpus_and_foreign_ids_are_named(corpora, tmp_path, tiny_checkp
                                         r"vocab_size is 20"):
         job_rows(data=DataSpec(format="megatron", path=str(tmp_path / "corpus_b")), model_path=str(tiny_checkpoint),
                  seq_length=SEQ, vocab_size=20, seed=3, output_dir=tmp_path / "out", num_samples=10)
+
+
+def test_check_names_a_damaged_sidecar(corpora, tmp_path):
+    from toolkit.spec.data_checks import corpus_problems
+
+    (tmp_path / "corpus_a.dsmt.json").write_text("{not json")
+    found = corpus_problems(label="data", data=DataSpec(format="megatron", path=str(tmp_path / "corpus_a")),
+                            vocab_size=250)
+    assert [(p.severity, p.rule) for p in found] == [("error", "megatron_sidecar")]
+    assert "is not readable JSON" in found[0].message and "re-run dsmt data prepare" in found[0].message

@@ -220,3 +220,11 @@ def test_record_error_pickles_with_its_attributes():
     error = RecordError(rule="record_empty", index=2, what="w", fix="f", line=9, source="d.jsonl")
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.rule, copy.index, copy.line, str(copy)) == ("record_empty", 2, 9, "record 2 (line 9 of d.jsonl): w; f")
+
+
+def test_line_numbers_look_through_gzip(tmp_path):
+    import gzip
+
+    path = tmp_path / "a.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"text": "a"}\n\n{"text": "b"}\n'))
+    assert line_numbers(path=path, indices=[1]) == {1: 3}

@@ -18,7 +18,7 @@ _EXPORTS = {
     "FIRST_STAGE_KEYS": "batches", "LAST_STAGE_KEYS": "batches", "MicroBatches": "batches", "stage_inputs": "batches",
     "cache_root_for": "cache", "open_cache": "cache", "prepare_cache": "cache", "Examples": "examples",
     "build_examples": "pipeline", "FILE_BUILDERS": "sources", "load_records": "sources",
-    "required_fields": "sources", "synthetic_examples": "synthetic", "assistant_spans": "tokenize",
+    "required_fields": "records", "synthetic_examples": "synthetic", "assistant_spans": "tokenize",
     "load_tokenizer": "tokenize", "record_kind": "tokenize", "tokenize_examples": "tokenize",
     "job_rows": "training",
 }

@@ -65,6 +65,13 @@ class Examples:
             f", {c}" for c in counters if c)
 
 
+def count_loss_tokens(rows, *, chunk_rows: int = 1024) -> int:
+    """The counted labels of every row of a row source read through its `rows()`, `chunk_rows` at a time (a
+    source that is not one tensor in memory: a Megatron corpus, a mix)."""
+    return sum(int(rows.rows(torch.arange(start, min(start + chunk_rows, len(rows))))[1].sum())
+               for start in range(0, len(rows), chunk_rows))
+
+
 def check_vocab(*, largest_id: int, vocab_size: int, tokenizer_ref: str | None) -> None:
     if largest_id >= vocab_size:  # an embedding lookup past the table fails far from here, or silently on GPU
         raise DsmtError(f"token_ids_vocab: the data holds token id {largest_id} but the model's vocab_size is "

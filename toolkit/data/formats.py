@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
+from toolkit.data.files import line_numbers
 from toolkit.errors import DsmtError
 
 RECORD_TYPES = ("text", "completion", "alpaca", "sharegpt", "messages")
@@ -38,6 +37,12 @@ ALPACA_PROMPT_NO_INPUT = (
 CHAT_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 # ShareGPT speaker -> chat role: the FastChat names (human, gpt) and the chat names themselves.
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+# The fields each type reads: (the RecordFields option that renames it, its default name); Alpaca's names are fixed
+# (and its `input` optional, so not listed).
+TYPE_FIELDS = {"text": (("text_field", "text"),),
+               "completion": (("prompt_field", "prompt"), ("completion_field", "completion")),
+               "alpaca": ((None, "instruction"), (None, "output")),
+               "sharegpt": (("messages_field", "conversations"),), "messages": (("messages_field", "messages"),)}
 _TYPE_FIX = f"set data.type to the records' type ({', '.join(RECORD_TYPES)})"
 
 
@@ -187,16 +192,22 @@ def format_record(record: Mapping, *, record_type: str, fields: RecordFields, in
     if not isinstance(record, Mapping):
         raise RecordError(rule="record_field_type", index=index, what=f"is {type(record).__name__}, expected an "
                           f"object of fields", fix="give one JSON object per record")
+    names = field_names(record_type=record_type, fields=fields)
     if record_type == "text":
-        return format_text(record, field=fields.text_field or "text", index=index)
+        return format_text(record, field=names[0], index=index)
     if record_type == "completion":
-        return format_completion(record, prompt_field=fields.prompt_field or "prompt",
-                                 completion_field=fields.completion_field or "completion", index=index)
+        return format_completion(record, prompt_field=names[0], completion_field=names[1], index=index)
     if record_type == "alpaca":
         return format_alpaca(record, index=index)
     if record_type == "sharegpt":
-        return format_sharegpt(record, field=fields.messages_field or "conversations", index=index)
-    return format_messages(record, field=fields.messages_field or "messages", index=index)
+        return format_sharegpt(record, field=names[0], index=index)
+    return format_messages(record, field=names[0], index=index)
+
+
+def field_names(*, record_type: str, fields: RecordFields) -> list[str]:
+    """The fields a record of `record_type` must hold, by the options in `fields` (TYPE_FIELDS)."""
+    _check_type(record_type)
+    return [(getattr(fields, option) if option else None) or default for option, default in TYPE_FIELDS[record_type]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,37 +246,3 @@ def check_records(records, *, record_type: str, fields: RecordFields, source: st
     lines = line_numbers(path=source, indices=[e.index for e in errors]) if source and errors else {}
     located = tuple(e.located(line=lines[e.index], source=source) if e.index in lines else e for e in errors)
     return RecordCheck(errors=located, num_bad=num_bad, num_records=num_records)
-
-
-def _holds_json_lines(path: Path) -> bool:
-    """A `.jsonl` file, or a `.json` one whose first non-blank line is a whole JSON object (not one list)."""
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".json") or not path.is_file():
-        return False
-    if suffix == ".jsonl":
-        return True
-    with path.open("rb") as file:
-        first = next((line for line in file if line.strip()), b"")
-    try:
-        return isinstance(json.loads(first), dict)
-    except ValueError:
-        return False
-
-
-def line_numbers(*, path: str | Path, indices) -> dict[int, int]:
-    """Record index -> 1-based line of a JSON-lines file, for `indices`; {} for any other source. The json
-    loader skips blank lines, so record i is the i-th non-blank line."""
-    path, wanted, found = Path(path), set(indices), {}
-    if not wanted or not _holds_json_lines(path):
-        return found
-    with path.open("rb") as file:
-        index = 0
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            if index in wanted:
-                found[index] = number
-                if len(found) == len(wanted):
-                    break
-            index += 1
-    return found

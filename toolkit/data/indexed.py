@@ -27,10 +27,19 @@ import numpy as np
 import torch
 
 from toolkit.data.validation import TRAIN, VALIDATION
+from toolkit.data.examples import count_loss_tokens
 from toolkit.errors import DsmtError
-from toolkit.spec.data_schema import DataSpec
+from toolkit.spec.data_schema import DataSpec, megatron_corpora
 
 SCAN_CHUNK_TOKENS = 1 << 26  # tokens per numpy max() while scanning a corpus without dsmt's sidecar
+
+
+class CorpusError(DsmtError):
+    """A corpus that cannot be read, or cannot train this model; `rule` names why."""
+
+    def __init__(self, rule: str, message: str):
+        self.rule = rule
+        super().__init__(f"{rule}: {message}")
 
 
 @dataclass(frozen=True)
@@ -45,42 +54,38 @@ class Corpus:
     tokenizer_identity: str | None  # None: not prepared by dsmt (no sidecar)
 
 
-def corpus_prefixes(data: DataSpec) -> list[tuple[float | None, str]]:
-    """(weight, prefix) of each corpus: `data.blend`, or `data.path` alone (weight None)."""
-    if data.blend is not None:
-        return [(weight, prefix) for weight, prefix in data.blend]
-    return [(None, data.path)]
-
-
 def read_corpus(prefix: str, *, eod_fallback: int | None) -> Corpus:
     """The corpus at `prefix`, checked whole; its EOD and largest id from dsmt's sidecar (`dsmt data prepare`),
     else `eod_fallback` (the model tokenizer's EOS) and a scan of the `.bin`."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from toolkit.data.prepare import read_sidecar
+    from toolkit.data.prepare import missing_corpus_files, read_sidecar
 
     base = Path(prefix).expanduser()
-    missing = [str(base) + suffix for suffix in (".bin", ".idx") if not Path(str(base) + suffix).is_file()]
+    missing = missing_corpus_files(base)
     if missing:
-        raise DsmtError(f"megatron_corpus_missing: data.format=megatron corpus {prefix!r} lacks "
-                        f"{', '.join(missing)}; give the PREFIX of PREFIX.bin / PREFIX.idx (`dsmt data prepare "
-                        f"INPUT --tokenizer DIR --output PREFIX` writes them)")
+        raise CorpusError("megatron_corpus_missing", f"data.format=megatron corpus {prefix!r} lacks "
+                          f"{', '.join(missing)}; give the PREFIX of PREFIX.bin / PREFIX.idx (`dsmt data prepare "
+                          f"INPUT --tokenizer DIR --output PREFIX` writes them)")
     try:
         dataset = IndexedDataset(str(base))
     except Exception as err:  # a truncated .idx, a .bin of another corpus
-        raise DsmtError(f"megatron_corpus_damaged: {prefix!r} cannot be read by megatron-core's IndexedDataset "
-                        f"({type(err).__name__}: {err}); prepare it again") from err
-    sidecar = read_sidecar(str(base))
+        raise CorpusError("megatron_corpus_damaged", f"{prefix!r} cannot be read by megatron-core's "
+                          f"IndexedDataset ({type(err).__name__}: {err}); prepare it again") from err
+    try:
+        sidecar = read_sidecar(str(base))
+    except DsmtError as err:  # not JSON, another format, keys missing: the message says which and the fix
+        raise CorpusError("megatron_sidecar", str(err)) from err
+    counts = dict(num_documents=len(dataset), num_tokens=int(dataset.sequence_lengths.sum()))
     if sidecar is not None:
         return Corpus(prefix=str(base), eod_id=int(sidecar["eod_id"]), max_token_id=int(sidecar["max_token_id"]),
-                      num_documents=len(dataset), num_tokens=int(dataset.sequence_lengths.sum()),
-                      tokenizer_identity=sidecar.get("tokenizer_identity"))
+                      tokenizer_identity=sidecar.get("tokenizer_identity"), **counts)
     if eod_fallback is None:
-        raise DsmtError(f"megatron_eod: {prefix!r} has no dsmt sidecar ({base}.dsmt.json) saying its end-of-document "
-                        "id, and the model's tokenizer has no eos_token; prepare it with `dsmt data prepare`")
+        raise CorpusError("megatron_eod", f"{prefix!r} has no dsmt sidecar ({base}.dsmt.json) saying its "
+                          "end-of-document id, and the model's tokenizer has no eos_token; prepare it with "
+                          "`dsmt data prepare`")
     return Corpus(prefix=str(base), eod_id=eod_fallback, max_token_id=_scan_max(str(base) + ".bin", dataset),
-                  num_documents=len(dataset), num_tokens=int(dataset.sequence_lengths.sum()),
-                  tokenizer_identity=None)
+                  tokenizer_identity=None, **counts)
 
 
 def _scan_max(bin_path: str, dataset) -> int:
@@ -88,39 +93,48 @@ def _scan_max(bin_path: str, dataset) -> int:
     return max(int(tokens[i:i + SCAN_CHUNK_TOKENS].max()) for i in range(0, len(tokens), SCAN_CHUNK_TOKENS))
 
 
-def corpus_fit_problems(*, corpus: Corpus, vocab_size: int, tokenizer, tokenizer_identity: str) -> list[str]:
+def corpus_fit_problems(*, corpus: Corpus, vocab_size: int, tokenizer,
+                        tokenizer_identity: str) -> list[CorpusError]:
     """Why the corpus cannot train this model: ids past the vocabulary, another tokenizer's EOD or ids."""
     found = []
     if corpus.max_token_id >= vocab_size:
-        found.append(f"token_ids_vocab: corpus {corpus.prefix} holds token id {corpus.max_token_id} but the model's "
-                     f"vocab_size is {vocab_size}; prepare it with the model's tokenizer")
+        found.append(CorpusError("token_ids_vocab", f"corpus {corpus.prefix} holds token id {corpus.max_token_id} "
+                                 f"but the model's vocab_size is {vocab_size}; prepare it with the model's tokenizer"))
     if tokenizer.eos_token_id is not None and corpus.eod_id != tokenizer.eos_token_id:
-        found.append(f"megatron_eod: corpus {corpus.prefix} ends documents with id {corpus.eod_id}, the model's "
-                     f"tokenizer with eos id {tokenizer.eos_token_id}; prepare it with the model's tokenizer")
+        found.append(CorpusError("megatron_eod", f"corpus {corpus.prefix} ends documents with id {corpus.eod_id}, "
+                                 f"the model's tokenizer with eos id {tokenizer.eos_token_id}; prepare it with the "
+                                 f"model's tokenizer"))
     if corpus.tokenizer_identity is not None and corpus.tokenizer_identity != tokenizer_identity:
-        found.append(f"megatron_tokenizer: corpus {corpus.prefix} was prepared with another tokenizer than the "
-                     f"model's (their vocabularies or rules differ); prepare it again with --tokenizer set to the "
-                     f"model's directory, or set data.tokenizer to the one it was prepared with")
+        found.append(CorpusError("megatron_tokenizer", f"corpus {corpus.prefix} was prepared with another tokenizer "
+                                 f"than the model's (their vocabularies or rules differ); prepare it again with "
+                                 f"--tokenizer set to the model's directory, or set data.tokenizer to the one it was "
+                                 f"prepared with"))
     return found
 
 
-def check_corpora(*, data: DataSpec, tokenizer, vocab_size: int) -> list[Corpus]:
-    """Every corpus of `data` read and fitted to the model; one error lists every problem."""
+def corpus_problems(*, data: DataSpec, tokenizer, vocab_size: int) -> tuple[list[Corpus], list[CorpusError]]:
+    """Every corpus of `data` read and fitted to the model: (the corpora read, every problem found)."""
     from toolkit.data.tokenize import tokenizer_identity
 
     identity = tokenizer_identity(tokenizer)
     corpora, problems = [], []
-    for _, prefix in corpus_prefixes(data):
+    for _, prefix in megatron_corpora(data):
         try:
             corpus = read_corpus(prefix, eod_fallback=tokenizer.eos_token_id)
-        except DsmtError as err:
-            problems.append(str(err))
+        except CorpusError as err:
+            problems.append(err)
             continue
         corpora.append(corpus)
         problems += corpus_fit_problems(corpus=corpus, vocab_size=vocab_size, tokenizer=tokenizer,
                                         tokenizer_identity=identity)
+    return corpora, problems
+
+
+def check_corpora(*, data: DataSpec, tokenizer, vocab_size: int) -> list[Corpus]:
+    """`corpus_problems`, raising one error that lists every problem."""
+    corpora, problems = corpus_problems(data=data, tokenizer=tokenizer, vocab_size=vocab_size)
     if problems:
-        raise DsmtError("; ".join(problems))
+        raise DsmtError("; ".join(map(str, problems)))
     return corpora
 
 
@@ -156,7 +170,7 @@ def megatron_rows(*, data: DataSpec, model_path: str | None, part: str, num_samp
         raise DsmtError("there is no validation data: set data.validation_fraction (Megatron's split)")
     tokenizer = load_tokenizer(data=data, model_path=model_path)
     corpora = check_corpora(data=data, tokenizer=tokenizer, vocab_size=vocab_size)
-    weights = [weight for weight, _ in corpus_prefixes(data)] if data.blend is not None else None
+    weights = [weight for weight, _ in megatron_corpora(data)] if data.blend is not None else None
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, split=split_string(data), path_to_cache=str(cache_root),
         blend=([corpus.prefix for corpus in corpora], weights if part == TRAIN else None),
@@ -199,8 +213,7 @@ class MegatronRows:
         return token_ids, loss_mask, position_ids
 
     def counted_tokens(self) -> int:
-        return sum(int(self.rows(torch.arange(start, min(start + 256, len(self))))[1].sum())
-                   for start in range(0, len(self), 256))
+        return count_loss_tokens(self, chunk_rows=256)  # a sample at a time through GPTDataset
 
     def describe(self) -> str:
         return f"{len(self)} megatron samples of {self._seq_length + 1} ids"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from toolkit.data.examples import count_loss_tokens
 from toolkit.errors import DsmtError
 
 
@@ -63,8 +64,7 @@ class MixedRows:
         return token_ids, loss_mask, position_ids
 
     def counted_tokens(self) -> int:
-        return sum(int(self.rows(torch.arange(start, min(start + 1024, len(self))))[1].sum())
-                   for start in range(0, len(self), 1024))
+        return count_loss_tokens(self)
 
     def describe(self) -> str:
         return f"{len(self)} mixed rows: " + ", ".join(

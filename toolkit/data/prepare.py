@@ -275,6 +275,12 @@ def _sidecar_meta(*, tokenizer, tokenizer_dir, counts: CorpusCounts, text_field:
             "inputs": [str(source.path) for source in sources]}
 
 
+def missing_corpus_files(prefix: str | Path) -> list[str]:
+    """Which of `prefix`.bin / `prefix`.idx are not there (a corpus needs both)."""
+    base = Path(prefix).expanduser()
+    return [f"{base}{suffix}" for suffix in (".bin", ".idx") if not Path(f"{base}{suffix}").is_file()]
+
+
 def write_sidecar(*, prefix: str | Path, meta: dict) -> Path:
     """`prefix`.dsmt.json holding `meta` (every key of `SIDECAR_KEYS`)."""
     missing = [key for key in SIDECAR_KEYS if key not in meta]

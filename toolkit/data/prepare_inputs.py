@@ -14,16 +14,13 @@ the line (the json reader skips blank lines, so the two can differ).
 
 from __future__ import annotations
 
-import bz2
-import gzip
-import lzma
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.data.sources import COMPRESSION_SUFFIXES, FILE_BUILDERS
+from toolkit.data.files import COMPRESSION_SUFFIXES, file_suffix, is_save_to_disk_dir, line_numbers
+from toolkit.data.sources import FILE_BUILDERS
 from toolkit.errors import DsmtError
 
-SAVED_MARKERS = ("state.json", "dataset_dict.json")  # what datasets.save_to_disk writes (a Dataset, a DatasetDict)
 # What `datasets`' builders expect, for the message when one fails. Its json reader falls back to pandas when a
 # field changes type between records, and that fallback also chokes on blank lines ("Expected object or value").
 FORMAT_SHAPES = {"json": "one JSON object per line (jsonl) or one JSON list of objects, each field keeping one type "
@@ -31,7 +28,6 @@ FORMAT_SHAPES = {"json": "one JSON object per line (jsonl) or one JSON list of o
                  "csv": "a header row naming the fields, then one comma-separated row per record",
                  "parquet": "a parquet table", "text": "UTF-8 text, one record per line",
                  "arrow": "an Arrow IPC stream"}
-LINE_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # for jsonl line numbers; .zst: none given
 
 
 @dataclass(frozen=True)
@@ -71,18 +67,9 @@ def resolve_inputs(*, inputs: list[str | Path]) -> list[InputSource]:
     return [_source_of(Path(item).expanduser().resolve()) for item in inputs]
 
 
-def file_suffix(path: Path) -> str:
-    """The extension that says the format, looking through one compression suffix (`a.jsonl.gz` -> `.jsonl`)."""
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
-        suffixes = suffixes[:-1]
-    return suffixes[-1] if suffixes else ""
-
-
 def _source_of(path: Path) -> InputSource:
     if path.is_dir():
-        saved = any((path / marker).is_file() for marker in SAVED_MARKERS)
-        return InputSource(path=path, kind="saved" if saved else "repo")
+        return InputSource(path=path, kind="saved" if is_save_to_disk_dir(path) else "repo")
     suffix = file_suffix(path)
     if suffix not in FILE_BUILDERS:
         raise DsmtError(f"input {path}: extension {suffix or '(none)'!r} is not a known data format; valid: "
@@ -156,7 +143,7 @@ def _checked_texts(batch: dict, *, source: InputSource, text_field: str, first_r
 
 
 def _record_error(batch: dict, *, index: int, source: InputSource, text_field: str, record: int) -> DsmtError:
-    line = jsonl_line(source.path, record=record) if source.is_jsonl else None
+    line = line_numbers(path=source.path, indices=[record - 1]).get(record - 1) if source.is_jsonl else None
     where = f"input {source.path}: record {record}" + (f" (line {line})" if line is not None else "")
     value = batch[text_field][index] if text_field in batch else None
     if value is None:  # absent, or null (the json reader fills a field absent from this record with null)
@@ -167,19 +154,3 @@ def _record_error(batch: dict, *, index: int, source: InputSource, text_field: s
     return DsmtError(f"{where}: field {text_field!r} holds a {type(value).__name__} ({value!r:.80}), not a "
                      f"string; every document text must be a string: set --text-field to a text field, or fix "
                      f"the record")
-
-
-def jsonl_line(path: Path, *, record: int) -> int | None:
-    """The line number (from 1) of a jsonl file's `record`-th record (from 1), counting blank lines, which the json
-    reader skips; None for a compression it cannot open here."""
-    compression = path.suffix.lower()
-    if compression in COMPRESSION_SUFFIXES and compression not in LINE_OPENERS:
-        return None
-    opener = LINE_OPENERS.get(compression, open)
-    seen = 0
-    with opener(path, "rt", encoding="utf-8", errors="replace") as lines:
-        for number, line in enumerate(lines, 1):
-            seen += bool(line.strip())
-            if seen == record:
-                return number
-    return None

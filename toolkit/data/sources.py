@@ -14,10 +14,11 @@ Accepted sources, decided in this order:
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
+from toolkit.data.files import COMPRESSION_SUFFIXES, SAVE_TO_DISK_MARKERS, file_suffix, is_save_to_disk_dir
+from toolkit.data.records import record_type, required_fields
 from toolkit.errors import DsmtError
 from toolkit.spec.data_schema import RecordSource
 
@@ -28,18 +29,8 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
 # `data.format` -> builder, for files whose extension says nothing useful.
 FORMAT_BUILDERS = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet", "text": "text",
                    "arrow": "arrow"}
-COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
-# Files `save_to_disk` writes at a dataset's (or a DatasetDict's) top level.
-SAVE_TO_DISK_MARKERS = ("state.json", "dataset_dict.json")
 # A hub dataset id: `name` or `owner/name`, letters, digits, '-', '_', '.'; no extension we know as a file.
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def required_fields(*, data: RecordSource) -> list[str]:
-    """The record columns the formatting of `data.type` reads (toolkit/data/records.py)."""
-    from toolkit.data.records import required_fields as fields_of_type
-
-    return fields_of_type(data)
 
 
 def load_records(*, data: RecordSource, cache_dir: str | None = None):
@@ -66,23 +57,15 @@ def load_records(*, data: RecordSource, cache_dir: str | None = None):
 
 def looks_like_hub_id(text: str) -> bool:
     # A path with a known file extension, or one that starts like a filesystem path, is a missing local file.
-    if text.startswith((".", "/", "~")) or _file_suffix(Path(text)) in FILE_BUILDERS:
+    if text.startswith((".", "/", "~")) or file_suffix(Path(text)) in FILE_BUILDERS:
         return False
     return bool(HUB_ID_RE.match(text))
-
-
-def _file_suffix(path: Path) -> str:
-    """The extension that says the format, looking through one compression suffix (`a.jsonl.gz` -> `.jsonl`)."""
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
-        suffixes = suffixes[:-1]
-    return suffixes[-1] if suffixes else ""
 
 
 def _builder_for(*, path: Path, data: RecordSource) -> str:
     if data.format != "auto":
         return FORMAT_BUILDERS[data.format]
-    suffix = _file_suffix(path)
+    suffix = file_suffix(path)
     if suffix not in FILE_BUILDERS:
         valid = ", ".join(FILE_BUILDERS)
         raise DsmtError(
@@ -119,7 +102,7 @@ def _load_file(*, path: Path, data: RecordSource, cache_dir: str | None):
 def _load_directory(*, path: Path, data: RecordSource):
     import datasets
 
-    if not any((path / marker).is_file() for marker in SAVE_TO_DISK_MARKERS):
+    if not is_save_to_disk_dir(path):
         return _load_repository_folder(path=path, data=data)
     try:
         loaded = datasets.load_from_disk(str(path))
@@ -139,7 +122,7 @@ def _load_repository_folder(*, path: Path, data: RecordSource, what: str = "data
     import datasets
 
     found = sorted(str(f.relative_to(path)) for f in path.rglob("*")
-                   if f.is_file() and _file_suffix(f) in FILE_BUILDERS and ".cache" not in f.parts)
+                   if f.is_file() and file_suffix(f) in FILE_BUILDERS and ".cache" not in f.parts)
     if not found:
         raise DsmtError(f"{what}={str(path)!r} is a directory but neither a datasets.save_to_disk output (no "
                         f"{' / '.join(SAVE_TO_DISK_MARKERS)}) nor a dataset repository folder (no "
@@ -157,8 +140,10 @@ def _load_repository_folder(*, path: Path, data: RecordSource, what: str = "data
 
 
 def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE") or os.environ.get(
-        "HF_DATASETS_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE")
+    """`datasets`' own reading of HF_DATASETS_OFFLINE / HF_HUB_OFFLINE (the hub's, unless the first is set)."""
+    import datasets.config
+
+    return bool(datasets.config.HF_HUB_OFFLINE)
 
 
 def cached_snapshot(name: str) -> Path | None:
@@ -198,10 +183,8 @@ def _load_hub(*, name: str, data: RecordSource, cache_dir: str | None):
 
 def _check_records(*, records, data: RecordSource) -> None:
     present = list(records.column_names)
-    missing = [name for name in required_fields(data=data) if name not in present]
+    missing = [name for name in required_fields(data) if name not in present]
     if missing:
-        from toolkit.data.records import record_type
-
         raise DsmtError(
             f"record_missing_field: data.path={data.path!r} has no field {', '.join(repr(m) for m in missing)}, "
             f"which data.type={record_type(data)} reads; fields present: {', '.join(present) or '(none)'}; set "

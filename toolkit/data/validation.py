@@ -86,10 +86,10 @@ def load_validation_file(*, data: DataSpec, cache_dir: str | None = None):
     """The records of `data.validation_path` (a local file or save_to_disk directory), checked to hold the fields
     the record kind reads and to be non-empty."""
     from toolkit.data import sources
-    from toolkit.data.records import record_type
+    from toolkit.data.records import record_type, required_fields
 
     path = Path(data.validation_path).expanduser()
-    expected = sources.required_fields(data=data)
+    expected = required_fields(data)
     if not path.exists():
         raise ValidationPathMissingError(
             f"validation_path_missing: data.validation_path={data.validation_path!r} does not exist (looked in "

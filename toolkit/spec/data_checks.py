@@ -11,11 +11,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from toolkit.models.shapes import ModelShape
-from toolkit.spec.data_schema import DATA_SOURCE_FIX, DataSpec, data_sources
+from toolkit.spec.data_schema import DATA_SOURCE_FIX, DataSpec, data_sources, megatron_corpora
 from toolkit.spec.report import Problem
 
 RECORD_ERRORS_SHOWN = 5  # bad records listed per source; the count of all is in the message
@@ -38,23 +37,26 @@ def check_data(*, spec, shape: ModelShape | None) -> list[Problem]:
 
 
 def corpus_problems(*, label: str, data: DataSpec, vocab_size: int | None) -> list[Problem]:
-    prefixes = [prefix for _, prefix in data.blend] if data.blend is not None else [data.path]
+    from toolkit.data.prepare import missing_corpus_files, read_sidecar
+    from toolkit.errors import DsmtError
+
     problems = []
-    for prefix in prefixes:
-        base = Path(prefix).expanduser()
-        missing = [f"{base}{suffix}" for suffix in (".bin", ".idx") if not Path(f"{base}{suffix}").is_file()]
+    for _, prefix in megatron_corpora(data):
+        missing = missing_corpus_files(prefix)
         if missing:
             problems.append(Problem("warning", "megatron_corpus_missing", f"{label}: Megatron corpus {prefix} lacks "
                                     f"{', '.join(missing)} on this machine", "fine if it exists on the cluster; "
                                     "otherwise `dsmt data prepare INPUT --tokenizer DIR --output PREFIX`"))
             continue
-        sidecar = Path(f"{base}.dsmt.json")
-        if not sidecar.is_file():
+        try:
+            facts = read_sidecar(prefix)
+        except DsmtError as err:
+            problems.append(Problem("error", "megatron_sidecar", f"{label}: {err}", ""))  # the fix: in the text
+            continue
+        if facts is None:
             problems.append(Problem("info", "megatron_corpus", f"{label}: Megatron corpus {prefix} (not prepared by "
                                     "dsmt: its token ids are scanned against the vocabulary when training starts)"))
-            continue
-        facts = json.loads(sidecar.read_text())
-        if vocab_size is not None and facts["max_token_id"] >= vocab_size:
+        elif vocab_size is not None and facts["max_token_id"] >= vocab_size:
             problems.append(Problem("error", "token_ids_vocab", f"{label}: Megatron corpus {prefix} holds token id "
                                     f"{facts['max_token_id']} (prepared with tokenizer {facts.get('tokenizer')}), but "
                                     f"the model's vocab_size is {vocab_size}",

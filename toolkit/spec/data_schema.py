@@ -163,6 +163,13 @@ def mix_entry_data(*, data: DataSpec, entry: MixSource) -> DataSpec:
     return DataSpec(**inherited, **entry.model_dump(exclude={"weight"}, exclude_unset=True))
 
 
+def megatron_corpora(data: DataSpec) -> list[tuple[float | None, str]]:
+    """(weight, prefix) of each Megatron corpus of `data`: `data.blend`, or `data.path` alone (weight None)."""
+    if data.blend is not None:
+        return [(weight, prefix) for weight, prefix in data.blend]
+    return [(None, data.path)]
+
+
 def data_sources(data: DataSpec) -> list[tuple[str, DataSpec]]:
     """(label, data section) of every source of `data`: the mix's entries, or `data` itself."""
     if data.mix is None:

@@ -51,18 +51,19 @@ def source_problems(*, spec, label: str, data, task) -> list[Problem]:
 def corpus_problems(*, spec, label: str, data) -> list[Problem]:
     """The corpora read by megatron-core's IndexedDataset and fitted to the model's tokenizer and vocabulary."""
     from toolkit.data import load_tokenizer
-    from toolkit.data.indexed import check_corpora
+    from toolkit.data.indexed import corpus_problems as read_and_fit
     from toolkit.spec.load import model_shape
 
+    fix = ("prepare the corpus with the model's tokenizer "
+           "(`dsmt data prepare INPUT --tokenizer MODEL_DIR --output PREFIX`)")
     try:
         tokenizer = load_tokenizer(data=data, model_path=spec.model.path)
-        corpora = check_corpora(data=data, tokenizer=tokenizer, vocab_size=model_shape(spec.model).vocab_size)
-    except DsmtError as err:
-        rule = str(err).split(":", 1)[0] if str(err).split(":", 1)[0].isidentifier() else "megatron_corpus"
-        return [Problem("error", rule, f"{label}: {err}", "prepare the corpus with the model's tokenizer "
-                        "(`dsmt data prepare INPUT --tokenizer MODEL_DIR --output PREFIX`)")]
-    return [Problem("info", "data", f"{label}: Megatron corpus {corpus.prefix}: {corpus.num_documents} documents, "
-                    f"{corpus.num_tokens} tokens, ids up to {corpus.max_token_id}") for corpus in corpora]
+        corpora, problems = read_and_fit(data=data, tokenizer=tokenizer, vocab_size=model_shape(spec.model).vocab_size)
+    except DsmtError as err:  # no tokenizer, no model shape
+        return [Problem("error", "megatron_corpus", f"{label}: {err}", fix)]
+    return [Problem("error", err.rule, f"{label}: {err}", fix) for err in problems] + [
+        Problem("info", "data", f"{label}: Megatron corpus {corpus.prefix}: {corpus.num_documents} documents, "
+                f"{corpus.num_tokens} tokens, ids up to {corpus.max_token_id}") for corpus in corpora]
 
 
 def validation_problems(*, spec, num_records: int | None, task: str | None, model_config=None) -> list[Problem]:

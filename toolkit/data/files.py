@@ -1,0 +1,76 @@
+"""How a data file's name and lines are read, shared by the source stage (toolkit/data/sources.py), the record
+checks (toolkit/data/formats.py) and `dsmt data prepare` (toolkit/data/prepare_inputs.py)."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+from pathlib import Path
+
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+LINE_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # .zst: no reader here, so no line numbers
+# Files `save_to_disk` writes at a dataset's (or a DatasetDict's) top level.
+SAVE_TO_DISK_MARKERS = ("state.json", "dataset_dict.json")
+
+
+def file_suffix(path: Path) -> str:
+    """The extension that says the format, looking through one compression suffix (`a.jsonl.gz` -> `.jsonl`)."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def is_save_to_disk_dir(path: Path) -> bool:
+    return any((path / marker).is_file() for marker in SAVE_TO_DISK_MARKERS)
+
+
+def _open_lines(path: Path):
+    """`path` opened for reading its lines as bytes, through one gz/bz2/xz wrapper; None for one not readable here."""
+    suffix = path.suffix.lower()
+    if suffix in COMPRESSION_SUFFIXES and suffix not in LINE_OPENERS:
+        return None
+    return LINE_OPENERS.get(suffix, open)(path, "rb")
+
+
+def _holds_json_lines(path: Path) -> bool:
+    """A `.jsonl` file, or a `.json` one whose first non-blank line is a whole JSON object (not one list);
+    either may be compressed."""
+    suffix = file_suffix(path)
+    if suffix not in (".jsonl", ".json") or not path.is_file():
+        return False
+    if suffix == ".jsonl":
+        return True
+    lines = _open_lines(path)
+    if lines is None:
+        return False
+    with lines:
+        first = next((line for line in lines if line.strip()), b"")
+    try:
+        return isinstance(json.loads(first), dict)
+    except ValueError:
+        return False
+
+
+def line_numbers(*, path: str | Path, indices) -> dict[int, int]:
+    """Record index (from 0) -> 1-based line of a JSON-lines file (compressed too), for `indices`; {} for any other
+    source. The json loader skips blank lines, so record i is the i-th non-blank line."""
+    path, wanted, found = Path(path), set(indices), {}
+    if not wanted or not _holds_json_lines(path):
+        return found
+    lines = _open_lines(path)
+    if lines is None:
+        return found
+    with lines:
+        index = 0
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            if index in wanted:
+                found[index] = number
+                if len(found) == len(wanted):
+                    break
+            index += 1
+    return found
