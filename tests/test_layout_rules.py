@@ -70,6 +70,17 @@ def test_context_parallel_rules():
         {"cp_needs_fused_attention"}
     (problem,) = layout_problems(layout=layout, model=MODEL, run=run_facts(seq_length=2050))
     assert problem.rule == "cp_vs_seq_length" and "2×cp=4" in problem.message
+    (problem,) = layout_problems(layout=layout, model=dataclasses.replace(MODEL, mla=True), run=run_facts())
+    assert problem.rule == "cp_with_mla" and problem.valid == (1,)
+
+
+def test_every_mlp_width_must_divide_by_tp():
+    """DeepSeek's dense layers (intermediate_size), routed and shared experts are three widths TP splits."""
+    model = dataclasses.replace(MODEL, other_ffn_sizes=(("moe_intermediate_size", 30), ("shared experts", 72)))
+    (problem,) = layout_problems(layout=Layout(tp=4, dp=6), model=model, run=run_facts())
+    assert (problem.rule, problem.message) == ("ffn_vs_tp", "tp=4 does not divide the moe_intermediate_size width 30")
+    assert 4 not in problem.valid and 2 in problem.valid and 6 in problem.valid
+    assert layout_problems(layout=Layout(tp=2, dp=12), model=model, run=run_facts()) == []
 
 
 # One row: the spec's parallel / training / cluster values and the error rules every front end must report.
@@ -109,7 +120,8 @@ TABLE = [
 
 def test_every_rule_is_reachable_from_the_table_or_the_unit_tests():
     tabled = set().union(*(expected for _, expected in TABLE))
-    unit = {"layout_sizes", "cp_on_cpu", "fused_attention_on_cpu", "tp_crosses_nodes", "attention_softcap_needs_local"}
+    unit = {"layout_sizes", "cp_on_cpu", "fused_attention_on_cpu", "tp_crosses_nodes", "attention_softcap_needs_local",
+            "cp_with_mla"}
     assert LAYOUT_RULES == tabled | unit
     assert MODEL_RULES == LAYOUT_RULES - RUN_RULES  # what the model loader (and the dry run's build) can decide
 
@@ -187,6 +199,7 @@ def trainer_rules(row: dict) -> set[str]:
 
 # The rules that need the world, batch or device: the model loader cannot see them.
 RUN_RULES = {"world_size", "batch_divisibility", "vpp_microbatches", "zero_with_pp", "cp_on_cpu", "fused_attention_on_cpu",
+             "cp_with_mla",
              "sequence_parallel_vs_seq_length",
              "cp_needs_fused_attention", "cp_vs_seq_length", "tp_crosses_nodes", "moe_tp_needs_sequence_parallel",
              "zero3_with_ep", "attention_softcap_needs_local"}

@@ -85,7 +85,7 @@ def test_missing_and_unreadable_config(tmp_path, capsys):
     assert_fails(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "out")], capsys, "not readable JSON")
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "t5"}))
     assert_fails(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "out")], capsys,
-                 "'t5' has no megatron-core adapter", "supported: bert, gemma, gemma2, gemma3_text, gpt2, granite, llama, mistral")
+                 "'t5' has no megatron-core adapter", "supported: bert, deepseek_v2, deepseek_v3, gemma, gemma2, gemma3_text, gpt2, granite, llama, mistral")
     assert no_partial_output(tmp_path)
 
 

@@ -1,8 +1,11 @@
-"""HF vs megatron-core MoE logits with expert parallelism at (tp, pp, ep) in {(1,1,2), (2,1,2), (1,2,2), (2,2,2)}:
-Mixtral (renormalised top-2) and Qwen3-MoE (raw top-2 probabilities, and renormalised), straight from the HF
-checkpoints and from their streamed dsmt conversions (dist_checkpointing spreads the stored experts over the EP
-ranks), all in one launch per layout. With ep = 2 the world is tp x pp x 2: two data-parallel replicas fed the same
-tokens, exchanging them through megatron's all-to-all dispatcher. Measured: <= 3.0e-7 (fp32)."""
+"""HF vs megatron-core MoE logits at (tp, pp, ep) in {(1,1,2), (2,1,2), (1,2,2), (2,2,2), (2,2,1)}: Mixtral
+(renormalised top-2), Qwen3-MoE (raw top-2 probabilities, and renormalised), DeepSeek-V2-Lite-shaped (multi-latent
+attention with a plain q projection, YaRN, a dense first layer, shared experts; and its group_limited_greedy routing),
+DeepSeek-V3-shaped (low-rank q, sigmoid routing in expert groups over a correction bias) and Qwen1.5-MoE-shaped
+(gated shared expert, a dense layer in the middle), straight from the HF checkpoints and from their streamed dsmt
+conversions (dist_checkpointing spreads the stored experts over the EP ranks), all in one launch per layout. With
+ep = 2 the world is tp x pp x 2: two data-parallel replicas fed the same tokens, exchanging them through megatron's
+all-to-all dispatcher. Measured: <= 3.0e-7 (fp32)."""
 
 import pytest
 
@@ -15,6 +18,11 @@ MODELS = {
     "mixtral": dict(model_type="mixtral", seed=12),
     "qwen3_moe": dict(model_type="qwen3_moe", seed=13),
     "qwen3_moe_renormalised": dict(model_type="qwen3_moe", norm_topk_prob=True, seed=14),
+    "deepseek_v2": dict(model_type="deepseek_v2", seed=15),
+    "deepseek_v2_groups": dict(model_type="deepseek_v2", topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                               seed=16),
+    "deepseek_v3": dict(model_type="deepseek_v3", seed=17),
+    "qwen2_moe": dict(model_type="qwen2_moe", seed=18),
 }
 
 
@@ -31,7 +39,7 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 2), (2, 2, 1)])
 def test_moe_logits_match_hf_with_expert_parallelism(checkpoints, tp, pp, ep):
     results = run_verify_many(checkpoints=checkpoints, tp=tp, pp=pp, ep=ep, tolerance=TOLERANCE)
     for result in results:

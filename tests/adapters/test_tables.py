@@ -10,10 +10,10 @@ from toolkit.demo.tiny import tiny_config
 
 
 def test_registry_lists_supported_model_types_for_unknown_ones():
-    decoders = ["gemma", "gemma2", "gemma3_text", "gpt2", "granite", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2",
-                "qwen3", "qwen3_moe", "starcoder2"]
+    decoders = ["deepseek_v2", "deepseek_v3", "gemma", "gemma2", "gemma3_text", "gpt2", "granite", "llama", "mistral",
+                "mixtral", "olmo2", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "starcoder2"]
     assert set(decoders) <= set(supported_model_types()) and supported_model_types() == sorted(supported_model_types())
-    with pytest.raises(AdapterError, match=r"'gpt_neox'.*supported: .*" + ", ".join(decoders[3:])):
+    with pytest.raises(AdapterError, match=r"'gpt_neox'.*supported: .*" + ", ".join(decoders[5:])):
         get_family("gpt_neox")
 
 

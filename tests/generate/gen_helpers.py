@@ -39,6 +39,11 @@ VARIANTS: dict[str, dict] = {
     # Mixture of experts: 8 experts split over ep=4 of the 4 data-parallel replicas (expert-dp 1), TP with SP.
     "mixtral-8x7b-ep4": _gpu_variant(model={"builtin": "mixtral-8x7b"}, parallel={"tp": 2, "pp": 2, "ep": 4,
                                      "sequence_parallel": True}, training={"global_batch_size": 64, "micro_batch_size": 1}),
+    # DeepSeek-V2-Lite (multi-latent attention, a dense first layer, shared experts): MLA's fields and the per-layer
+    # MoE pattern in megatron.json; 27 layers, so pp 1.
+    "deepseek-v2-lite-ep4": _gpu_variant(model={"builtin": "deepseek-v2-lite"}, parallel={"tp": 2, "ep": 4,
+                                         "sequence_parallel": True}, training={"global_batch_size": 64,
+                                                                               "micro_batch_size": 1}),
     # One node through mpirun (tests/launch/test_mpi_real.py trains it): DeepSpeed's OpenMPI runner, no ssh.
     "openmpi-1x2-cpu": {**_TINY, "cluster": {**_TINY["cluster"], "launcher": "openmpi"}},
     # DeepSpeed's wandb monitor: entity is DeepSpeed's `team`, the run name reaches W&B as WANDB_NAME (not here).

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 transformer_config = pytest.importorskip("megatron.core.transformer.transformer_config")
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
-FIELDS = {f.name for f in dataclasses.fields(transformer_config.TransformerConfig)}
+# MLATransformerConfig (DeepSeek's multi-latent attention) is TransformerConfig plus MLA's widths
+FIELDS = {f.name for f in dataclasses.fields(transformer_config.MLATransformerConfig)}
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -28,5 +29,6 @@ def test_transformer_config_constructs(name):
     values = json.loads(render(name)["megatron.json"])["transformer_config"]
     for key in ("params_dtype", "pipeline_dtype"):
         values[key] = getattr(torch, values[key])
-    config = transformer_config.TransformerConfig(**values)
+    mla = values.get("multi_latent_attention", False)
+    config = (transformer_config.MLATransformerConfig if mla else transformer_config.TransformerConfig)(**values)
     assert config.tensor_model_parallel_size == values["tensor_model_parallel_size"]

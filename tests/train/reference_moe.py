@@ -1,7 +1,7 @@
 """An independent one-process reference for `dsmt train` of a mixture-of-experts model: plain HF + torch.
 
 It reuses reference.py's data rules, batch order, optimizer, clipping and LR schedule, and adds what an HF user's
-MoE fine-tuning does with `output_router_logits: true`: each forward's loss gets `router_aux_loss_coef × aux`,
+MoE fine-tuning does with `output_router_logits: true` (DeepSeek's HF models add no such term; neither does this): each forward's loss gets `router_aux_loss_coef × aux`,
 with aux HF's own `load_balancing_loss_func` of that forward's router logits. A forward here is one micro-batch
 (the rows dsmt gives one rank at once), so the step's loss is the per-token LM loss of the global batch plus the
 coefficient times the mean over micro-batches of their aux. The data must make every row one full record
@@ -30,12 +30,15 @@ def micro_batch_loss(model, *, rows: list, num_tokens: int, num_micro_batches: i
     per_token = torch.nn.functional.cross_entropy(output.logits.float().flatten(0, 1), ids[:, 1:].flatten(),
                                                   reduction="none")
     config = model.config
+    loss = (per_token * counted.flatten()).sum() / num_tokens
+    if not getattr(config, "output_router_logits", False):  # DeepSeek: HF adds no load-balancing term
+        return loss
     aux = load_balancing_loss_func(output.router_logits, num_experts(config), config.num_experts_per_tok, None)
-    return (per_token * counted.flatten()).sum() / num_tokens + config.router_aux_loss_coef * aux / num_micro_batches
+    return loss + config.router_aux_loss_coef * aux / num_micro_batches
 
 
 def num_experts(config) -> int:
-    return getattr(config, "num_experts", None) or config.num_local_experts
+    return getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or config.num_local_experts
 
 
 def train_moe_reference(spec_path: Path) -> ReferenceRun:
@@ -50,8 +53,6 @@ def train_moe_reference(spec_path: Path) -> ReferenceRun:
     if settings.packing or any(len(row) != 1 or len(row[0][0]) != window for row in rows):
         raise ValueError(f"the MoE reference needs one record of exactly {window} tokens per row (packing: false)")
     model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
-    if not model.config.output_router_logits:
-        raise ValueError("the MoE reference trains with the load-balancing loss: output_router_logits must be true")
     optimizer, params = adamw(model, settings), list(model.parameters())
     losses, norms, lrs = [], [], []
     micro = settings.micro_batch_size

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from toolkit.demo.tiny import make_tiny_checkpoint
@@ -19,9 +20,12 @@ LOSS_TOLERANCE, GRAD_NORM_TOLERANCE, WEIGHT_TOLERANCE = 5e-6, 1e-5, 2e-6
 
 # (family, layout): EP2 inside DP4 at ZeRO-1 (experts' states partitioned over their expert-DP pair), and TP2 x EP2
 # (sequence parallel, experts split over TP too) at ZeRO-2.
+# DeepSeek-V3 (multi-latent attention, a dense first layer, sigmoid group routing over its bias, a shared expert;
+# no load-balancing term in HF) at TP2 x EP2 with sequence parallelism at ZeRO-1.
 LAYOUTS = {
     "mixtral-ep2-dp4-zero1": ("mixtral", dict(tp=1, dp=4, ep=2, zero=1, micro=1)),
     "qwen3_moe-tp2-ep2-dp2-zero2": ("qwen3_moe", dict(tp=2, dp=2, ep=2, zero=2, micro=2)),
+    "deepseek_v3-tp2-ep2-dp2-zero1": ("deepseek_v3", dict(tp=2, dp=2, ep=2, zero=1, micro=2)),
 }
 
 
@@ -37,9 +41,25 @@ def full_rows(tmp_path_factory) -> Path:
 
 def moe_checkpoint(root: Path, model_type: str) -> Path:
     """One MoE layer: HF pools the load-balancing statistics over layers, megatron sums per-layer terms; the two
-    agree exactly for one layer (toolkit/adapters/families/moe.py). A large coefficient so that the term shows."""
+    agree exactly for one layer (toolkit/adapters/families/moe.py). A large coefficient so that the term shows.
+    DeepSeek (no load-balancing term in HF): its dense first layer, then one MoE layer."""
+    if model_type.startswith("deepseek"):
+        return make_tiny_checkpoint(root / model_type, model_type=model_type, num_hidden_layers=2, seed=21)
     return make_tiny_checkpoint(root / model_type, model_type=model_type, num_hidden_layers=1, seed=21,
                                 output_router_logits=True, router_aux_loss_coef=0.05)
+
+
+def add_mtp_layer(model_dir: Path) -> dict:
+    """Some of a DeepSeek-V3 multi-token-prediction layer's tensors, as published after the 2 decoder layers."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(9)
+    mtp = {f"model.layers.2.{name}": torch.randn(shape, generator=generator)
+           for name, shape in (("enorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
+                               ("shared_head.head.weight", (250, 64)))}
+    path = model_dir / "model.safetensors"
+    save_file(load_file(path) | mtp, path, metadata={"format": "pt"})
+    return mtp
 
 
 @pytest.mark.multiproc
@@ -55,10 +75,14 @@ def test_moe_training_matches_hf_reference(name, full_rows, tmp_path):
                            extra={"parallel": {"ep": ep, "sequence_parallel": tp > 1},
                                   "training": dict(PARITY_TRAINING),
                                   "data": {"path": str(full_rows), "packing": False}})
-    run_dsmt(spec_path)
+    mtp = add_mtp_layer(model_dir) if model_type == "deepseek_v3" else {}
+    output = run_dsmt(spec_path)
     metrics = read_metrics(tmp_path / "out")
     reference = train_moe_reference(spec_path)
     exported = {k: v for p in (tmp_path / "out" / "final-hf").glob("*.safetensors") for k, v in load_file(p).items()}
+    if mtp:  # not trained, named at start, exported as published (HF's model does not load them)
+        assert all(torch.equal(exported.pop(name), tensor) for name, tensor in mtp.items())
+        assert f"{len(mtp)} tensor(s) of model.layers.2.* are kept as published but not trained" in output
     figures = {
         "loss": max(abs(r["loss"] - x) for r, x in zip(metrics, reference.losses)),
         "grad_norm": max(abs(r["grad_norm"] - x) for r, x in zip(metrics, reference.grad_norms)),

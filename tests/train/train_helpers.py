@@ -45,8 +45,9 @@ def read_validation(output_dir: Path) -> list[dict]:
     return [line for line in lines if "val_loss" in line]
 
 
-def run_dsmt(spec_path: Path) -> None:
-    """`dsmt train --config spec_path` in a subprocess (it launches the ranks itself); fails with its output."""
+def run_dsmt(spec_path: Path) -> str:
+    """`dsmt train --config spec_path` in a subprocess (it launches the ranks itself); fails with its output, else
+    returns it (stdout + stderr)."""
     import subprocess
     import sys
 
@@ -58,6 +59,7 @@ def run_dsmt(spec_path: Path) -> None:
         errors = dict.fromkeys(line for line in output.splitlines()
                                if "Error:" in line and "ChildFailedError" not in line)
         raise AssertionError("dsmt train failed:\n" + "\n".join(list(errors)[:10]) + "\n--- tail:\n" + output[-3000:])
+    return result.stdout + result.stderr
 
 
 # --- dsmt against the independent reference (reference.py) -----------------------------------------------------

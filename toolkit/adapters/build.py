@@ -7,7 +7,9 @@ import torch
 from toolkit import backend as backends
 from toolkit.adapters.family import AdapterError
 from toolkit.adapters.hf_config import ModelSettings
-from toolkit.adapters.norms import TorchNorm
+from toolkit.adapters.layer_specs import (decoder_spec, is_local_spec, layer_spec, local_layer_spec,  # noqa: F401
+                                          per_layer_specs, uses_te_layers, with_local_checkpoint_keys)
+from toolkit.adapters.norms import TorchNorm  # noqa: F401 (tests read build.TorchNorm)
 from toolkit.parallel.groups import Layout
 
 
@@ -23,13 +25,15 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
                        init_method_std: float = 0.02, recompute: str = "none", attention: str | None = "local"):
     """megatron's TransformerConfig for this model and layout; `attention` as for `layer_spec` (the fusions
     depend on the layers: toolkit/adapters/fusions.py; the default builds no fusion that needs TE's layers)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     from toolkit.adapters.fusions import fusion_fields
 
     backend = backends.current()
     fusions = fusion_fields(settings=settings, device=backend.name, te_layers=uses_te_layers(attention))
-    return TransformerConfig(
+    # Multi-latent attention (DeepSeek) reads its shapes and its own RoPE from megatron's MLA config class.
+    config_class = MLATransformerConfig if settings.transformer_fields.get("multi_latent_attention") else TransformerConfig
+    return config_class(
         # shapes, and the family's deltas (activation, norm, biases, qk-norm); the fused kernels this machine has
         **{**settings.transformer_fields, **fusions},
         tensor_model_parallel_size=layout.tp,
@@ -54,97 +58,6 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
         batch_p2p_comm=backend.batch_p2p_comm,
         **RECOMPUTE[recompute],
     )
-
-
-def uses_te_layers(attention: str | None) -> bool:
-    """Whether `layer_spec(attention=...)` builds Transformer Engine's layers (it refuses fused without TE)."""
-    return attention == "fused" or (attention is None and backends.current().use_transformer_engine)
-
-
-def layer_spec(*, attention: str | None = None, cp_size: int = 1, qk_norm: bool = False, num_experts: int = 0):
-    """The layers for the run's attention kind (the spec's resolved `training.attention`): "fused" is Transformer
-    Engine's layers (fused / flash attention; context parallelism needs them), "local" megatron's torch layers
-    (unfused attention, the s x s scores stored); None (verify, convert): TE where installed, local otherwise.
-    The norm kind (RMSNorm / LayerNorm, zero-centred) is read from the TransformerConfig by both. With
-    `num_experts` every layer's MLP is megatron's MoELayer: a TopKRouter and a SequentialMLP of one MLP per local
-    expert (megatron's grouped GEMM needs CUDA kernels; TE's grouped linear is not used either)."""
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    from toolkit.backend.megatron_fixes import define_missing_te_names
-
-    if num_experts:
-        define_missing_te_names()  # megatron-core's router needs them on every machine without TE
-    use_te = backends.current().use_transformer_engine
-    if attention == "fused" and not use_te:
-        raise AdapterError("training.attention=fused needs Transformer Engine, which is not importable on this "
-                           f"{backends.current().name} machine; install transformer-engine where the run trains (GPU "
-                           "nodes), or set training.attention: local" + (" and parallel.cp: 1" if cp_size > 1 else ""))
-    if cp_size > 1 and not (use_te and attention != "local"):
-        raise AdapterError(f"parallel.cp={cp_size} needs Transformer Engine's attention (ring attention over the CP "
-                           "ranks); megatron's local attention has none: set parallel.cp: 1, or train with "
-                           "training.attention: fused on GPUs with transformer-engine installed")
-    if uses_te_layers(attention):
-        # TE fuses the layer norms into its linear layers and marks their weights `sequence_parallel` itself.
-        if not num_experts:
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=qk_norm, num_experts=num_experts, moe_grouped_gemm=False)
-        return with_local_checkpoint_keys(spec)
-    return local_layer_spec(qk_norm=qk_norm, num_experts=num_experts)
-
-
-def with_local_checkpoint_keys(spec):
-    """A Transformer Engine MoE layer keeps its MLP norm apart (`pre_mlp_layernorm`), where the local layers' spec
-    stores it under the dense layers' fused name (`mlp.linear_fc1.layer_norm_weight`); mapping it the same way
-    makes one checkpoint of an MoE model load with either kind of layers."""
-    import dataclasses
-
-    keys = {**spec.submodules.sharded_state_dict_keys_map, "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys))
-
-
-def local_layer_spec(*, qk_norm: bool = False, num_experts: int = 0):
-    """megatron's local (torch) layer spec with `TorchNorm` for its norms (the q / k head norms too), which, unlike
-    megatron's `WrappedTorchNorm`, works with sequence parallelism and zero-centred weights."""
-    import dataclasses
-
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm,
-                                                    num_experts=num_experts or None, moe_grouped_gemm=False)
-    attention = spec.submodules.self_attention
-    if qk_norm:
-        attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-            attention.submodules, q_layernorm=TorchNorm, k_layernorm=TorchNorm))
-    return dataclasses.replace(spec, submodules=dataclasses.replace(
-        spec.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm, self_attention=attention))
-
-
-def is_local_spec(layer_spec) -> bool:
-    """Whether a layer spec is megatron's local (torch) layers rather than Transformer Engine's: its core attention
-    is megatron's `DotProductAttention`."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    attention = getattr(layer_spec.submodules.self_attention, "submodules", None)
-    core = getattr(attention, "core_attention", None)
-    if isinstance(core, ModuleSpec):  # a family's local attention with its parameters (toolkit/adapters/softcap.py)
-        core = core.module
-    return isinstance(core, type) and issubclass(core, DotProductAttention)
-
-
-def decoder_spec(*, config, layer_spec, vp_stage: int | None):
-    """What `GPTModel` builds its decoder from: the layers, and a final norm of the layers' kind.
-
-    Given a layer spec, megatron picks the final norm by what is installed (TENorm, else apex's FusedLayerNorm,
-    else WrappedTorchNorm, which refuses sequence parallelism); local layers with `TorchNorm` get it as the final
-    norm as well. Transformer Engine layers keep megatron's choice, TENorm, which handles sequence parallelism."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-    if not is_local_spec(layer_spec):
-        return layer_spec
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=TorchNorm)
 
 
 def attention_for(*, settings: ModelSettings, attention: str | None) -> str | None:
@@ -182,13 +95,24 @@ def model_chunks(*, config, settings: ModelSettings, layout: Layout, attention: 
 
         check_encoder_attention(attention=attention, cp_size=layout.cp)
         return encoder_chunks(config=config, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
-    spec = layer_spec(attention=attention, cp_size=layout.cp, qk_norm=settings.family.architecture.qk_norm,
-                      num_experts=settings.num_experts)
+    kinds = {"moe": settings.num_experts, "dense": 0} if settings.num_experts else {"dense": 0}
+    specs = {kind: family_layer_spec(config=config, settings=settings, attention=attention, cp_size=layout.cp,
+                                     num_experts=num_experts) for kind, num_experts in kinds.items()}
+    spec = per_layer_specs(dense=specs["dense"], moe=specs.get("moe"), moe_layers=settings.moe_layers,
+                           num_layers=settings.num_layers)
+    return gpt_chunks(config=config, spec=spec, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
+
+
+def family_layer_spec(*, config, settings: ModelSettings, attention: str | None, cp_size: int, num_experts: int):
+    """One layer's spec (MoE with `num_experts`, else dense) with the family's deltas: residual multiplier and the
+    family's own spec edits."""
+    spec = layer_spec(attention=attention, cp_size=cp_size, qk_norm=settings.family.architecture.qk_norm,
+                      num_experts=num_experts, mla=bool(settings.transformer_fields.get("multi_latent_attention")))
     spec = with_residual_multiplier(spec, multiplier=settings.multipliers.residual)
     if settings.family.edit_layer_spec is not None:
         spec = settings.family.edit_layer_spec(spec, config=config, settings=settings,
                                                transformer_engine=not is_local_spec(spec))
-    return gpt_chunks(config=config, spec=spec, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
+    return spec
 
 
 def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel_output: bool = True):

@@ -16,6 +16,9 @@ class AdapterError(DsmtError):
     """A checkpoint or config the adapters cannot convert as asked."""
 
 
+LAYER_KINDS = ("all", "dense", "moe")
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightMapping:
     """One row of a weight table: a megatron parameter (layout-free name, `*` = global layer index; in an expert's
@@ -27,8 +30,13 @@ class WeightMapping:
     hf: tuple[str, ...]
     # The HF tensors are stored [in, out] (GPT-2's Conv1D) rather than torch.nn.Linear's [out, in].
     transposed: bool = False
+    # Which layers have the row, in a model that mixes dense and MoE layers (DeepSeek's dense first layers,
+    # Qwen2-MoE's mlp_only_layers): one of LAYER_KINDS.
+    layers: str = "all"
 
     def __post_init__(self):
+        if self.layers not in LAYER_KINDS:
+            raise ValueError(f"{self.megatron}: layers={self.layers!r}; one of {LAYER_KINDS}")
         if len(self.hf) != HF_ARITY[self.kind]:
             raise ValueError(f"{self.megatron}: kind {self.kind.value} takes {HF_ARITY[self.kind]} HF names, got {self.hf}")
         wildcards = self.megatron.count("*")
@@ -65,11 +73,18 @@ class LoadItem:
     transposed: bool = False  # HF stores the tensors [in, out] (Conv1D)
 
 
-def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int, num_experts: int = 0) -> dict[str, LoadItem]:
-    """Every concrete (megatron name -> HF names) row of the model (expert rows once per global expert)."""
+def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int, num_experts: int = 0,
+                 moe_layers: frozenset[int] | None = None) -> dict[str, LoadItem]:
+    """Every concrete (megatron name -> HF names) row of the model (expert rows once per global expert). A row
+    for `dense` / `moe` layers only expands for those layers (`moe_layers`: the MoE layers' indices; None: every
+    layer of an MoE model is MoE, and of a dense model dense)."""
+    if moe_layers is None:
+        moe_layers = frozenset(range(num_layers)) if num_experts else frozenset()
+    chosen = {"all": range(num_layers), "moe": sorted(moe_layers),
+              "dense": [i for i in range(num_layers) if i not in moe_layers]}
     items = {}
     for row in table:
-        for layer in (range(num_layers) if row.per_layer else [None]):
+        for layer in (chosen[row.layers] if row.per_layer else [None]):
             for expert in (range(num_experts) if row.per_expert else [None]):
                 megatron, hf = row.for_layer(layer, expert)
                 items[megatron] = LoadItem(megatron, row.kind, hf, row.transposed)
@@ -189,6 +204,13 @@ class ModelFamily:
     # Changes a built GPTModel (a pipeline stage) where the change is outside the layers (Gemma 2's final-logit
     # softcap, Gemma 3's per-layer RoPE): `edit_model(model, settings=)`, in place.
     edit_model: Callable | None = None
+    # HF config -> HF tensor names (with `*`) the model does not use but a checkpoint as published carries and a
+    # round trip must keep bit-exact (DeepSeek-V3's multi-token-prediction layers): conversion stores them beside
+    # the megatron checkpoint and writes them back; training names them as ignored and its export copies them.
+    read_passthrough: Callable[[object], tuple[str, ...]] = lambda hf_config: ()
+    # HF config -> the subset of `weights` one checkpoint has, where the config decides which rows exist
+    # (DeepSeek's q projection: one matrix, or a low-rank pair with its norm). None: every row of `weights`.
+    read_weights: Callable[[object], tuple[WeightMapping, ...]] | None = None
     # Encoder families only (BERT): the model is toolkit/adapters/encoder.py's post-LN encoder, not GPTModel, and its
     # head is the one named by config.architectures[0]. Empty for decoder families.
     heads: tuple[HeadTable, ...] = ()
@@ -208,8 +230,11 @@ class ModelFamily:
                            f"such head; supported: {supported}. Save the model with one of these classes "
                            f"(e.g. AutoModelForSequenceClassification.from_pretrained(path, num_labels=N))")
 
-    def weight_table(self, *, tied_embeddings: bool) -> tuple[WeightMapping, ...]:
-        return self.weights if tied_embeddings else self.weights + (self.untied_output,)
+    def weight_table(self, *, tied_embeddings: bool, rows: tuple[WeightMapping, ...] | None = None
+                     ) -> tuple[WeightMapping, ...]:
+        """The family's rows (or `rows`, a config's subset of them: `read_weights`), plus the output layer's."""
+        rows = self.weights if rows is None else rows
+        return rows if tied_embeddings else rows + (self.untied_output,)
 
 
 _REGISTRY: dict[str, ModelFamily] = {}

@@ -151,6 +151,10 @@ class ModelSettings:
     multipliers: Multipliers = Multipliers()  # embedding / residual / logits factors (Granite)
     # The family's own settings megatron has no field for (`ModelFamily.read_quirks`: Gemma 2's softcaps).
     quirks: dict = dataclasses.field(default_factory=dict)
+    # HF tensors kept bit-exact, not loaded (read_passthrough): `*` a number, a trailing `.*` any rest of the name.
+    passthrough_hf: tuple[str, ...] = ()
+    # This config's rows of the family table, where the family picks them per config (`ModelFamily.read_weights`).
+    rows: tuple[WeightMapping, ...] | None = None
 
     @property
     def attention_softcap(self) -> float | None:
@@ -167,17 +171,29 @@ class ModelSettings:
         """Experts per MoE layer (0: a dense model)."""
         return self.transformer_fields.get("num_moe_experts") or 0
 
+    @property
+    def moe_layers(self) -> frozenset[int]:
+        """The indices of the MoE layers: all of an MoE model's unless its `moe_layer_freq` pattern (megatron's
+        list of 1 = MoE, 0 = dense per layer) says otherwise; none of a dense model's."""
+        if not self.num_experts:
+            return frozenset()
+        pattern = self.transformer_fields.get("moe_layer_freq", 1)
+        if isinstance(pattern, int):
+            return frozenset(i for i in range(self.num_layers) if i % pattern == 0)
+        return frozenset(i for i, moe in enumerate(pattern) if moe)
+
     def weight_table(self) -> tuple[WeightMapping, ...]:
         """The family's rows, plus the head's for an encoder (and the untied output layer where there is one)."""
         if self.encoder is None:
-            return self.family.weight_table(tied_embeddings=self.tied_embeddings)
+            return self.family.weight_table(tied_embeddings=self.tied_embeddings, rows=self.rows)
         has_output_layer = self.encoder.task == "masked_lm"
-        return self.family.weight_table(tied_embeddings=self.tied_embeddings or not has_output_layer) \
+        return self.family.weight_table(tied_embeddings=self.tied_embeddings or not has_output_layer, rows=self.rows) \
             + self.encoder.head.weights
 
     def load_items(self) -> dict:
         """Every concrete row of the weight table: canonical megatron name -> `toolkit.adapters.family.LoadItem`."""
-        return expand_table(self.weight_table(), num_layers=self.num_layers, num_experts=self.num_experts)
+        return expand_table(self.weight_table(), num_layers=self.num_layers, num_experts=self.num_experts,
+                            moe_layers=self.moe_layers)
 
     def ignored_hf(self) -> tuple[str, ...]:
         """HF tensor names (with `*`) the conversion drops on purpose."""
@@ -204,7 +220,9 @@ def model_settings(hf_config, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MUL
     fields.update(SHARED_CONFIG_CONSTANTS)
     fields.update(family.architecture.transformer_fields())
     fields.update(family.read_config(hf_config))
-    missing = sorted(name for name, value in fields.items() if value is None)
+    # The shared fields must be read; a family may set others to None on purpose (MLA's q_lora_rank).
+    shared = {mcore for _, mcore in SHARED_CONFIG_TABLE} | {"kv_channels"}
+    missing = sorted(name for name, value in fields.items() if value is None and name in shared)
     if missing:
         raise AdapterError(f"{hf_config.model_type} config leaves megatron fields {missing} unset; the "
                            f"{family.model_type} family must read them (ModelFamily.read_config)")
@@ -220,4 +238,6 @@ def model_settings(hf_config, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MUL
         max_position_embeddings=hf_config.max_position_embeddings,
         tied_embeddings=tied, rotary_base=float(theta), rope_scaling=scaling, encoder=encoder,
         multipliers=family.read_multipliers(hf_config), quirks=family.read_quirks(hf_config),
+        passthrough_hf=tuple(family.read_passthrough(hf_config)),
+        rows=None if family.read_weights is None else tuple(family.read_weights(hf_config)),
     )

@@ -1,9 +1,15 @@
 """Streamed reads of an HF checkpoint's safetensors: headers first (names, shapes, dtypes), then one tensor at a
 time, so conversion never holds the HF model and the megatron model together. Header handles stay open (they
-touch only the headers); tensor reads use their own short-lived handle."""
+touch only the headers); tensor reads use their own short-lived handle.
+
+A quantised checkpoint (config.json `quantization_config`) is refused by name. With `dequantize_fp8=True` a
+block-scaled FP8 checkpoint as DeepSeek-V3 publishes it is read as bf16: every FP8 weight `X.weight` comes with
+`X.weight_scale_inv` (fp32, one value per `weight_block_size` block), and the source presents the dequantised bf16
+tensor under the weight's name, the scale tensors consumed (not listed by `names()`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,19 +19,112 @@ from safetensors import SafetensorError, safe_open
 from toolkit.adapters.family import AdapterError
 
 INDEX_NAME = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3: `X.weight` (fp8) has `X.weight_scale_inv` (fp32 block scales)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+DEQUANTIZED_DTYPE = torch.bfloat16  # what DeepSeek's own dequantisation (fp8_cast_bf16.py) writes
+_FP8_FIX = "dsmt convert hf-to-mcore {dir} DST --dequantize-fp8"
+
+
+class QuantizedCheckpointError(AdapterError):
+    """A quantised checkpoint dsmt does not read as it is: `[rule] message`, then the fix."""
+
+    def __init__(self, message: str, *, rule: str, fix: str):
+        super().__init__(f"[{rule}] {message}\nfix: {fix}")
+        self.rule, self.detail, self.fix = rule, message, fix
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, *, block_size: tuple[int, int],
+                          first_row: int = 0) -> torch.Tensor:
+    """bf16 of `weight.float() * scale_inv` with each scale spread over its block of rows x columns (the last
+    blocks of each dimension cut at the tensor's edge).
+
+    `weight` may be a band of rows of the full tensor: then `scale_inv` holds the scale rows of the blocks the band
+    touches, and `first_row` is the band's first row counted from the top of the first of those blocks."""
+    if weight.dim() != 2 or scale_inv.dim() != 2:
+        raise ValueError(f"block-scaled FP8 is 2-D: weight {tuple(weight.shape)}, scale_inv {tuple(scale_inv.shape)}")
+    block_rows, block_cols = block_size
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block_rows, dim=0)[first_row:first_row + rows]
+    scale = scale.repeat_interleave(block_cols, dim=1)[:, :cols]
+    if scale.shape != weight.shape:
+        raise ValueError(f"scale_inv {tuple(scale_inv.shape)} in blocks of {list(block_size)} does not cover rows "
+                         f"{first_row}..{first_row + rows} x {cols} columns")
+    return (weight.float() * scale).to(DEQUANTIZED_DTYPE)
+
+
+def fp8_scale_shape(shape: tuple[int, ...], *, block_size: tuple[int, int]) -> tuple[int, int]:
+    """[ceil(rows / block rows), ceil(cols / block cols)]: the scale tensor of a 2-D FP8 weight."""
+    return tuple(-(-size // block) for size, block in zip(shape, block_size))
+
+
+def quantization_config(checkpoint_dir: Path) -> dict | None:
+    """config.json's `quantization_config`, or None (also when config.json is absent or unreadable: the config
+    loader names that problem)."""
+    try:
+        raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    quantization = raw.get("quantization_config") if isinstance(raw, dict) else None
+    return quantization if isinstance(quantization, dict) else None
+
+
+def fp8_block_size(quantization: dict | None, *, checkpoint_dir: Path, dequantize_fp8: bool) -> tuple[int, int] | None:
+    """The FP8 block size to dequantise with; None for an unquantised checkpoint. Raises QuantizedCheckpointError
+    for any other quantisation, and for FP8 without `dequantize_fp8`."""
+    if quantization is None:
+        return None
+    method, fmt = quantization.get("quant_method"), quantization.get("fmt", "e4m3")
+    block, activations = quantization.get("weight_block_size"), quantization.get("activation_scheme", "dynamic")
+    if method != "fp8":
+        raise QuantizedCheckpointError(
+            f"{checkpoint_dir} is quantised (config.json quantization_config.quant_method={method!r}); dsmt reads "
+            "unquantised weights (bf16 / fp16 / fp32), and --dequantize-fp8 reads block-scaled 'fp8' only",
+            rule="quantized_checkpoint", fix="use the unquantised checkpoint this one was made from (the model's "
+            "bf16 / fp16 release)")
+    described = (f"{checkpoint_dir} stores FP8 weights (quantization_config: quant_method 'fp8', fmt {fmt!r}, "
+                 f"weight_block_size {block}, activation_scheme {activations!r})")
+    if not dequantize_fp8:
+        raise QuantizedCheckpointError(
+            f"{described}; dsmt trains and converts bf16 / fp16 / fp32 weights", rule="fp8_checkpoint",
+            fix=f"dequantise it to bf16 once: `{_FP8_FIX.format(dir=checkpoint_dir)}`, then train from DST "
+                "(or from its `dsmt convert mcore-to-hf DST HF_DIR` export)")
+    valid_block = isinstance(block, (list, tuple)) and len(block) == 2 and all(
+        isinstance(b, int) and b > 0 for b in block)
+    if not valid_block or fmt not in ("e4m3", "e5m2") or activations != "dynamic":
+        raise QuantizedCheckpointError(
+            f"{described}: --dequantize-fp8 reads DeepSeek-V3's layout only: fmt 'e4m3' or 'e5m2', "
+            "weight_block_size [rows, cols], activation_scheme 'dynamic' (no activation scale tensors)",
+            rule="fp8_unsupported", fix="use the model's bf16 release")
+    return int(block[0]), int(block[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """A stored FP8 weight the source presents dequantised: its scale tensor and the block size."""
+
+    scale_name: str
+    block_size: tuple[int, int]
 
 
 class SafetensorsSource:
-    """Tensor name -> (file, shape, dtype) for a checkpoint directory; `get(name)` reads one tensor."""
+    """Tensor name -> (file, shape, dtype) for a checkpoint directory; `get(name)` reads one tensor.
 
-    def __init__(self, checkpoint_dir: Path):
+    Refuses a quantised checkpoint (QuantizedCheckpointError) unless it is block-scaled FP8 and `dequantize_fp8`:
+    then FP8 weights read as bf16 and their `_scale_inv` tensors are not listed."""
+
+    def __init__(self, checkpoint_dir: Path, *, dequantize_fp8: bool = False):
         self.checkpoint_dir = Path(checkpoint_dir)
+        block_size = fp8_block_size(quantization_config(self.checkpoint_dir), checkpoint_dir=self.checkpoint_dir,
+                                    dequantize_fp8=dequantize_fp8)
         self._handles: dict[Path, object] = {}
         self._file_of: dict[str, Path] = {}
         for path in self._shard_files():
             handle = self._open(path)
             for name in handle.keys():
                 self._file_of[name] = path
+        self._fp8 = self._pair_fp8(block_size) if block_size else {}
+        consumed = {weight.scale_name for weight in self._fp8.values()}
+        self._names = sorted(name for name in self._file_of if name not in consumed)
 
     def _shard_files(self) -> list[Path]:
         index = self.checkpoint_dir / INDEX_NAME
@@ -59,17 +158,57 @@ class SafetensorsSource:
         self._handles[path] = handle
         return handle
 
+    def _pair_fp8(self, block_size: tuple[int, int]) -> dict[str, Fp8Weight]:
+        """FP8 weight name -> its scale, after checking every pair (one error lists every problem)."""
+        pairs, problems = {}, []
+        for name in sorted(self._file_of):
+            if name.endswith(SCALE_SUFFIX):
+                weight = name.removesuffix(SCALE_SUFFIX)
+                if weight not in self._file_of or self.file_dtype(weight) not in FP8_DTYPES:
+                    problems.append(f"{name} scales no FP8 tensor {weight!r}")
+                continue
+            if self.file_dtype(name) not in FP8_DTYPES:
+                continue
+            scale, shape = name + SCALE_SUFFIX, self.shape(name)
+            if scale not in self._file_of:
+                problems.append(f"FP8 tensor {name} {list(shape)} has no {scale}")
+            elif len(shape) != 2 or self.shape(scale) != fp8_scale_shape(shape, block_size=block_size):
+                expected = list(fp8_scale_shape(shape, block_size=block_size)) if len(shape) == 2 else "a 2-D weight"
+                problems.append(f"{scale} is {list(self.shape(scale))} for {name} {list(shape)} in blocks of "
+                                f"{list(block_size)} (expected {expected})")
+            else:
+                pairs[name] = Fp8Weight(scale_name=scale, block_size=block_size)
+        if problems:
+            raise QuantizedCheckpointError(
+                f"{self.checkpoint_dir}: {len(problems)} FP8 tensor(s) without matching block scales:\n  - "
+                + "\n  - ".join(problems), rule="fp8_scales",
+                fix="re-download the checkpoint; check weight_block_size in config.json against the scale shapes")
+        return pairs
+
     def names(self) -> list[str]:
-        return sorted(self._file_of)
+        return list(self._names)
 
     def file_of(self, name: str) -> Path:
         return self._file_of[name]
 
+    def files(self) -> list[Path]:
+        """Every safetensors file of the checkpoint (also one holding only FP8 scales)."""
+        return sorted(set(self._file_of.values()))
+
+    def fp8_weight(self, name: str) -> Fp8Weight | None:
+        """How `name` is dequantised on read; None for a tensor read as stored."""
+        return self._fp8.get(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
 
-    def dtype(self, name: str) -> torch.dtype:
+    def file_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype in the file (FP8 for a weight `get` dequantises)."""
         return _SAFETENSORS_DTYPES.get(self._handles[self._file_of[name]].get_slice(name).get_dtype(), None)
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The dtype `get` returns."""
+        return DEQUANTIZED_DTYPE if name in self._fp8 else self.file_dtype(name)
 
     def nbytes(self, name: str) -> int:
         shape = self.shape(name)
@@ -79,6 +218,12 @@ class SafetensorsSource:
         return numel * torch.empty((), dtype=self.dtype(name)).element_size()
 
     def get(self, name: str) -> torch.Tensor:
+        fp8 = self._fp8.get(name)
+        if fp8 is None:
+            return self._read(name)
+        return dequantize_fp8_blocks(self._read(name), self._read(fp8.scale_name), block_size=fp8.block_size)
+
+    def _read(self, name: str) -> torch.Tensor:
         # A fresh handle per tensor: safetensors memory-maps the file, and the pages a read touches stay resident
         # (and counted in RSS) while a handle is open. Closing it after each tensor keeps reads streamed.
         try:
@@ -90,5 +235,6 @@ class SafetensorsSource:
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }

@@ -67,7 +67,11 @@ def canonical_layer_name(key: str, *, local_key: str, layer) -> str:
     if expert:
         global_expert = layer.mlp.local_expert_indices[int(expert.group(1))]
         return f"mlp.experts.{global_expert}.{expert.group(2)}"
-    return key
+    return _PER_LAYER_KEY.sub("", key)
+
+
+# Where dense and MoE layers mix, megatron keys each layer on its own (`<global layer>.<rest>`), not stacked.
+_PER_LAYER_KEY = re.compile(r"^\d+\.")
 
 
 @contextlib.contextmanager
@@ -89,24 +93,51 @@ def full_shape_standins(params: list[torch.Tensor]):
 
 def canonical_parameters(chunks: list) -> dict[str, torch.nn.Parameter]:
     """Canonical megatron name -> this rank's parameter object (also when ZeRO-3 has partitioned it)."""
+    return parameters_and_buffers(chunks)[0]
+
+
+def parameters_and_buffers(chunks: list) -> tuple[dict[str, torch.nn.Parameter], dict[str, torch.Tensor]]:
+    """(`canonical_parameters`, canonical name -> the checkpoint's tensors that are buffers, not parameters:
+    DeepSeek-V3's routing bias, megatron's `expert_bias`, which ZeRO-3 does not partition)."""
     params = [p for chunk in chunks for p in chunk.parameters()]
     with full_shape_standins(params):
         by_pointer = {p.data_ptr(): p for p in params}
-        return {name: by_pointer[tensor.data_ptr()] for name, tensor in canonical_tensors(chunks).items()}
+        tensors = canonical_tensors(chunks)
+        return ({name: by_pointer[t.data_ptr()] for name, t in tensors.items() if t.data_ptr() in by_pointer},
+                {name: t for name, t in tensors.items() if t.data_ptr() not in by_pointer})
 
 
 def _pattern(name: str) -> re.Pattern:
     return re.compile("^" + re.escape(name).replace(r"\*", r"\d+") + "$")
 
 
-def check_hf_coverage(*, items: dict[str, LoadItem], hf_names: list[str], ignored: tuple[str, ...]) -> list[str]:
-    """Every HF tensor used or explicitly ignored; every HF tensor the table needs present."""
+def passthrough_pattern(entry: str) -> re.Pattern:
+    """A `ModelSettings.passthrough_hf` entry as a regex: `*` is a number (as in the weight tables), except a
+    trailing `.*`, which is any rest of the name: `model.layers.61.*` is every tensor of layer 61."""
+    if entry.endswith(".*"):
+        return re.compile(_pattern(entry[:-2]).pattern.removesuffix("$") + r"\..+$")
+    return _pattern(entry)
+
+
+def passthrough_names(*, patterns: tuple[str, ...], names: list[str]) -> list[str]:
+    """The names (of a checkpoint's tensors) that `patterns` (`ModelSettings.passthrough_hf`) keep, in order."""
+    compiled = [passthrough_pattern(p) for p in patterns]
+    return [n for n in names if any(p.match(n) for p in compiled)]
+
+
+def check_hf_coverage(*, items: dict[str, LoadItem], hf_names: list[str], ignored: tuple[str, ...],
+                      passthrough: tuple[str, ...] = ()) -> list[str]:
+    """Every HF tensor used, explicitly ignored or passed through (kept, not loaded); every HF tensor the table
+    needs present."""
     used = {name for item in items.values() for name in item.hf}
     ignore = [_pattern(p) for p in ignored]
-    unexpected = [n for n in hf_names if n not in used and not any(p.match(n) for p in ignore)]
+    kept = set(passthrough_names(patterns=passthrough, names=hf_names))
+    unexpected = [n for n in hf_names if n not in used and n not in kept and not any(p.match(n) for p in ignore)]
     missing = sorted(used - set(hf_names))
     problems = [f"HF tensor {n!r} is not used by the weight table (unexpected; wrong model_type or a newer variant?)" for n in unexpected]
     problems += [f"HF tensor {n!r} is missing from the checkpoint" for n in missing]
+    problems += [f"HF tensor {n!r} is both in the weight table and passed through ({', '.join(passthrough)}): "
+                 "the family's read_passthrough must name only tensors the model does not load" for n in sorted(kept & used)]
     return problems
 
 
@@ -123,7 +154,7 @@ def plan_load(*, settings: ModelSettings, source, targets: dict[str, torch.Tenso
     items = settings.load_items()
     ignored = settings.ignored_hf()
     hf_names = source.names()
-    problems = check_hf_coverage(items=items, hf_names=hf_names, ignored=ignored)
+    problems = check_hf_coverage(items=items, hf_names=hf_names, ignored=ignored, passthrough=settings.passthrough_hf)
     present, plan = set(hf_names), []
     ctx = settings.shape_context()
     for name, tensor in targets.items():
@@ -165,8 +196,12 @@ def load_hf_weights(*, chunks: list, settings: ModelSettings, source, tp_rank: i
     `write(parameter, value)` stores one tensor, `value()` reading and transforming it on demand: the default
     copies into the local tensor; ZeRO-3 passes `toolkit.train.engine.zero3.load_partitioned`, which reads on one rank
     of the data-parallel group and broadcasts into the partitions."""
-    targets = canonical_tensors(chunks) if write is None else canonical_parameters(chunks)
-    write = write or _copy_into
+    if write is None:
+        targets, writers = canonical_tensors(chunks), {}
+    else:  # parameters through `write`, buffers copied
+        params, buffers = parameters_and_buffers(chunks)
+        targets = {**buffers, **params}
+        writers = dict.fromkeys(params, write)
     plan = plan_load(settings=settings, source=source, targets=targets, tp_size=tp_size)
     total = sum(source.nbytes(n) for item in plan for n in item.hf)
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading HF tensors", disable=not show_progress) as bar:
@@ -175,6 +210,6 @@ def load_hf_weights(*, chunks: list, settings: ModelSettings, source, tp_rank: i
                 hf = [transforms.from_hf_storage(source.get(n), transposed=item.transposed) for n in item.hf]
                 return local_shard(item, hf, settings=settings, tp_rank=tp_rank, tp_size=tp_size)
 
-            write(targets[item.megatron], value)
+            writers.get(item.megatron, _copy_into)(targets[item.megatron], value)
             bar.update(sum(source.nbytes(n) for n in item.hf))
     return total

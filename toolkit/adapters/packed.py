@@ -13,7 +13,10 @@ restart at 0 at each record: a 0 after column 0 is a boundary. Two things must t
   `PositionRotary`, which returns per-token frequencies [s, b, 1, d] gathered by the batch's position ids; megatron's
   unfused `apply_rotary_pos_emb` broadcasts them over the heads. A forward pre-hook on the GPTModel hands it the
   call's `position_ids`, so every pipeline stage (each is called with the batch) rotates by the record positions.
-  Under THD megatron's own per-sequence RoPE applies and the wrapper steps aside.
+  Under THD megatron's own per-sequence RoPE applies and the wrapper steps aside. Multi-latent attention (DeepSeek)
+  rotates inside its attention module at the row's positions 0 .. s-1, which the mask makes harmless: RoPE scores
+  depend on relative positions only (YaRN too), so each record attends as alone, within rounding
+  (tests/adapters/test_deepseek.py).
 
 A micro-batch without a boundary (every row one record: unpacked data, synthetic data) takes the plain path: no
 mask, megatron's own causal attention and RoPE, bit for bit as before.

@@ -65,6 +65,7 @@ def install() -> bool:
         _patch(torch.cuda, "current_stream", _current_stream)
         _patch_megatron_rng()
         _patch_moe()
+        _patch_mla()
         _installed = True
     return True
 
@@ -113,6 +114,29 @@ def _patch_moe() -> None:
     _OWNERS["megatron.core.transformer.moe.token_dispatcher"] = token_dispatcher
     _OWNERS["torch.distributed"] = dist
     cpu_moe.install(patch=_patch, null_stream=_NullStream, wrap_factory=_wrap_factory)
+
+
+def _patch_mla() -> None:
+    """Multi-latent attention (megatron.core.transformer.multi_latent_attention:130/138) builds its rotary module
+    without `use_cpu_initialization`, so the module enters `torch.device(torch.cuda.current_device())`, which no
+    redirection of factories can reach; on the CPU it is built as GPTModel builds its own, on the CPU."""
+    from megatron.core.transformer import multi_latent_attention
+
+    _OWNERS["megatron.core.transformer.multi_latent_attention"] = multi_latent_attention
+    for name in ("RotaryEmbedding", "YarnRotaryEmbedding"):
+        _patch(multi_latent_attention, name, _built_on_cpu(getattr(multi_latent_attention, name)))
+
+
+def _built_on_cpu(rotary_class: type) -> type:
+    """`rotary_class` constructed with use_cpu_initialization=True (a subclass, so isinstance checks still hold)."""
+
+    class OnCpu(rotary_class):
+        def __init__(self, *args, **kwargs):
+            _record(f"{rotary_class.__name__} in multi-latent attention")
+            super().__init__(*args, **{**kwargs, "use_cpu_initialization": True})
+
+    OnCpu.__name__ = OnCpu.__qualname__ = rotary_class.__name__
+    return OnCpu
 
 
 def _patch(owner, attr: str, replacement) -> None:

@@ -1,4 +1,4 @@
-"""A megatron-core 0.16.1 bug dsmt works around on every machine, GPU or CPU.
+"""The megatron-core 0.16.1 bugs dsmt works around on every machine without Transformer Engine, GPU or CPU.
 
 `megatron/core/transformer/moe/moe_utils.py` imports `te_general_gemm` and the `fused_*` MoE helpers inside
 `try: import transformer_engine`, and its `except ImportError` branch sets only `HAVE_TE = False`. The router
@@ -24,4 +24,31 @@ def define_missing_te_names() -> list[str]:
     missing = [name for name in TE_NAMES if not hasattr(moe_utils, name)]
     for name in missing:
         setattr(moe_utils, name, None)
+    return missing
+
+
+class _NotInstalled:
+    """Stands for a Transformer Engine class that is not installed: nothing is an instance of it."""
+
+
+def define_missing_mla_te_classes() -> list[str]:
+    """`megatron/core/transformer/multi_latent_attention.py` tests `isinstance(self.linear_proj, TELinear)` when
+    building every MLA layer (line 185). Without Transformer Engine, megatron's `extensions.transformer_engine`
+    hands out MagicMock placeholders for its classes (so the import succeeds and `HAVE_TE` is True there), and
+    isinstance against a mock instance fails: `TypeError: isinstance() arg 2 must be a type`. Each such name that is
+    not a class becomes a class nothing is an instance of (the `in [TELinear]` tests keep answering False); with TE
+    (real classes) nothing is touched."""
+    from megatron.core.transformer import multi_latent_attention
+
+    missing = [name for name in ("TELinear", "TEColumnParallelLinear")
+               if not isinstance(getattr(multi_latent_attention, name, None), type)]
+    for name in missing:
+        setattr(multi_latent_attention, name, _NotInstalled)
+    if not isinstance(getattr(multi_latent_attention, "Linear", None), type):
+        # Imported in the same `try` as TE's names: megatron's plain local Linear, which dsmt's local MLA layers use
+        # for the down projections (toolkit/adapters/layer_specs.py), must be the class MLA compares with.
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        multi_latent_attention.Linear = Linear
+        missing.append("Linear")
     return missing

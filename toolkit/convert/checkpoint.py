@@ -3,6 +3,9 @@
     <dir>/dsmt_checkpoint.json   what wrote it, for which model; read first, so foreign checkpoints fail clearly
     <dir>/hf/                    the source's config.json, generation config and tokenizer files
     <dir>/model/                 megatron-core dist_checkpointing (torch_dist): loads at any TP x PP (resharding)
+    <dir>/hf_passthrough.safetensors   only where the model keeps HF tensors it does not load (DeepSeek-V3's
+                                 multi-token prediction, `ModelSettings.passthrough_hf`): those tensors as published
+                                 (toolkit/convert/passthrough.py); its export writes them back
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ METADATA_FILE = "dsmt_checkpoint.json"
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                  "chat_template.jinja", "chat_template.json")
+
+
+# What marks a directory as a megatron checkpoint (dsmt's, or another tool's that dsmt then refuses by name).
+MEGATRON_MARKERS = (METADATA_FILE, "model", "latest_checkpointed_iteration.txt", "metadata.json")
 
 
 class CheckpointError(DsmtError):
@@ -75,6 +82,19 @@ def read_metadata(directory: Path) -> dict:
             f"{metadata.get('dsmt_version')}); this dsmt {__version__} reads version {FORMAT_VERSION}: use a matching dsmt"
         )
     return metadata
+
+
+def is_megatron_dir(path: Path) -> bool:
+    return any((Path(path) / marker).exists() for marker in MEGATRON_MARKERS)
+
+
+def drop_quantization_config(hf_dir: Path) -> None:
+    """Remove `quantization_config` from `hf_dir`/config.json (the weights beside it are not quantised: dequantised
+    on conversion), so transformers loads the export as the plain model it is."""
+    path = Path(hf_dir) / "config.json"
+    config = json.loads(path.read_text())
+    if config.pop("quantization_config", None) is not None:
+        path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def copy_side_files(source_dir: Path, target_dir: Path) -> list[str]:

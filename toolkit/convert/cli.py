@@ -16,6 +16,9 @@ def register(subparsers) -> None:
     to_mcore.add_argument("--overwrite", action="store_true", help="replace an existing target directory")
     to_mcore.add_argument("--vocab-pad-multiple", type=int, default=128,
                           help="pad the vocabulary to a multiple of this (megatron's make_vocab_size_divisible_by)")
+    to_mcore.add_argument("--dequantize-fp8", action="store_true",
+                          help="read a block-scaled FP8 checkpoint (DeepSeek-V3's quantization_config with "
+                               "weight_block_size and *_scale_inv tensors) as bf16; the output is a bf16 checkpoint")
     _common_flags(to_mcore)
     to_mcore.set_defaults(func=run_hf_to_mcore)
     to_hf = directions.add_parser("mcore-to-hf", help="dsmt megatron checkpoint -> HF checkpoint")
@@ -38,7 +41,7 @@ def run_hf_to_mcore(args) -> int:
 
     summary = convert_hf_to_mcore(hf_dir=args.source, out_dir=args.target, overwrite=args.overwrite,
                                   vocab_pad_multiple=args.vocab_pad_multiple, workers=args.workers,
-                                  show_progress=not args.quiet)
+                                  show_progress=not args.quiet, dequantize_fp8=args.dequantize_fp8)
     print(summary.line())
     return 0
 

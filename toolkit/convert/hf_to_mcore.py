@@ -21,11 +21,12 @@ from toolkit.adapters import transforms
 from toolkit.adapters.family import LoadItem
 from toolkit.adapters.hf_config import DEFAULT_VOCAB_PAD_MULTIPLE, ModelSettings
 from toolkit.adapters.hf_source import SafetensorsSource
-from toolkit.adapters.load import plan_load
+from toolkit.adapters.load import passthrough_names, plan_load
 from toolkit.convert import checkpoint as ckpt
 from toolkit.convert.dcp_writer import ObjectChunk, TensorChunk, write_torch_dist
 from toolkit.convert.progress import ConversionSummary, byte_progress, peak_rss_bytes
-from toolkit.convert.mcore_reader import STACKED_EXPERTS
+from toolkit.convert.mcore_reader import PER_LAYER_KEY, STACKED_EXPERTS
+from toolkit.convert.passthrough import passthrough_bytes, write_passthrough
 from toolkit.convert.raw_io import SafetensorsRows
 from toolkit.convert.rows import megatron_blocks, within
 from toolkit.launch.local import single_process_group
@@ -59,6 +60,12 @@ def meta_sharded_state(*, settings: ModelSettings, params_dtype: torch.dtype):
 def canonical_name(tensor) -> str:
     """dsmt's table name of a megatron ShardedTensor: its key with the layer index of a stacked key put back, and
     for an expert's (stacked over layers and experts) the global expert index too."""
+    per_layer = PER_LAYER_KEY.match(tensor.key)
+    if per_layer:  # one layer's key (dense and MoE layers mixed): only an expert's is stacked, over the experts
+        rest = tensor.key[per_layer.end():]
+        if tensor.prepend_axis_num == 1 and rest.startswith(STACKED_EXPERTS):
+            return f"{per_layer.group(0)}mlp.experts.{tensor.global_offset[0]}.{rest.removeprefix(STACKED_EXPERTS)}"
+        return tensor.key
     match = _STACK.match(tensor.key)
     if match and tensor.prepend_axis_num == 2 and match.group(2).startswith(STACKED_EXPERTS):
         layer, expert = tensor.global_offset[:2]
@@ -120,41 +127,68 @@ def plan_chunks(*, settings: ModelSettings, source: SafetensorsSource, rows: Saf
     return chunks
 
 
+def read_hf_checkpoint(*, hf_dir: Path, vocab_pad_multiple: int, dequantize_fp8: bool):
+    """(settings, source, params dtype) of an HF checkpoint; a quantised one is refused by name (read as bf16 with
+    `dequantize_fp8` when it is block-scaled FP8), before any model is built."""
+    from toolkit.adapters.hf_config import load_hf_config, model_settings
+    from toolkit.models.chunks import stored_dtype
+
+    if ckpt.is_megatron_dir(hf_dir):
+        ckpt.read_metadata(hf_dir)  # another tool's megatron checkpoint: refused by name there
+        raise ckpt.CheckpointError(f"{hf_dir} is already a dsmt megatron checkpoint; use `dsmt convert mcore-to-hf`")
+    hf_config = load_hf_config(hf_dir)
+    source = SafetensorsSource(hf_dir, dequantize_fp8=dequantize_fp8)
+    settings = model_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple)
+    return settings, source, stored_dtype(source)
+
+
 def convert_hf_to_mcore(*, hf_dir: Path, out_dir: Path, overwrite: bool = False,
                         vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE, workers: int = 1,
-                        show_progress: bool = True) -> ConversionSummary:
-    """Convert, streamed; the output appears complete or not at all."""
+                        show_progress: bool = True, dequantize_fp8: bool = False) -> ConversionSummary:
+    """Convert, streamed; the output appears complete or not at all. `dequantize_fp8`: a block-scaled FP8
+    checkpoint (DeepSeek-V3) is read as bf16, and the output is a bf16 checkpoint (no quantization_config)."""
     from megatron.core import parallel_state
-
-    from toolkit.models.chunks import inspect_checkpoint
 
     started = time.perf_counter()
     ckpt.refuse_existing(out_dir, overwrite=overwrite)  # before minutes of work
-    info = inspect_checkpoint(hf_dir, vocab_pad_multiple=vocab_pad_multiple)
-    if info.kind != "hf":
-        raise ckpt.CheckpointError(f"{hf_dir} is already a dsmt megatron checkpoint; use `dsmt convert mcore-to-hf`")
-    source = SafetensorsSource(hf_dir)
+    settings, source, params_dtype = read_hf_checkpoint(hf_dir=hf_dir, vocab_pad_multiple=vocab_pad_multiple,
+                                                        dequantize_fp8=dequantize_fp8)
     rows = SafetensorsRows(source)
     backend = backends.current()
     with single_process_group(dist_backend=backend.dist_backend):
         parallel_state.initialize_model_parallel(1, 1)
         backend.seed(0)
-        tensors, objects, common = meta_sharded_state(settings=info.settings, params_dtype=info.params_dtype)
-    chunks = plan_chunks(settings=info.settings, source=source, rows=rows, sharded_tensors=tensors)
-    total_bytes = sum(chunk.nbytes for chunk in chunks)
+        tensors, objects, common = meta_sharded_state(settings=settings, params_dtype=params_dtype)
+    chunks = plan_chunks(settings=settings, source=source, rows=rows, sharded_tensors=tensors)
+    kept = passthrough_names(patterns=settings.passthrough_hf, names=source.names())
+    total_bytes = sum(chunk.nbytes for chunk in chunks) + passthrough_bytes(source, kept)
     try:
         with ckpt.atomic_output_dir(out_dir, overwrite=overwrite) as temp_dir, \
                 byte_progress(total_bytes=total_bytes, description="hf-to-mcore", enabled=show_progress) as advance:
             write_torch_dist(model_dir=temp_dir / "model", tensors=chunks, common=common, workers=workers,
                              objects=[ObjectChunk(obj.unique_key, obj.data) for obj in objects], on_written=advance)
-            ckpt.copy_side_files(info.hf_dir, temp_dir / "hf")
-            ckpt.write_metadata(temp_dir, model_type=info.settings.family.model_type,
-                                padded_vocab_size=info.settings.padded_vocab_size,
-                                vocab_pad_multiple=info.vocab_pad_multiple, params_dtype=info.params_dtype,
-                                source=info.source_checkpoint(), hf_tensor_dtypes=info.hf_tensor_dtypes())
+            write_passthrough(source=source, names=kept, mcore_dir=temp_dir, on_written=advance)
+            ckpt.copy_side_files(hf_dir, temp_dir / "hf")
+            ckpt.drop_quantization_config(temp_dir / "hf")  # the weights are bf16 now (or were never quantised)
+            ckpt.write_metadata(temp_dir, model_type=settings.family.model_type,
+                                padded_vocab_size=settings.padded_vocab_size, vocab_pad_multiple=vocab_pad_multiple,
+                                params_dtype=params_dtype, source=str(Path(hf_dir).resolve()),
+                                hf_tensor_dtypes={n: ckpt.dtype_name(source.dtype(n)) for n in source.names()})
     finally:
         rows.close()
     return ConversionSummary(direction="hf-to-mcore", out_dir=Path(out_dir), tensors=len(source.names()),
-                             nbytes=total_bytes, files=len(chunks) + len(objects),
+                             nbytes=total_bytes, files=len(chunks) + len(objects) + (1 if kept else 0),
                              seconds=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes(),
-                             dtype=ckpt.dtype_name(info.params_dtype))
+                             dtype=ckpt.dtype_name(params_dtype),
+                             rounded=rounded_patterns(settings=settings, source=source, sharded_tensors=tensors))
+
+
+def rounded_patterns(*, settings: ModelSettings, source: SafetensorsSource, sharded_tensors: list) -> tuple[str, ...]:
+    """The weight table's HF tensors stored in a wider float dtype than the megatron tensor made from them (a float32
+    router weight in a bf16 model), as name patterns (`*` for numbers)."""
+    items = settings.load_items()
+    stored = {canonical_name(t): t.dtype for t in sharded_tensors}
+    wide = sorted({hf for name, dtype in stored.items() if name in items for hf in items[name].hf
+                   if (hf_dtype := source.dtype(hf)) is not None and hf_dtype.is_floating_point
+                   and hf_dtype.itemsize > dtype.itemsize})
+    return tuple(dict.fromkeys(re.sub(r"\.\d+(?=\.)", ".*", name) for name in wide))

@@ -24,6 +24,9 @@ _EXPERT_NAME = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")  # an MoE layer's expe
 # megatron's key (after `decoder.layers.`) of every expert of every layer, stacked [layers, experts, ...]
 # (SequentialMLP.sharded_state_dict).
 STACKED_EXPERTS = "mlp.experts.experts."
+# A key of one layer of its own: where dense and MoE layers mix, megatron does not stack layers
+# (TransformerBlock.sharded_state_dict, `non_homogeneous_layers`); an expert's key then stacks the experts only.
+PER_LAYER_KEY = re.compile(r"^(?:decoder|encoder)\.layers\.\d+\.")
 
 
 class McoreReader:
@@ -57,9 +60,21 @@ class McoreReader:
             return name, ()
         stack, layer, rest = match.group(1), int(match.group(2)), match.group(3)
         expert = _EXPERT_NAME.match(rest)
+        if self._per_layer(stack, layer):  # dense and MoE layers mixed: megatron keys each layer on its own
+            if expert:
+                return f"{stack}.layers.{layer}.{STACKED_EXPERTS}{expert.group(2)}", (int(expert.group(1)),)
+            return name, ()
         if expert:
             return f"{stack}.layers.{STACKED_EXPERTS}{expert.group(2)}", (layer, int(expert.group(1)))
         return f"{stack}.layers.{rest}", (layer,)
+
+    def _per_layer(self, stack: str, layer: int) -> bool:
+        """Whether the checkpoint keys this layer on its own (`decoder.layers.3.<rest>`, megatron's non-homogeneous
+        layers: DeepSeek's dense first layers, Qwen2-MoE's mlp_only_layers) rather than stacked over layers."""
+        prefix = f"{stack}.layers.{layer}."
+        if not hasattr(self, "_per_layer_prefixes"):
+            self._per_layer_prefixes = {m.group(0) for m in map(PER_LAYER_KEY.match, self._stored) if m}
+        return prefix in self._per_layer_prefixes
 
     def has(self, name: str) -> bool:
         key, index = self.locate(name)

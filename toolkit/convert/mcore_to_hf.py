@@ -4,14 +4,13 @@ Streamed tensor by tensor, in one process and without a process group or a model
 written first, from the shapes the weight table gives; then each HF tensor is allocated once and its rows are read
 straight from the torch_dist files into it (`rows.py` says which megatron rows make which HF rows, e.g. the q rows
 of every query group of a fused QKV), and it is written at its offset. Peak memory is one HF tensor per writer
-thread (`workers`), whatever the model size and the layout the checkpoint was saved from.
+thread (`workers`), whatever the model size and the layout the checkpoint was saved from. Tensors the model does
+not load but the checkpoint keeps (`hf_passthrough.safetensors`, toolkit/convert/passthrough.py) follow the table's.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,16 +20,14 @@ import torch
 from toolkit.adapters import transforms
 from toolkit.adapters.family import AdapterError, LoadItem
 from toolkit.adapters.hf_config import ModelSettings
-from toolkit.adapters.hf_source import _SAFETENSORS_DTYPES
 from toolkit.convert import checkpoint as ckpt
-from toolkit.convert.mcore_reader import STACKED_EXPERTS, McoreReader
+from toolkit.convert.mcore_reader import PER_LAYER_KEY, STACKED_EXPERTS, McoreReader
+from toolkit.convert.passthrough import entries_of, stored_passthrough
 from toolkit.convert.progress import ConversionSummary, byte_progress, peak_rss_bytes
-from toolkit.convert.raw_io import pwrite_from
+from toolkit.convert.raw_io import HfEntry, tensor_nbytes, write_tensor_files
 from toolkit.convert.rows import hf_blocks, megatron_blocks
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
-SAFETENSORS_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
-HfEntry = tuple[str, tuple[int, ...], torch.dtype]  # HF name, shape, dtype of one exported tensor
 
 
 def export_plan(*, reader: McoreReader, settings: ModelSettings,
@@ -44,16 +41,9 @@ def export_plan(*, reader: McoreReader, settings: ModelSettings,
     table_keys = {reader.locate(name)[0] for name in items}
     problems += [f"checkpoint tensor {key!r} has no row in the {settings.family.model_type} weight table"
                  for key in reader.stored_keys() if key not in table_keys]
-    for key in table_keys & set(reader.stored_keys()):
-        if not key.startswith(("decoder.layers.", "encoder.layers.")):
-            continue
-        experts = key.split(".layers.", 1)[1].startswith(STACKED_EXPERTS)  # stacked over layers and experts
-        expected = (settings.num_layers, settings.num_experts) if experts else (settings.num_layers,)
-        stacked = reader.stacked_sizes(key, axes=len(expected))
-        if stacked != expected:
-            def describe(sizes):
-                return f"{sizes[0]} layers" + (f" x {sizes[1]} experts" if experts else "")
-            problems.append(f"checkpoint tensor {key!r} stacks {describe(stacked)}, the config has {describe(expected)}")
+    problems += [stacking_problem(key, stacked=reader.stacked_sizes(key, axes=len(axes)), axes=axes, settings=settings)
+                 for key in sorted(table_keys & set(reader.stored_keys())) if (axes := stacked_axes(key))]
+    problems = [problem for problem in problems if problem]
     if problems:
         raise AdapterError("cannot export:\n  - " + "\n  - ".join(problems))
     plan = []
@@ -66,34 +56,47 @@ def export_plan(*, reader: McoreReader, settings: ModelSettings,
     return plan
 
 
+def stacked_axes(key: str) -> tuple[str, ...]:
+    """The stacked leading axes of a stored key: ("layers",), ("layers", "experts") for an expert's, ("experts",)
+    for an expert's key of one layer (dense and MoE layers mixed), () for any other key."""
+    per_layer = PER_LAYER_KEY.match(key)
+    if per_layer:
+        return ("experts",) if key[per_layer.end():].startswith(STACKED_EXPERTS) else ()
+    if not key.startswith(("decoder.layers.", "encoder.layers.")):
+        return ()
+    return ("layers", "experts") if key.split(".layers.", 1)[1].startswith(STACKED_EXPERTS) else ("layers",)
+
+
+def stacking_problem(key: str, *, stacked: tuple[int, ...], axes: tuple[str, ...], settings: ModelSettings) -> str:
+    """A problem line when a key's stacked sizes are not the config's layers / experts ("" when they are)."""
+    expected = tuple({"layers": settings.num_layers, "experts": settings.num_experts}[axis] for axis in axes)
+    if stacked == expected:
+        return ""
+    def describe(sizes):
+        return " x ".join(f"{size} {axis}" for size, axis in zip(sizes, axes))
+    return f"checkpoint tensor {key!r} stacks {describe(stacked)}, the config has {describe(expected)}"
+
+
+def passthrough_after(names: list[str], *, table: list[str], path: Path) -> list[str]:
+    """The passthrough file's names, none of them also made by the weight table."""
+    both = sorted(set(names) & set(table))
+    if both:
+        raise AdapterError(f"{path} holds {', '.join(both)}, which the weight table also exports; the file should "
+                           "hold only tensors the model does not load: re-convert the HF checkpoint")
+    return names
+
+
 def plan_shards(entries: list[HfEntry], *, max_shard_bytes: int) -> list[list[int]]:
     """Indices of `entries` per shard, in order: a new shard starts when the next tensor would pass the limit."""
     shards, current, current_bytes = [], [], 0
     for i, (_, shape, dtype) in enumerate(entries):
-        nbytes = _nbytes(shape, dtype)
+        nbytes = tensor_nbytes(shape, dtype)
         if current and current_bytes + nbytes > max_shard_bytes:
             shards.append(current)
             current, current_bytes = [], 0
         current.append(i)
         current_bytes += nbytes
     return shards + [current]
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-def safetensors_header(entries: list[HfEntry]) -> bytes:
-    """The safetensors header for tensors stored back to back in this order (8-byte length, JSON padded to 8)."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape, dtype in entries:
-        nbytes = _nbytes(shape, dtype)
-        header[name] = {"dtype": SAFETENSORS_DTYPE_NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
 
 
 def tensor_maker(*, item: LoadItem, hf_index: int, entry: HfEntry, reader: McoreReader, ctx):
@@ -122,46 +125,15 @@ def shard_files(num_shards: int) -> list[str]:
 def write_safetensors(makers: list[Callable[[], torch.Tensor]], *, entries: list[HfEntry], out_dir: Path,
                       max_shard_bytes: int, workers: int = 1, on_written: Callable[[int], None] = lambda n: None,
                       progress: Callable[[str], None] | None = None) -> int:
-    """Write HF-style shards (model-0000i-of-0000n.safetensors + index, or one model.safetensors): every header
-    first, from the planned shapes, then each tensor made by its maker and written at its offset by one of
-    `workers` threads (each holds one tensor). Returns the number of shards."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Write HF-style shards (model-0000i-of-0000n.safetensors + index, or one model.safetensors) with
+    `write_tensor_files`. Returns the number of shards."""
     shards = plan_shards(entries, max_shard_bytes=max_shard_bytes)
     files = shard_files(len(shards))
-    jobs = []  # (fd, offset, entry index)
-    fds = []
-    try:
-        for file_name, indices in zip(files, shards):
-            header = safetensors_header([entries[i] for i in indices])
-            fd = os.open(out_dir / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            fds.append(fd)
-            os.pwrite(fd, header, 0)
-            offset = len(header)
-            for i in indices:
-                jobs.append((fd, offset, i))
-                offset += _nbytes(entries[i][1], entries[i][2])
-            os.ftruncate(fd, offset)
-
-        def run(job) -> None:
-            fd, offset, i = job
-            tensor = makers[i]()
-            name, shape, dtype = entries[i]
-            if (tuple(tensor.shape), tensor.dtype) != (shape, dtype):
-                raise AdapterError(f"export made {name} {tuple(tensor.shape)} {tensor.dtype}, planned {shape} {dtype}")
-            pwrite_from(fd, tensor, offset=offset)
-            on_written(tensor.numel() * tensor.element_size())
-
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for done, _ in enumerate(pool.map(run, jobs), start=1):
-                if progress and done % 64 == 0:
-                    progress(f"wrote {done} of {len(jobs)} tensors")
-    finally:
-        for fd in fds:
-            os.close(fd)
+    write_tensor_files(makers, entries=entries, files=[(out_dir / name, indices) for name, indices in zip(files, shards)],
+                       workers=workers, on_written=on_written, progress=progress)
     if len(shards) > 1:
         weight_map = {entries[i][0]: file_name for file_name, indices in zip(files, shards) for i in indices}
-        total = sum(_nbytes(shape, dtype) for _, shape, dtype in entries)
+        total = sum(tensor_nbytes(shape, dtype) for _, shape, dtype in entries)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return len(shards)
@@ -187,7 +159,12 @@ def convert_mcore_to_hf(*, mcore_dir: Path, out_dir: Path, overwrite: bool = Fal
     entries = [entry for _, outputs in plan for entry in outputs]
     makers = [tensor_maker(item=item, hf_index=i, entry=entry, reader=reader, ctx=ctx)
               for item, outputs in plan for i, entry in enumerate(outputs)]
-    total_bytes = sum(_nbytes(shape, dtype) for _, shape, dtype in entries)
+    kept = stored_passthrough(mcore_dir)  # tensors the model does not load, as published: after the table's
+    if kept is not None:
+        names = passthrough_after(kept.names(), table=[name for name, _, _ in entries], path=kept.path)
+        entries += entries_of(kept, names)
+        makers += [lambda name=name: kept.get(name) for name in names]
+    total_bytes = sum(tensor_nbytes(shape, dtype) for _, shape, dtype in entries)
     try:
         with ckpt.atomic_output_dir(out_dir, overwrite=overwrite) as temp_dir, \
                 byte_progress(total_bytes=total_bytes, description="mcore-to-hf", enabled=show_progress) as advance:

@@ -53,9 +53,17 @@ class ConversionSummary:
     seconds: float
     peak_rss_bytes: int
     dtype: str
+    # HF tensors (name patterns, `*` = a number) stored in a wider dtype than `dtype` and rounded to it, e.g. the
+    # float32 router weights transformers keeps in a bf16 DeepSeek checkpoint: megatron's parameters share one dtype.
+    rounded: tuple[str, ...] = ()
 
     def line(self) -> str:
         rate = self.nbytes / 1e9 / max(self.seconds, 1e-9)
-        return (f"dsmt convert {self.direction}: {self.tensors} tensors, {self.nbytes / 1e9:.2f} GB ({self.dtype}) "
+        line = (f"dsmt convert {self.direction}: {self.tensors} tensors, {self.nbytes / 1e9:.2f} GB ({self.dtype}) "
                 f"in {self.files} file(s), {self.seconds:.1f} s ({rate:.2f} GB/s), peak memory "
                 f"{self.peak_rss_bytes / 2**30:.2f} GiB -> {self.out_dir}")
+        if self.rounded:
+            line += (f"\nnote: {', '.join(self.rounded)} stored in a wider dtype than {self.dtype} are rounded to "
+                     f"{self.dtype} (megatron's parameters share one dtype); an export writes them back in their "
+                     "own dtype, with the rounded values")
+        return line

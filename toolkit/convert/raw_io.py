@@ -1,8 +1,9 @@
 """Tensor bytes read and written at known file offsets with `os.preadv` / `os.pwrite`: no memory map (whose
 touched pages stay resident and count in RSS) and no intermediate buffer (the bytes land in the tensor).
 
-    SafetensorsRows   rows of HF tensors, located from the safetensors headers
-    torch_save_data   where one `torch.save` blob (a torch.distributed.checkpoint item) keeps its tensor's bytes
+    SafetensorsRows      rows of HF tensors, located from the safetensors headers (FP8 ones dequantised)
+    write_tensor_files   safetensors files written header first, then tensor by tensor at its offset
+    torch_save_data      where one `torch.save` blob (a torch.distributed.checkpoint item) keeps its tensor's bytes
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import struct
 import threading
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from toolkit.adapters.family import AdapterError
-from toolkit.adapters.hf_source import _SAFETENSORS_DTYPES
+from toolkit.adapters.hf_source import _SAFETENSORS_DTYPES, dequantize_fp8_blocks
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -88,26 +90,109 @@ def safetensors_entries(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, .
 
 
 class SafetensorsRows:
-    """Rows of the tensors of an HF checkpoint (`SafetensorsSource`), read straight into a caller's tensor."""
+    """Rows of the tensors of an HF checkpoint (`SafetensorsSource`), read straight into a caller's tensor; an FP8
+    weight the source dequantises is read as its FP8 rows and the scale rows of their blocks, dequantised."""
 
     def __init__(self, source):
+        self._source = source
         self._where: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int]] = {}
-        for path in {source.file_of(name) for name in source.names()}:
+        for path in source.files():
             for name, (dtype, shape, offset) in safetensors_entries(path).items():
                 self._where[name] = (path, dtype, shape, offset)
         self._files = OpenFiles()
 
     def read_rows(self, name: str, *, start: int, into: torch.Tensor) -> None:
         """Rows [start, start + len(into)) of HF tensor `name` into `into` (cast when the dtypes differ)."""
-        path, dtype, shape, offset = self._where[name]
-        row_bytes = math.prod(shape[1:]) * dtype.itemsize
-        target = into if into.dtype == dtype else torch.empty(into.shape, dtype=dtype)
-        pread_into(self._files.fd(path), target, offset=offset + start * row_bytes, path=path)
+        fp8 = self._source.fp8_weight(name)
+        if fp8 is not None:
+            into.copy_(self._dequantized_rows(name, fp8, start=start, num_rows=len(into)))
+            return
+        target = into if into.dtype == self._where[name][1] else torch.empty(into.shape, dtype=self._where[name][1])
+        self._read_raw(name, start=start, into=target)
         if target is not into:
             into.copy_(target)
 
+    def _read_raw(self, name: str, *, start: int, into: torch.Tensor) -> None:
+        path, dtype, shape, offset = self._where[name]
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        pread_into(self._files.fd(path), into, offset=offset + start * row_bytes, path=path)
+
+    def _dequantized_rows(self, name: str, fp8, *, start: int, num_rows: int) -> torch.Tensor:
+        """Rows [start, start + num_rows) of a block-scaled FP8 weight, dequantised (bf16)."""
+        _, dtype, shape, _ = self._where[name]
+        block_rows = fp8.block_size[0]
+        first_block, end_block = start // block_rows, -(-(start + num_rows) // block_rows)
+        weight = torch.empty((num_rows, *shape[1:]), dtype=dtype)
+        self._read_raw(name, start=start, into=weight)
+        _, scale_dtype, scale_shape, _ = self._where[fp8.scale_name]
+        scale = torch.empty((end_block - first_block, *scale_shape[1:]), dtype=scale_dtype)
+        self._read_raw(fp8.scale_name, start=first_block, into=scale)
+        return dequantize_fp8_blocks(weight, scale, block_size=fp8.block_size,
+                                     first_row=start - first_block * block_rows)
+
     def close(self) -> None:
         self._files.close()
+
+
+SAFETENSORS_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+HfEntry = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype of one tensor to write
+
+
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def safetensors_header(entries: list[HfEntry]) -> bytes:
+    """The safetensors header for tensors stored back to back in this order (8-byte length, JSON padded to 8)."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, dtype in entries:
+        nbytes = tensor_nbytes(shape, dtype)
+        header[name] = {"dtype": SAFETENSORS_DTYPE_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_tensor_files(makers: list[Callable[[], torch.Tensor]], *, entries: list[HfEntry],
+                       files: list[tuple[Path, list[int]]], workers: int = 1,
+                       on_written: Callable[[int], None] = lambda n: None,
+                       progress: Callable[[str], None] | None = None) -> None:
+    """Safetensors files (path, indices of `entries` it holds): every header first, from the planned shapes, then
+    each tensor made by its maker and written at its offset by one of `workers` threads (each holds one tensor)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = []  # (fd, offset, entry index)
+    fds = []
+    try:
+        for path, indices in files:
+            header = safetensors_header([entries[i] for i in indices])
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds.append(fd)
+            os.pwrite(fd, header, 0)
+            offset = len(header)
+            for i in indices:
+                jobs.append((fd, offset, i))
+                offset += tensor_nbytes(entries[i][1], entries[i][2])
+            os.ftruncate(fd, offset)
+
+        def run(job) -> None:
+            fd, offset, i = job
+            tensor = makers[i]()
+            name, shape, dtype = entries[i]
+            if (tuple(tensor.shape), tensor.dtype) != (shape, dtype):
+                raise AdapterError(f"made {name} {tuple(tensor.shape)} {tensor.dtype}, planned {shape} {dtype}")
+            pwrite_from(fd, tensor, offset=offset)
+            on_written(tensor.numel() * tensor.element_size())
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for done, _ in enumerate(pool.map(run, jobs), start=1):
+                if progress and done % 64 == 0:
+                    progress(f"wrote {done} of {len(jobs)} tensors")
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 # ---- torch.save blobs (the items of a torch.distributed.checkpoint) --------------------------------------------

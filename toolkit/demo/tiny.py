@@ -29,6 +29,24 @@ _FAMILY_FIELDS = {
     "mixtral": dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
     "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                       norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    # DeepSeek-V2-Lite's shape (rms_norm_eps 1e-6, the latent norms' fixed eps in HF, as in every DeepSeek release): plain q projection, YaRN RoPE with mscale (so the softmax scale moves), one dense
+    # first layer, 4 routed experts top-2 plus 2 shared ones, softmax routing without renormalisation.
+    "deepseek_v2": dict(rms_norm_eps=1e-6, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=4, n_shared_experts=2,
+                        moe_intermediate_size=32, first_k_dense_replace=1, num_experts_per_tok=2, topk_method="greedy",
+                        routed_scaling_factor=1.0, norm_topk_prob=False,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 32, "mscale": 0.707,
+                                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
+    # DeepSeek-V3's shape: low-rank q, sigmoid routing over a score-correction bias inside 2 groups of 2 experts
+    # (1 chosen), renormalised and scaled by 2.5, one dense first layer, one multi-token-prediction layer.
+    "deepseek_v3": dict(rms_norm_eps=1e-6, num_key_value_heads=8, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=4, n_shared_experts=1,
+                        moe_intermediate_size=32, first_k_dense_replace=1, num_experts_per_tok=2, n_group=2,
+                        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1),
+    # Qwen1.5-MoE's shape: q / k / v biases, 4 experts top-2 plus a gated shared expert, layer 1 dense.
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], use_sliding_window=False),
     # Granite's four scalars away from 1 (attention_multiplier is not 1/sqrt(head_dim) = 0.125), so each shows.
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=2.5,
                     attention_dropout=0.0),
@@ -81,6 +99,9 @@ def make_tiny_checkpoint(path: Path, *, model_type: str = "llama", seed: int = 0
                 param.copy_(0.1 * torch.randn_like(param))
             elif name.endswith("mlp.gate.weight"):  # MoE router: decisive routing, so no near-ties between experts
                 param.copy_(0.5 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: away from 0, so it shows
+                buffer.copy_(0.05 * torch.randn_like(buffer))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     _save_tiny_tokenizer(path, vocab_size=model.config.vocab_size)

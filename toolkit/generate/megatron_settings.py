@@ -62,12 +62,24 @@ def _transformer_config(*, spec: JobSpec, layout: RunLayout, shape: ModelShape) 
         "hidden_size": shape.hidden_size,
         "num_attention_heads": shape.num_attention_heads,
         "num_query_groups": shape.num_kv_heads,
-        "ffn_hidden_size": shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size,
-        "kv_channels": shape.kv_channels,
+        # an all-MoE model's MLPs are its experts; with dense layers mixed in (DeepSeek) those are the dense width
+        "ffn_hidden_size": shape.moe_ffn_hidden_size if shape.is_moe and not shape.dense_layers else shape.ffn_hidden_size,
+        "kv_channels": shape.mla.v_head_dim if shape.mla else shape.kv_channels,
         "gated_linear_unit": shape.gated_mlp,
         "use_cpu_initialization": spec.cluster.device == "cpu",
         **_experts(layout=layout, shape=shape),
+        **_mla(shape=shape),
     }
+
+
+def _mla(*, shape: ModelShape) -> dict:
+    """Multi-latent attention's widths (megatron's `MLATransformerConfig`; DeepSeek); its RoPE settings come from the
+    checkpoint's config (toolkit/adapters/mla.py)."""
+    if shape.mla is None:
+        return {}
+    m = shape.mla
+    return {"multi_latent_attention": True, "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
+            "qk_head_dim": m.qk_nope_head_dim, "qk_pos_emb_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim}
 
 
 def _experts(*, layout: RunLayout, shape: ModelShape) -> dict:
@@ -77,10 +89,16 @@ def _experts(*, layout: RunLayout, shape: ModelShape) -> dict:
     load-balancing coefficient come from the checkpoint's config (toolkit/adapters/families/moe.py)."""
     if not shape.is_moe:
         return {}
+    shared = {"moe_shared_expert_intermediate_size": shape.shared_expert_ffn_hidden_size,
+              "moe_shared_expert_gate": shape.shared_expert_gate} if shape.shared_expert_ffn_hidden_size else {}
+    # the dense layers mixed in (DeepSeek's first_k_dense_replace, Qwen2-MoE's mlp_only_layers): 1 = MoE layer
+    pattern = {"moe_layer_freq": [int(shape.is_moe_layer(i)) for i in range(shape.num_layers)]} \
+        if shape.dense_layers else {}
     return {"expert_model_parallel_size": layout.ep, "num_moe_experts": shape.num_experts,
             "moe_router_topk": shape.moe_topk, "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
             "moe_grouped_gemm": False, "moe_token_dispatcher_type": "alltoall",
-            "add_bias_linear": False}  # megatron's default has biases, which its experts refuse under TP
+            "add_bias_linear": False,  # megatron's default has biases, which its experts refuse under TP
+            **shared, **pattern}
 
 
 def _recompute(*, spec: JobSpec, layout: RunLayout) -> dict:

@@ -6,6 +6,8 @@ layers, heads, KV heads, FFN width, vocabulary, tied embeddings. They come from 
   * a GPT-2 shaped config (`n_embd`, `n_layer`, `n_head`),
   * a built-in table of well-known models (`llama3-70b`), so planning works with no checkpoint on disk.
 The adapters (`toolkit/adapters`) do the full config translation for conversion; this module only reads shapes.
+DeepSeek-V2 / V3 (multi-latent attention, shared experts, dense first layers) and Qwen2-MoE (a gated shared expert,
+dense layers by `decoder_sparse_step` / `mlp_only_layers`) are read here too: toolkit/models/moe_shapes.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 from pathlib import Path
 
 from toolkit.errors import DsmtError
+from toolkit.models.moe_shapes import MlaShape, MoeConfigError, moe_config_fields
 
 
 class ModelShapeError(DsmtError):
@@ -44,31 +47,110 @@ class ModelShape:
     attention_softcap: float | None = None
     # False: tp must divide num_kv_heads (OLMo-2's q / k norms span the heads; the family's `qk_norm_spans_heads`)
     kv_heads_replicable: bool = True
+    # Multi-latent attention (DeepSeek-V2 / V3) in place of q / k / v projections; num_kv_heads = num_attention_heads
+    # and head_dim = v_head_dim then (megatron's kv_channels is the attention's output width per head).
+    mla: MlaShape | None = None
+    # Shared experts (DeepSeek's n_shared_experts × moe_intermediate_size, Qwen2-MoE's
+    # shared_expert_intermediate_size): one always-active dense MLP of this width in every MoE layer, split over TP
+    # and replicated over EP like a dense MLP; Qwen2-MoE scales its output by sigmoid(x · shared_expert_gate), a
+    # [1, h] weight. 0: none.
+    shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
+    # MoE models: the 0-based layers whose MLP is dense at ffn_hidden_size (DeepSeek's first_k_dense_replace,
+    # Qwen-MoE's mlp_only_layers / decoder_sparse_step); every other layer is an MoE layer.
+    dense_layers: tuple[int, ...] = ()
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2-MoE's qkv_bias); other biases are not counted
 
     @property
     def kv_channels(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def qk_head_dim(self) -> int:
+        """Width of one head's query and key: MLA's nope + rope dims, else the head dim."""
+        return self.mla.qk_head_dim if self.mla else self.kv_channels
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.mla.v_head_dim if self.mla else self.kv_channels
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims RoPE rotates per head: MLA's decoupled qk_rope_head_dim, else the whole head."""
+        return self.mla.qk_rope_head_dim if self.mla else self.kv_channels
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def _mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
     def expert_params_per_layer(self) -> int:
-        """The experts' weights of one layer (0 for a dense model); expert parallelism splits them over ep ranks."""
-        return self.num_experts * (3 if self.gated_mlp else 2) * self.hidden_size * self.moe_ffn_hidden_size
+        """The routed experts' weights of one MoE layer (0 for a dense model); expert parallelism splits them over ep
+        ranks."""
+        return self.num_experts * self._mlp_matrices() * self.hidden_size * self.moe_ffn_hidden_size
+
+    def shared_expert_params(self) -> int:
+        """One MoE layer's shared experts and their gate (dense weights: TP-split, replicated over EP)."""
+        h = self.hidden_size
+        return self._mlp_matrices() * h * self.shared_expert_ffn_hidden_size + (h if self.shared_expert_gate else 0)
+
+    def attention_matrix_params(self) -> int:
+        """One layer's attention projection matrices (what its matmuls multiply by)."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        if self.mla:
+            return self.mla.matrix_params(hidden_size=h, num_heads=heads)
+        d = self.kv_channels
+        return h * d * (heads + 2 * self.num_kv_heads) + heads * d * h
+
+    def attention_params(self) -> int:
+        """One layer's attention parameters: the matrices, MLA's two latent norms, the q / k / v biases."""
+        extra = self.mla.latent_norm_params() if self.mla else 0
+        if self.qkv_bias:
+            extra += self.kv_channels * (self.num_attention_heads + 2 * self.num_kv_heads)
+        return self.attention_matrix_params() + extra
+
+    def mlp_params(self, *, moe: bool) -> int:
+        """One layer's MLP: dense at ffn_hidden_size, or the routed experts, router [E, h] and shared experts."""
+        if moe:
+            return self.expert_params_per_layer() + self.num_experts * self.hidden_size + self.shared_expert_params()
+        return self._mlp_matrices() * self.hidden_size * self.ffn_hidden_size
+
+    def active_mlp_params(self, *, moe: bool) -> int:
+        """The MLP matrices one token passes through: a dense MLP whole; in an MoE layer the router, its top-k
+        experts and the shared experts (with their gate)."""
+        if not moe:
+            return self.mlp_params(moe=False)
+        routed = self.moe_topk * self._mlp_matrices() * self.hidden_size * self.moe_ffn_hidden_size
+        return self.num_experts * self.hidden_size + routed + self.shared_expert_params()
+
+    def params_per_layer(self, *, moe: bool | None = None) -> int:
+        """One layer's parameters (an MoE layer's when `moe`, default: whether the model is MoE)."""
+        moe = self.is_moe if moe is None else moe
+        return self.attention_params() + self.mlp_params(moe=moe) + 2 * self.hidden_size  # two norms
 
     def num_params(self) -> int:
-        """Parameter count of the unpadded model (norm weights included, biases ignored)."""
-        return self.params_per_layer() * self.num_layers + self.embedding_params() + self.hidden_size
+        """Parameter count of the unpadded model (norm weights and q / k / v biases included, other biases not)."""
+        moe_layers = self.num_moe_layers
+        layers = (moe_layers * self.params_per_layer(moe=True)
+                  + (self.num_layers - moe_layers) * self.params_per_layer(moe=False))
+        return layers + self.embedding_params() + self.hidden_size
 
-    def params_per_layer(self) -> int:
-        h, d = self.hidden_size, self.kv_channels
-        attention = h * d * (self.num_attention_heads + 2 * self.num_kv_heads) + self.num_attention_heads * d * h
-        if self.is_moe:
-            mlp = self.expert_params_per_layer() + self.num_experts * h  # experts + router
-        else:
-            mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden_size
-        return attention + mlp + 2 * h  # two norms
+    def active_params(self) -> int:
+        """Parameters one token uses (MoE: the top-k experts of each MoE layer; embeddings and norms included)."""
+        moe_layers = self.num_moe_layers
+        per_layer = self.attention_params() + 2 * self.hidden_size
+        mlp = (moe_layers * self.active_mlp_params(moe=True)
+               + (self.num_layers - moe_layers) * self.active_mlp_params(moe=False))
+        return self.num_layers * per_layer + mlp + self.embedding_params() + self.hidden_size
 
     def embedding_params(self) -> int:
         """Input embedding plus output layer (counted once when tied)."""
@@ -77,6 +159,21 @@ class ModelShape:
 
 def _llama_like(name, h, layers, heads, kv, ffn, vocab, *, tied=False, max_pos=8192):
     return ModelShape(name, h, layers, heads, kv, ffn, vocab, tied, True, max_pos)
+
+
+def _deepseek(name, h, layers, heads, dense_ffn, vocab, *, experts, topk, moe_ffn, shared, first_dense, q_lora):
+    """A DeepSeek-V2 / V3 shape: MLA with kv_lora_rank 512, nope / rope / v head dims 128 / 64 / 128, untied."""
+    return ModelShape(name, h, layers, heads, heads, dense_ffn, vocab, False, True, 163840, head_dim=128,
+                      num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=moe_ffn,
+                      mla=MlaShape(q_lora, 512, 128, 64, 128), shared_expert_ffn_hidden_size=shared * moe_ffn,
+                      dense_layers=tuple(range(first_dense)))
+
+
+def _qwen2_moe(name, h, layers, heads, kv, dense_ffn, *, experts, topk, moe_ffn, shared, max_pos):
+    """A Qwen2-MoE shape: one gated shared expert, q / k / v biases, vocabulary 151936, untied, every layer MoE."""
+    return ModelShape(name, h, layers, heads, kv, dense_ffn, 151936, False, True, max_pos, num_experts=experts,
+                      moe_topk=topk, moe_ffn_hidden_size=moe_ffn, shared_expert_ffn_hidden_size=shared,
+                      shared_expert_gate=True, qkv_bias=True)
 
 
 # Published shapes (config.json of each release).
@@ -103,6 +200,18 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
                    num_experts=8, moe_topk=2, moe_ffn_hidden_size=14336),
         ModelShape("qwen3-30b-a3b", 2048, 48, 32, 4, 6144, 151936, False, True, 40960, head_dim=128,
                    num_experts=128, moe_topk=8, moe_ffn_hidden_size=768),
+        # DeepSeek-V2-Lite, V2 and V3 (V3's multi-token-prediction layer is not part of the model transformers
+        # loads, nor of training) and Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B (config.json of the releases).
+        _deepseek("deepseek-v2-lite", 2048, 27, 16, 10944, 102400, experts=64, topk=6, moe_ffn=1408, shared=2,
+                  first_dense=1, q_lora=None),
+        _deepseek("deepseek-v2", 5120, 60, 128, 12288, 102400, experts=160, topk=6, moe_ffn=1536, shared=2,
+                  first_dense=1, q_lora=1536),
+        _deepseek("deepseek-v3", 7168, 61, 128, 18432, 129280, experts=256, topk=8, moe_ffn=2048, shared=1,
+                  first_dense=3, q_lora=1536),
+        _qwen2_moe("qwen1.5-moe-a2.7b", 2048, 24, 16, 16, 5632, experts=60, topk=4, moe_ffn=1408, shared=5632,
+                   max_pos=8192),
+        _qwen2_moe("qwen2-57b-a14b", 3584, 28, 28, 4, 18944, experts=64, topk=8, moe_ffn=2560, shared=20480,
+                   max_pos=131072),
     ]
 }
 
@@ -152,30 +261,26 @@ def shape_from_config(config: dict, *, name: str) -> ModelShape:
             gated_mlp=False, max_position_embeddings=config.get("n_positions", 1024),
         )
     heads = _field(config, "num_attention_heads", name)
-    return ModelShape(
-        name=name, hidden_size=_field(config, "hidden_size", name), num_layers=_field(config, "num_hidden_layers", name),
+    layers = _field(config, "num_hidden_layers", name)
+    fields = dict(
+        name=name, hidden_size=_field(config, "hidden_size", name), num_layers=layers,
         num_attention_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
         ffn_hidden_size=_field(config, "intermediate_size", name), vocab_size=_field(config, "vocab_size", name),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=_gated_mlp(config),
         max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
         attention_softcap=_attention_softcap(config),
-        kv_heads_replicable=not _family_architecture(config).qk_norm_spans_heads, **_moe_fields(config),
+        kv_heads_replicable=not _family_architecture(config).qk_norm_spans_heads,
     )
+    try:  # MoE (Mixtral, Qwen-MoE, DeepSeek) and multi-latent attention fields; they may replace the KV heads
+        fields.update(moe_config_fields(config, num_layers=layers))
+    except MoeConfigError as err:
+        raise ModelShapeError(f"{name}: {err}") from err
+    return ModelShape(**fields)
 
 
 def _attention_softcap(config: dict) -> float | None:
     """Gemma 2's attn_logit_softcapping (Gemma 3 configs carry the field, but transformers does not apply it)."""
     return (config.get("attn_logit_softcapping") or None) if config.get("model_type") == "gemma2" else None
-
-
-def _moe_fields(config: dict) -> dict:
-    """Mixtral names the experts `num_local_experts` and their width `intermediate_size`; Qwen3-MoE `num_experts`
-    (transformers 5 writes `num_local_experts`) and `moe_intermediate_size`."""
-    experts = config.get("num_local_experts") or config.get("num_experts") or 0
-    if not experts:
-        return {}
-    return {"num_experts": experts, "moe_topk": config.get("num_experts_per_tok", 2),
-            "moe_ffn_hidden_size": config.get("moe_intermediate_size") or config["intermediate_size"]}
 
 
 def _family_architecture(config: dict):

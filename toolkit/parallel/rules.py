@@ -17,7 +17,7 @@ from toolkit.spec.report import Problem
 # The rules layout_problems can return (a test checks every one is reachable).
 LAYOUT_RULES = frozenset({
     "layout_sizes", "world_size", "heads_vs_tp", "kv_heads_vs_tp", "ffn_vs_tp", "vocab_padding", "layers_vs_pp",
-    "vpp_needs_pp", "sequence_parallel_needs_tp", "sequence_parallel_vs_seq_length", "fused_attention_on_cpu", "cp_on_cpu", "cp_needs_fused_attention", "cp_vs_seq_length",
+    "vpp_needs_pp", "sequence_parallel_needs_tp", "sequence_parallel_vs_seq_length", "fused_attention_on_cpu", "cp_on_cpu", "cp_needs_fused_attention", "cp_vs_seq_length", "cp_with_mla",
     "ep_needs_experts", "experts_vs_ep", "ep_vs_data_parallel", "moe_tp_needs_sequence_parallel", "zero3_with_ep",
     "batch_divisibility", "vpp_microbatches", "zero_with_pp", "tp_crosses_nodes", "attention_softcap_needs_local",
 })
@@ -41,14 +41,21 @@ class ModelFacts:
     num_experts: int = 0  # MoE: experts per layer (0: a dense model)
     kv_heads_replicable: bool = True  # False: tp must divide num_kv_heads (OLMo-2's q / k norms span the heads)
     attention_softcap: float | None = None  # HF attn_logit_softcapping (Gemma 2): megatron's local attention only
+    # Other MLP widths TP splits, as (HF name, size): the routed experts' and the shared experts' where they differ
+    # from ffn_hidden_size (DeepSeek's dense layers are intermediate_size wide, its experts moe_intermediate_size).
+    other_ffn_sizes: tuple[tuple[str, int], ...] = ()
+    mla: bool = False  # multi-latent attention (DeepSeek)
 
     @classmethod
     def from_shape(cls, shape, *, vocab_multiple: int) -> "ModelFacts":
         from toolkit.models.shapes import padded_vocab_size
 
+        all_moe = shape.is_moe and not shape.dense_layers  # an all-MoE model's MLPs are its experts
+        others = ((("moe_intermediate_size", shape.moe_ffn_hidden_size),) if shape.is_moe and not all_moe else ()) \
+            + ((("shared experts", shape.shared_expert_ffn_hidden_size),) if shape.shared_expert_ffn_hidden_size else ())
         return cls(num_attention_heads=shape.num_attention_heads, num_kv_heads=shape.num_kv_heads,
-                   # an MoE model's MLPs are its experts (the families here have no dense layers)
-                   ffn_hidden_size=shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size,
+                   ffn_hidden_size=shape.moe_ffn_hidden_size if all_moe else shape.ffn_hidden_size,
+                   other_ffn_sizes=others, mla=shape.mla is not None,
                    num_layers=shape.num_layers,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, multiple=vocab_multiple),
                    num_experts=shape.num_experts, attention_softcap=shape.attention_softcap,
@@ -60,6 +67,11 @@ class ModelFacts:
         fields = settings.transformer_fields
         return cls(num_attention_heads=fields["num_attention_heads"], num_kv_heads=fields["num_query_groups"],
                    ffn_hidden_size=fields["ffn_hidden_size"], num_layers=settings.num_layers,
+                   other_ffn_sizes=tuple((name, fields[key]) for name, key in (
+                       ("moe_intermediate_size", "moe_ffn_hidden_size"),
+                       ("shared experts", "moe_shared_expert_intermediate_size"))
+                       if fields.get(key) and fields[key] != fields["ffn_hidden_size"]),
+                   mla=bool(fields.get("multi_latent_attention")),
                    padded_vocab_size=settings.padded_vocab_size, num_experts=fields.get("num_moe_experts") or 0,
                    kv_heads_replicable=not settings.family.architecture.qk_norm_spans_heads,
                    attention_softcap=settings.attention_softcap)
@@ -99,6 +111,7 @@ def valid_tp_sizes(*, model: ModelFacts, limit: int) -> list[int]:
     or are a multiple of them (megatron-core replicates each KV head on tp / kv ranks)."""
     kv = model.num_kv_heads
     return [t for t in divisors(limit) if model.num_attention_heads % t == 0 and model.ffn_hidden_size % t == 0
+            and all(size % t == 0 for _, size in model.other_ffn_sizes)
             and model.padded_vocab_size % t == 0 and (kv % t == 0 or (t % kv == 0 and model.kv_heads_replicable))]
 
 
@@ -145,6 +158,8 @@ def rule_tensor_parallel(*, layout: Layout, model: ModelFacts, run: RunFacts | N
          f"tp={tp} does not divide num_kv_heads={kv}, and this model's q / k norms span all heads (OLMo-2), so "
          "each TP rank needs whole KV heads (none replicated)"),
         ("ffn_vs_tp", model.ffn_hidden_size % tp, f"tp={tp} does not divide ffn_hidden_size={model.ffn_hidden_size}"),
+        *(("ffn_vs_tp", size % tp, f"tp={tp} does not divide the {name} width {size}")
+          for name, size in model.other_ffn_sizes),
         ("vocab_padding", model.padded_vocab_size % tp, f"tp={tp} does not divide the padded vocabulary "
                                                         f"{model.padded_vocab_size} (model.make_vocab_size_divisible_by "
                                                         "sets the padding)"),
@@ -192,6 +207,10 @@ def rule_context_parallel(*, layout: Layout, model: ModelFacts, run: RunFacts | 
         found.append(Problem("error", "cp_needs_fused_attention", f"cp={cp} with training.attention={run.attention}: "
                              "megatron's unfused local attention has no context parallelism",
                              "set training.attention: fused (Transformer Engine) or auto, or parallel.cp: 1"))
+    if model.mla:
+        found.append(Problem("error", "cp_with_mla", f"cp={cp} with multi-latent attention (DeepSeek): dsmt has not run "
+                             "megatron-core's MLA under context parallelism (its THD / ring path needs Transformer "
+                             "Engine and is untested here)", "set parallel.cp: 1", (1,)))
     if run.seq_length % (2 * cp):  # load balancing splits each sequence into 2·cp chunks
         valid = tuple(c for c in divisors(run.seq_length // 2) if c > 1) if run.seq_length % 2 == 0 else ()
         found.append(Problem("error", "cp_vs_seq_length", f"seq_length={run.seq_length} is not divisible by 2×cp="

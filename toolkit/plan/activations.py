@@ -23,7 +23,15 @@ per activation element):
                  SP like the norms), and per token k routed copies, each the experts' input (ab·h) and the MLP
                  tensors above at the expert width f = moe_ffn_hidden_size / tp; the routed tokens are gathered
                  over TP before the experts, so they are not split by SP. The busiest EP rank holds
-                 r = min(router_imbalance, ep) times the mean copies: k·r·(ab·h + MLP(f)) per token
+                 r = min(router_imbalance, ep) times the mean copies: k·r·(ab·h + MLP(f)) per token. Shared
+                 experts: the MLP tensors at their width / tp on every token (their input is the MoE layer's);
+                 Qwen2-MoE's gated one also its output and the sigmoid gate (ab·(h + 1), split by SP)
+  MLA            (multi_latent_attention.py, non-absorbed training path) on the rank's own tokens (split by SP): each
+                 latent [q_lora_rank], [kv_lora_rank] as its norm's input and the up projection's input (ab·r + norm);
+                 per head the contiguous query and key [nope + rope] and value [v] copies the core attention
+                 keeps, whichever kernel (ab·a·(2(nope + rope) + v)); the output projection's input ab·a·v; RoPE's
+                 cos / sin at the rope dims (4·s·rope·ab). The up projections' outputs are freed (split views, then
+                 copies)
 Selective recompute re-runs core attention: its inputs stay (q, k and the QKV output v is a view of), its s x s
 tensors do not. Full recompute keeps each layer's input (and the fp32 RoPE frequencies once). In backward the
 layer being recomputed holds again what it does not keep (memory.py adds it once per stage).
@@ -52,11 +60,13 @@ def _norm_bytes(*, h: int, a: Assumptions) -> int:
     return 8 * h + 4 if a.layer_spec == "local" else a.activation_bytes * h
 
 
-def _mlp_bytes(*, shape: ModelShape, tp: int, a: Assumptions, ep: int = 1) -> int:
-    """The MLP's per-token tensors on one TP rank (an MoE layer's: its busiest EP rank's routed copies)."""
-    if shape.is_moe:
+def _mlp_bytes(*, shape: ModelShape, tp: int, a: Assumptions, moe: bool, ep: int = 1) -> int:
+    """The MLP's per-token tensors on one TP rank (an MoE layer's: its busiest EP rank's routed copies and the shared
+    experts, a dense MLP at their width)."""
+    if moe:
         per_copy = _ffn_bytes(ffn_width=shape.moe_ffn_hidden_size // tp, gated=shape.gated_mlp, a=a)
-        return int(routed_activation_bytes(shape=shape, ep=ep, mlp_bytes_per_copy=per_copy, assumptions=a))
+        shared = _ffn_bytes(ffn_width=shape.shared_expert_ffn_hidden_size // tp, gated=shape.gated_mlp, a=a)
+        return int(routed_activation_bytes(shape=shape, ep=ep, mlp_bytes_per_copy=per_copy, assumptions=a)) + shared
     return _ffn_bytes(ffn_width=shape.ffn_hidden_size // tp, gated=shape.gated_mlp, a=a)
 
 
@@ -71,6 +81,8 @@ def _qkv_bytes(*, shape: ModelShape, tp: int, a: Assumptions, selective: bool) -
     """q, k, v as the attention (or, under selective recompute, its checkpoint) keeps them, per token."""
     heads, groups = heads_per_rank(shape=shape, tp=tp)
     d, ab = shape.kv_channels, a.activation_bytes
+    if shape.mla:  # MLA hands the core contiguous query, key [a, nope+rope] and value [a, v] copies, kept by any kernel
+        return ab * heads * (2 * shape.qk_head_dim + shape.v_head_dim)
     if a.attention == "fused":
         return ab * (heads + 2 * groups) * d
     qkv_output = ab * (heads + 2 * groups) * d  # v is a view of it
@@ -93,11 +105,29 @@ def _score_bytes(*, shape: ModelShape, tp: int, keys: int, a: Assumptions) -> in
     return heads * keys * (softmax + after_softmax)
 
 
+def _latent_bytes(*, shape: ModelShape, a: Assumptions) -> int:
+    """MLA's latents per token (on the rank's own tokens: split by SP): each latent norm's input and its output,
+    which the up projection keeps."""
+    if not shape.mla:
+        return 0
+    widths = [w for w in (shape.mla.q_lora_rank, shape.mla.kv_lora_rank) if w]
+    return sum(_norm_bytes(h=w, a=a) + a.activation_bytes * w for w in widths)
+
+
+def _moe_replicated_bytes(*, shape: ModelShape, a: Assumptions) -> int:
+    """An MoE layer's per-token tensors on the rank's own tokens: the router probabilities and, with Qwen2-MoE's
+    gate, the shared expert's output and its sigmoid gate, both kept by the product."""
+    gate = a.activation_bytes * (shape.hidden_size + 1) if shape.shared_expert_gate else 0
+    return router_activation_bytes(shape) + gate
+
+
 def activation_bytes_per_layer(*, shape: ModelShape, seq_length: int, micro_batch_size: int, tp: int,
                                sequence_parallel: bool, recompute: str, assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
-                               cp: int = 1, ep: int = 1) -> int:
-    """Stored activations of one transformer layer for one micro-batch on one TP (and CP, EP) rank."""
+                               cp: int = 1, ep: int = 1, moe: bool | None = None) -> int:
+    """Stored activations of one transformer layer for one micro-batch on one TP (and CP, EP) rank (an MoE layer's
+    when `moe`, by default when the model is MoE)."""
     a, h = assumptions, shape.hidden_size
+    moe = shape.is_moe if moe is None else moe
     s = seq_length // cp
     tokens, ab = s * micro_batch_size, a.activation_bytes
     sp_div = tp if sequence_parallel else 1
@@ -105,12 +135,12 @@ def activation_bytes_per_layer(*, shape: ModelShape, seq_length: int, micro_batc
         return tokens * h * ab // sp_div
     heads, _ = heads_per_rank(shape=shape, tp=tp)
     selective = recompute == "selective"
-    replicated = 2 * _norm_bytes(h=h, a=a) + 2 * ab * h + (2 * h if a.dropout else 0)
-    if shape.is_moe:
-        replicated += router_activation_bytes(shape)
-    split = (_qkv_bytes(shape=shape, tp=tp, a=a, selective=selective) + ab * heads * shape.kv_channels
-             + _mlp_bytes(shape=shape, tp=tp, a=a, ep=ep))
-    per_micro_batch = 4 * s * shape.kv_channels * ab  # RoPE cos / sin of q and k
+    replicated = 2 * _norm_bytes(h=h, a=a) + 2 * ab * h + (2 * h if a.dropout else 0) + _latent_bytes(shape=shape, a=a)
+    if moe:
+        replicated += _moe_replicated_bytes(shape=shape, a=a)
+    split = (_qkv_bytes(shape=shape, tp=tp, a=a, selective=selective) + ab * heads * shape.v_head_dim
+             + _mlp_bytes(shape=shape, tp=tp, a=a, moe=moe, ep=ep))
+    per_micro_batch = 4 * s * shape.rope_dim * ab  # RoPE cos / sin of q and k
     if not selective:
         split += _score_bytes(shape=shape, tp=tp, keys=seq_length, a=a)
         if a.attention == "local" and not a.softmax_fusion:

@@ -1,4 +1,7 @@
-"""Mixture-of-experts (Mixtral, Qwen3-MoE) in the planner: expert weights per rank, routed FLOPs, all-to-all traffic.
+"""Mixture-of-experts (Mixtral, Qwen-MoE, DeepSeek) in the planner: expert weights per rank, routed FLOPs, all-to-all
+traffic. Shared experts (DeepSeek, Qwen2-MoE) are a dense MLP in every MoE layer: split over TP, replicated over EP
+and partitioned with the dense parameters over dp × cp, their FLOPs on every token (no routing, no all-to-all).
+Dense layers of an MoE model (DeepSeek's first_k_dense_replace) have an ordinary MLP and none of the below.
 
 megatron-core's expert grid is etp × ep × edp × pp with the expert TP size etp = tp (toolkit/parallel/layout.py): the
 num_experts experts of a layer are split over ep ranks (E / ep whole experts each), every expert's matrices over
@@ -68,9 +71,14 @@ def expert_params_per_layer_per_gpu(*, shape: ModelShape, tp: int, ep: int) -> i
     return local_experts(shape=shape, ep=ep) * sum(expert_tensors(shape=shape, tp=tp).values())
 
 
-def stage_expert_params_per_gpu(*, shape: ModelShape, layout) -> int:
-    """The experts' share of a pipeline stage's parameters on one rank (every stage holds as many layers)."""
-    return shape.num_layers // layout.pp * expert_params_per_layer_per_gpu(shape=shape, tp=layout.tp, ep=layout.ep)
+def shared_expert_tensors(*, shape: ModelShape, tp: int) -> dict[str, int]:
+    """An MoE layer's shared experts on one TP rank: megatron's SharedExpertMLP, a dense MLP at the shared width
+    (DeepSeek: n_shared_experts × moe_intermediate_size in one MLP), and Qwen2-MoE's gate [1, h], replicated."""
+    if not shape.shared_expert_ffn_hidden_size:
+        return {}
+    f, h = shape.shared_expert_ffn_hidden_size // tp, shape.hidden_size
+    found = {"shared_fc1": h * f * (2 if shape.gated_mlp else 1), "shared_fc2": f * h}
+    return found | ({"shared_gate": h} if shape.shared_expert_gate else {})
 
 
 def routed_expert_params(shape: ModelShape) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from toolkit.errors import DsmtError
 from toolkit.models.shapes import ModelShape
 
 # One name per HF projection of a Llama-shaped layer (the planner's shapes have no family names).
@@ -39,6 +40,10 @@ def trained_embedding_params(*, shape: ModelShape, lora: LoraShape, tp: int, pp:
 
 def projection_sizes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     """(in, out) features of each projection of one layer; a non-gated MLP has no gate."""
+    if shape.mla:
+        raise DsmtError(f"--lora-rank with {shape.name}: LoRA on multi-latent attention's projections (q / kv down "
+                        "and up, o) is not supported by dsmt's LoRA, so the planner does not count it; plan full "
+                        "fine-tuning (drop --lora-rank)")
     h, d, f = shape.hidden_size, shape.kv_channels, shape.ffn_hidden_size
     q, kv = shape.num_attention_heads * d, shape.num_kv_heads * d
     sizes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, f), "up": (h, f), "down": (f, h)}

@@ -11,9 +11,10 @@ Sources
     local layers (toolkit/plan/activations.py, checked against megatron-core's forward: tests/plan/test_measured.py).
   * In-flight micro-batches: megatron-core's 1F1B warm-up counts (schedules.py), which give Korthikanti's
     "first stage holds L layers" and the interleaved factor 1 + (p-1)/(p·v).
-  * Mixture of experts: each rank holds E / ep experts of every layer, split over tp as megatron-core's expert TP
-    (etp = tp) does; their states are partitioned over expert_dp = dp × cp / ep, the rest over dp × cp
-    (toolkit/plan/experts.py).
+  * Mixture of experts: each rank holds E / ep experts of every MoE layer, split over tp as megatron-core's expert
+    TP (etp = tp) does; their states are partitioned over expert_dp = dp × cp / ep, the rest (shared experts
+    included) over dp × cp (toolkit/plan/experts.py). Which tensors a layer holds, multi-latent attention's and
+    dense first layers' included, and which layers a stage holds: toolkit/plan/layers.py.
   * ZeRO-3 build: zero.Init partitions each module as it is built and the checkpoint loads one parameter at a time
     (toolkit/train/engine/zero3.py): a rank holds its partition plus one module before any optimizer state exists.
 """
@@ -28,16 +29,16 @@ from toolkit.errors import DsmtError
 from toolkit.plan.activations import (ROPE_FREQ_BYTES, activation_bytes_per_layer, heads_per_rank,  # noqa: F401
                                       output_layer_activation_bytes as _output_layer_bytes)
 from toolkit.plan.assumptions import Assumptions
-from toolkit.plan.experts import (expert_params_per_layer_per_gpu, expert_tensors, local_experts,
-                                  require_expert_layout, stage_expert_params_per_gpu)
+from toolkit.plan.experts import require_expert_layout
 from toolkit.plan.hardware import GpuSpec
+from toolkit.plan.layers import (ONE_D_TENSORS, VOCAB_DIVISIBLE_BY, layer_params_per_gpu,  # noqa: F401 (re-exported)
+                                 layer_tensors, padded_vocab_size, representative_stages, stage_expert_params_per_gpu,
+                                 stage_layer_counts, stage_params_per_gpu, stage_tensors)
 from toolkit.plan.layout import RECOMPUTE_CHOICES, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.model_states import model_state_bytes  # noqa: F401  (re-exported for callers of this module)
-from toolkit.models import shapes
 from toolkit.models.shapes import ModelShape
 
 DEFAULT_ASSUMPTIONS = Assumptions()
-VOCAB_DIVISIBLE_BY = 128  # megatron's --make-vocab-size-divisible-by default; the padded vocab is split by tp
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "overhead")
 
 
@@ -100,79 +101,29 @@ class MemoryBreakdown:
         return self.worst.by_category()
 
 
-def padded_vocab_size(*, shape: ModelShape, tp: int) -> int:
-    """The adapters' padded vocabulary (toolkit/models/shapes.py), rounded up to a multiple of tp so `// tp` is the
-    rows one TP rank holds (a tp that does not divide it is refused by the layout checks anyway)."""
-    padded = shapes.padded_vocab_size(shape.vocab_size, multiple=VOCAB_DIVISIBLE_BY)
-    return -(-padded // tp) * tp
-
-
-def layer_tensors(*, shape: ModelShape, tp: int) -> dict[str, int]:
-    """One transformer layer's parameter tensors on one TP rank, elements each (megatron-core's sharding: QKV and
-    FC1 split by output rows, the projections by input columns, norms replicated; with tp > num_kv_heads each rank
-    holds one whole KV head). An MoE layer has the router [E, h] (replicated) in place of the MLP; its experts
-    are `expert_tensors`, E / ep of them per rank."""
-    h, d = shape.hidden_size, shape.kv_channels
-    heads, groups = heads_per_rank(shape=shape, tp=tp)
-    tensors = {"linear_qkv": h * (heads + 2 * groups) * d, "linear_proj": heads * d * h}
-    if shape.is_moe:
-        tensors["router"] = shape.num_experts * h
-    else:
-        f = shape.ffn_hidden_size // tp
-        tensors.update({"linear_fc1": h * f * (2 if shape.gated_mlp else 1), "linear_fc2": f * h})
-    return tensors | {"input_layernorm": h, "pre_mlp_layernorm": h}
-
-
-def stage_tensors(*, shape: ModelShape, layout: PlanLayout, stage: int) -> list[tuple[str, int, int]]:
-    """(name, elements on one GPU, how many) of every parameter tensor of pipeline stage `stage` (0-based).
-
-    Embedding on the first stage, final norm and output layer on the last. A tied output layer is the embedding
-    itself at pp=1; at pp>1 the last stage keeps its own copy, kept equal by an all-reduce (megatron)."""
-    layers = shape.num_layers // layout.pp
-    found = [(name, numel, layers) for name, numel in layer_tensors(shape=shape, tp=layout.tp).items()]
-    if shape.is_moe:
-        experts = layers * local_experts(shape=shape, ep=layout.ep)
-        found += [(name, numel, experts) for name, numel in expert_tensors(shape=shape, tp=layout.tp).items()]
-    vocab_rows = padded_vocab_size(shape=shape, tp=layout.tp) // layout.tp
-    if stage == 0:
-        found.append(("embedding", vocab_rows * shape.hidden_size, 1))
-    if stage == layout.pp - 1:
-        found.append(("final_layernorm", shape.hidden_size, 1))
-        if not shape.tied_embeddings or layout.pp > 1:
-            found.append(("output_layer", vocab_rows * shape.hidden_size, 1))
-    return found
-
-
-def layer_params_per_gpu(*, shape: ModelShape, tp: int, ep: int = 1) -> int:
-    """One transformer layer's parameters on one TP (and EP) rank."""
-    return sum(layer_tensors(shape=shape, tp=tp).values()) + expert_params_per_layer_per_gpu(shape=shape, tp=tp,
-                                                                                            ep=ep)
-
-
-def stage_params_per_gpu(*, shape: ModelShape, layout: PlanLayout, stage: int) -> int:
-    """Parameters held by one GPU of pipeline stage `stage` (0-based)."""
-    return sum(numel * count for _, numel, count in stage_tensors(shape=shape, layout=layout, stage=stage))
-
-
-def persistent_params(*, shape: ModelShape, layout: PlanLayout, stage: int, threshold: int) -> int:
+def persistent_params(*, shape: ModelShape, layout: PlanLayout, stage: int, threshold: int,
+                      layer_spec: str = "te") -> int:
     """ZeRO-3 keeps parameters with fewer than `threshold` elements whole on every rank (DeepSpeed's
     stage3_param_persistence_threshold: `ds_persist`, partition_parameters.py); at scale only the norms."""
     if layout.zero_stage < 3:
         return 0
-    return sum(numel * count for _, numel, count in stage_tensors(shape=shape, layout=layout, stage=stage)
-               if numel < threshold)
+    return sum(numel * count for _, numel, count in stage_tensors(shape=shape, layout=layout, stage=stage,
+                                                                  layer_spec=layer_spec) if numel < threshold)
 
 
-def _optimizer_groups(*, shape: ModelShape, layout: PlanLayout, stage: int) -> tuple[list[int], list[int]]:
-    """The stage's parameter sizes as DeepSpeed's two parameter groups hold them, in megatron-core's module order:
-    the matrices (weight decay) and the norms (none; toolkit/train/engine/hybrid.py `weight_decay_groups`). MoE experts
-    are a group of their own, partitioned over expert_dp: not listed here."""
-    t = layer_tensors(shape=shape, tp=layout.tp)
-    layers = shape.num_layers // layout.pp
+def _optimizer_groups(*, shape: ModelShape, layout: PlanLayout, stage: int,
+                      layer_spec: str = "te") -> tuple[list[int], list[int]]:
+    """The stage's parameter sizes as DeepSpeed's two parameter groups hold them, in megatron-core's module order
+    (approximately: each layer's tensors in layer_tensors' order): the matrices (weight decay) and the 1-D norms and
+    biases (none; toolkit/train/engine/hybrid.py `weight_decay_groups`). MoE experts are a group of their own,
+    partitioned over expert_dp: not listed here."""
+    dense, moe = stage_layer_counts(shape=shape, layout=layout, stage=stage)
     vocab = padded_vocab_size(shape=shape, tp=layout.tp) // layout.tp * shape.hidden_size
-    mlp = [t["router"]] if shape.is_moe else [t["linear_fc1"], t["linear_fc2"]]
-    matrices = ([vocab] if stage == 0 else []) + [t["linear_proj"], t["linear_qkv"], *mlp] * layers
-    norms = [shape.hidden_size] * (2 * layers)
+    matrices, norms = ([vocab] if stage == 0 else []), []
+    for is_moe, count in ((False, dense), (True, moe)):
+        tensors = layer_tensors(shape=shape, tp=layout.tp, moe=is_moe, layer_spec=layer_spec)
+        matrices += [numel for name, numel in tensors.items() if name not in ONE_D_TENSORS] * count
+        norms += [numel for name, numel in tensors.items() if name in ONE_D_TENSORS] * count
     if stage == layout.pp - 1:
         norms.append(shape.hidden_size)
         if not shape.tied_embeddings or layout.pp > 1:
@@ -180,14 +131,15 @@ def _optimizer_groups(*, shape: ModelShape, layout: PlanLayout, stage: int) -> t
     return matrices, norms
 
 
-def partition_overlap_params(*, shape: ModelShape, layout: PlanLayout, stage: int, dp_rank: int | None = None) -> int:
+def partition_overlap_params(*, shape: ModelShape, layout: PlanLayout, stage: int, dp_rank: int | None = None,
+                             layer_spec: str = "te") -> int:
     """Elements of the whole parameters overlapping a rank's 1/dp slice of each flat parameter group (the worst
     rank's when `dp_rank` is None). DeepSpeed flattens each group (aligned to 2·dp elements) and cuts it into dp
     equal slices; its fp32 ZeRO-1/2 gradient lists hold the whole gradient of every parameter a slice touches."""
     dp = layout.zero_size
     ranks = range(dp) if dp_rank is None else [dp_rank]
     per_rank = dict.fromkeys(ranks, 0)
-    for sizes in _optimizer_groups(shape=shape, layout=layout, stage=stage):
+    for sizes in _optimizer_groups(shape=shape, layout=layout, stage=stage, layer_spec=layer_spec):
         ends = list(itertools.accumulate(sizes))
         starts = [0] + ends[:-1]
         size = -(-ends[-1] // (2 * dp)) * 2
@@ -223,9 +175,10 @@ def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingSha
                  assumptions: Assumptions = DEFAULT_ASSUMPTIONS, dp_rank: int | None = None) -> StageMemory:
     """Memory per GPU of pipeline stage `stage` (its worst data-parallel rank, or `dp_rank`'s)."""
     a = assumptions
-    params = stage_params_per_gpu(shape=shape, layout=layout, stage=stage)
-    expert_params = stage_expert_params_per_gpu(shape=shape, layout=layout)
-    persistent = persistent_params(shape=shape, layout=layout, stage=stage, threshold=a.zero3_persistence_threshold)
+    params = stage_params_per_gpu(shape=shape, layout=layout, stage=stage, layer_spec=a.layer_spec)
+    expert_params = stage_expert_params_per_gpu(shape=shape, layout=layout, stage=stage)
+    persistent = persistent_params(shape=shape, layout=layout, stage=stage, threshold=a.zero3_persistence_threshold,
+                                   layer_spec=a.layer_spec)
     if training.lora is None:
         states = full_model_states(shape=shape, layout=layout, stage=stage, params=params,
                                    expert_params=expert_params, persistent=persistent, assumptions=a, dp_rank=dp_rank)
@@ -234,11 +187,11 @@ def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingSha
                                            persistent=persistent, assumptions=a, stage=stage)
     in_flight = micro_batches_in_flight(layout=layout, num_micro=num_micro_batches(layout=layout, training=training),
                                         stage=stage)
-    activations = int(stage_activation_bytes(shape=shape, layout=layout, training=training, assumptions=a) * in_flight)
+    activations = int(stage_activation_bytes(shape=shape, layout=layout, training=training, assumptions=a,
+                                             stage=stage) * in_flight)
     if layout.recompute != "none":  # backward re-runs one layer (its attention core) and holds what it keeps again
-        kept = _layer_bytes(shape=shape, layout=layout, training=training, recompute=layout.recompute, assumptions=a)
-        activations += max(0, _layer_bytes(shape=shape, layout=layout, training=training, recompute="none",
-                                           assumptions=a) - kept)
+        activations += _recomputed_layer_bytes(shape=shape, layout=layout, training=training, assumptions=a,
+                                               stage=stage)
     if stage == layout.pp - 1:
         activations += output_layer_activation_bytes(shape=shape, layout=layout, training=training, assumptions=a)
     if stage == 0:
@@ -257,7 +210,8 @@ def full_model_states(*, shape: ModelShape, layout: PlanLayout, stage: int, para
     """Model-state bytes of full training: DeepSpeed's buffers for the dense parameters, partitioned over dp × cp,
     and for an MoE model's experts (a parameter group of their own), partitioned over expert_dp."""
     a = assumptions
-    overlap = (partition_overlap_params(shape=shape, layout=layout, stage=stage, dp_rank=dp_rank)
+    overlap = (partition_overlap_params(shape=shape, layout=layout, stage=stage, dp_rank=dp_rank,
+                                        layer_spec=a.layer_spec)
                if a.precision == "fp32" and layout.zero_stage in (1, 2) else None)  # only these lists hold it
     states = model_state_bytes(num_params=params - expert_params, dp=layout.zero_size, zero_stage=layout.zero_stage,
                                offload_optimizer=layout.offload_optimizer, persistent_params=persistent,
@@ -287,19 +241,32 @@ def lora_model_states(*, shape: ModelShape, layout: PlanLayout, lora, base_param
     return states, base_params + adapters
 
 
-def _layer_bytes(*, shape, layout, training, recompute, assumptions) -> int:
+def _layer_bytes(*, shape, layout, training, recompute, assumptions, moe: bool | None = None) -> int:
     return activation_bytes_per_layer(
         shape=shape, seq_length=training.seq_length, micro_batch_size=layout.micro_batch_size, tp=layout.tp,
-        sequence_parallel=layout.sp, recompute=recompute, assumptions=assumptions, cp=layout.cp, ep=layout.ep)
+        sequence_parallel=layout.sp, recompute=recompute, assumptions=assumptions, cp=layout.cp, ep=layout.ep,
+        moe=moe)
+
+
+def _recomputed_layer_bytes(*, shape, layout, training, assumptions, stage: int) -> int:
+    """What backward's re-run of one layer holds beyond what the layer keeps (the larger of the stage's kinds)."""
+    dense, moe = stage_layer_counts(shape=shape, layout=layout, stage=stage)
+    kinds = [kind for kind, count in ((False, dense), (True, moe)) if count]
+    return max(max(0, _layer_bytes(shape=shape, layout=layout, training=training, recompute="none",
+                                   assumptions=assumptions, moe=kind)
+                   - _layer_bytes(shape=shape, layout=layout, training=training, recompute=layout.recompute,
+                                  assumptions=assumptions, moe=kind)) for kind in kinds)
 
 
 def stage_activation_bytes(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape,
-                           assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> int:
+                           assumptions: Assumptions = DEFAULT_ASSUMPTIONS, stage: int = 0) -> int:
     """One micro-batch's stored activations of a whole stage's layers (the unit micro_batches_in_flight counts)."""
-    per_layer = _layer_bytes(shape=shape, layout=layout, training=training, recompute=layout.recompute,
-                             assumptions=assumptions)
-    rope = ROPE_FREQ_BYTES * training.seq_length // layout.cp * shape.kv_channels if layout.recompute == "full" else 0
-    return per_layer * (shape.num_layers // layout.pp) + rope
+    dense, moe = stage_layer_counts(shape=shape, layout=layout, stage=stage)
+    layers = sum(count * _layer_bytes(shape=shape, layout=layout, training=training, recompute=layout.recompute,
+                                      assumptions=assumptions, moe=kind)
+                 for kind, count in ((False, dense), (True, moe)) if count)
+    rope = ROPE_FREQ_BYTES * training.seq_length // layout.cp * shape.rope_dim if layout.recompute == "full" else 0
+    return layers + rope
 
 
 def embedding_activation_bytes(*, layout: PlanLayout, training: TrainingShape) -> int:
@@ -318,11 +285,13 @@ def score_buffer_bytes(*, shape: ModelShape, layout: PlanLayout, training: Train
     return assumptions.activation_bytes * heads * (s // layout.cp) * s * layout.micro_batch_size
 
 
-def largest_gathered_params(*, shape: ModelShape, tp: int) -> int:
-    """The largest unit ZeRO-3 gathers at once on one TP rank: a layer or the embedding (DeepSpeed's
-    'largest_layer_params')."""
+def largest_gathered_params(*, shape: ModelShape, tp: int, layer_spec: str = "te") -> int:
+    """The largest unit ZeRO-3 gathers at once on one TP rank: a layer (all its experts) or the embedding
+    (DeepSpeed's 'largest_layer_params')."""
     embedding = padded_vocab_size(shape=shape, tp=tp) // tp * shape.hidden_size
-    return max(layer_params_per_gpu(shape=shape, tp=tp), embedding)
+    kinds = {shape.is_moe_layer(i) for i in range(shape.num_layers)}
+    return max(embedding, *(layer_params_per_gpu(shape=shape, tp=tp, moe=kind, layer_spec=layer_spec)
+                            for kind in kinds))
 
 
 def build_peak_bytes(*, shape: ModelShape, layout: PlanLayout, stage: int,
@@ -334,7 +303,7 @@ def build_peak_bytes(*, shape: ModelShape, layout: PlanLayout, stage: int,
     rank holds its partition and at most its largest parameter tensor whole (persistent parameters are gathered
     for good only once training fetches them). Other stages build the whole weights."""
     a = assumptions
-    tensors = stage_tensors(shape=shape, layout=layout, stage=stage)
+    tensors = stage_tensors(shape=shape, layout=layout, stage=stage, layer_spec=a.layer_spec)
     params = sum(numel * count for _, numel, count in tensors)
     held = params if layout.zero_stage < 3 else -(-params // layout.zero_size) + max(numel for _, numel, _ in tensors)
     return held * a.param_bytes + int(a.framework_overhead_gb * 1e9)
@@ -350,7 +319,7 @@ def _buffer_bytes(*, shape, layout, params, assumptions) -> int:
     MEMORY_OPT_ALLREDUCE_SIZE, `buffered_allreduce_fallback`)."""
     a, stage = assumptions, layout.zero_stage
     if stage == 3:
-        largest = largest_gathered_params(shape=shape, tp=layout.tp)
+        largest = largest_gathered_params(shape=shape, tp=layout.tp, layer_spec=a.layer_spec)
         return (a.reduce_bucket_elements * 4 + largest * (a.param_bytes + a.grad_bytes)
                 + min(a.zero3_prefetch_elements, params) * a.param_bytes)
     if stage == 2 or (stage == 1 and a.precision == "fp32"):
@@ -390,10 +359,11 @@ def estimate_memory(*, shape: ModelShape, layout: PlanLayout, training: Training
     """Memory per GPU for `layout`; the worst pipeline stage decides.
 
     Only the first and last stages can be the worst (the first holds the most micro-batches and the embedding,
-    the last the output layer and logits), so only they are computed unless `all_stages`.
+    the last the output layer and logits), and in a model with dense layers the first stage of each other mix of
+    dense and MoE layers (toolkit/plan/layers.py `representative_stages`): only they are computed unless `all_stages`.
     """
     _require_computable(shape=shape, layout=layout)
-    indices = range(layout.pp) if all_stages else sorted({0, layout.pp - 1})
+    indices = range(layout.pp) if all_stages else representative_stages(shape=shape, layout=layout)
     stages = tuple(stage_memory(shape=shape, layout=layout, training=training, stage=i, assumptions=assumptions)
                    for i in indices)
     worst = max(stages, key=lambda m: m.total_bytes)

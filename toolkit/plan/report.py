@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -58,13 +59,45 @@ def step_parts(*, moe: bool) -> dict[str, str]:
     return parts
 
 
+def model_line(shape: ModelShape) -> str:
+    """The model's size and shape (an MoE model's active parameters per token; MLA's latent widths)."""
+    active = f" ({shape.active_params() / 1e9:.2f} B active per token)" if shape.is_moe else ""
+    if shape.mla:
+        m = shape.mla
+        q = f"q latent {m.q_lora_rank}" if m.q_lora_rank else "plain q projection"
+        heads = (f"heads {shape.num_attention_heads} with multi-latent attention ({q}, kv latent {m.kv_lora_rank}, "
+                 f"q/k head {m.qk_nope_head_dim}+{m.qk_rope_head_dim}, v head {m.v_head_dim})")
+    else:
+        heads = f"heads {shape.num_attention_heads}/{shape.num_kv_heads} KV"
+    return (f"model {shape.name}: {shape.num_params() / 1e9:.2f} B params{active}, {shape.num_layers} layers, hidden "
+            f"{shape.hidden_size}, {heads}, vocab {shape.vocab_size}")
+
+
+def _layer_ranges(layers: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> '0-2, 5'."""
+    runs, start = [], None
+    for i, layer in enumerate(layers):
+        start = layer if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            runs.append(f"{start}-{layer}" if layer > start else f"{layer}")
+            start = None
+    return ", ".join(runs)
+
+
 def moe_lines(*, shape: ModelShape, assumptions) -> list[str]:
     """An MoE model's experts and the routing assumption the plan rests on (nothing for a dense model)."""
     if not shape.is_moe:
         return []
+    width = shape.shared_expert_ffn_hidden_size
+    shared = (f", plus {'a gated' if shape.shared_expert_gate else 'an'} always-active shared-expert MLP of width "
+              f"{width}") if width else ""
+    one = len(shape.dense_layers) == 1
+    dense = (f"; {'layer' if one else 'layers'} {_layer_ranges(shape.dense_layers)} {'is' if one else 'are'} dense "
+             f"(MLP width {shape.ffn_hidden_size})" if shape.dense_layers else "")
     return [f"experts: {shape.num_experts} per layer of width {shape.moe_ffn_hidden_size}, top-{shape.moe_topk} "
-            f"routed; assumption router_imbalance = {assumptions.router_imbalance} (the busiest EP rank receives "
-            f"{assumptions.router_imbalance:g} x the mean routed tokens, capped at ep; --router-imbalance)"]
+            f"routed{shared}{dense}; assumption router_imbalance = {assumptions.router_imbalance} (the busiest EP "
+            f"rank receives {assumptions.router_imbalance:g} x the mean routed tokens, capped at ep; "
+            "--router-imbalance)"]
 
 
 def choice_note(result: Plan) -> str:
@@ -103,6 +136,14 @@ def plan_dict(result: Plan, *, top: int) -> dict:
         found["moe"] = {"num_experts": shape.num_experts, "moe_topk": shape.moe_topk,
                         "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
                         "router_imbalance": result.assumptions.router_imbalance}
+        found["num_active_params"] = shape.active_params()
+        if shape.shared_expert_ffn_hidden_size:
+            found["moe"].update(shared_expert_ffn_hidden_size=shape.shared_expert_ffn_hidden_size,
+                                shared_expert_gate=shape.shared_expert_gate)
+        if shape.dense_layers:
+            found["moe"].update(dense_layers=list(shape.dense_layers), ffn_hidden_size=shape.ffn_hidden_size)
+    if result.shape.mla:
+        found["mla"] = dataclasses.asdict(result.shape.mla)
     return found
 
 
@@ -129,8 +170,7 @@ def format_table(result: Plan, *, top: int) -> str:
     c, shape, tr = result.cluster, result.shape, result.training
     moe = shape.is_moe
     lines = [
-        f"model {shape.name}: {shape.num_params() / 1e9:.2f} B params, {shape.num_layers} layers, hidden "
-        f"{shape.hidden_size}, heads {shape.num_attention_heads}/{shape.num_kv_heads} KV, vocab {shape.vocab_size}",
+        model_line(shape),
         f"cluster {c.nodes} x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gb:.1f} GB, "
         f"{c.gpu.peak_bf16_tflops:.0f} TF bf16); seq {tr.seq_length}, global batch {tr.global_batch_size}; "
         f"{result.evaluated} layouts evaluated, {len(result.fitting)} fit",

@@ -18,7 +18,13 @@ Sources
     DeepSpeed's BF16_Optimizer, which all-reduces at the accumulation boundary and all-gathers the updated bf16
     weights after the step. Only ZeRO-2 (reduce-scatter in the backward hooks of every micro-batch) and ZeRO-3
     (also parameter all-gathers, prefetched) at pp = 1 run beside compute: `dp_overlap` of that traffic hides.
-  * Mixture of experts (toolkit/plan/experts.py): a token's FLOPs count the router and its top-k experts only; the
+  * Multi-latent attention (DeepSeek): the down and up projections' FLOPs on every token, the core QK^T over
+    nope + rope dims and AV over v_head_dim. Under TP the down projections are whole on every rank (Transformer
+    Engine) but each rank runs them on its own s / tp tokens (dsmt runs TP with SP for MoE), so they divide by tp
+    like the rest. Not counted: the TP all-reduce of those duplicated weights' gradients (~(q_lora_rank +
+    kv_lora_rank + rope)·h per layer, once per step).
+  * Mixture of experts (toolkit/plan/experts.py): a token's FLOPs count the router, its top-k experts and the shared
+    experts only; dense layers of an MoE model (DeepSeek's first layers) count their whole MLP; the
     busiest EP rank's expert FLOPs are router_imbalance times the mean; the token all-to-all (dispatch and
     combine, forward and backward: 4 per layer and micro-batch) is its own term, over NVLink when the EP group
     fits in a node, else over the NICs. Expert gradients reduce, and their optimizer runs, over the expert_dp
@@ -32,10 +38,11 @@ import math
 
 from toolkit.plan.activations import heads_per_rank
 from toolkit.plan.assumptions import Assumptions
-from toolkit.plan.experts import (all_to_all_s, imbalance_extra_flops, routed_expert_params,
-                                  stage_expert_params_per_gpu)
+from toolkit.plan.experts import all_to_all_s, imbalance_extra_flops
+from toolkit.plan.layers import (padded_vocab_size, representative_stages, stage_expert_params_per_gpu,
+                                 stage_layer_counts, stage_params_per_gpu)
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape, num_micro_batches
-from toolkit.plan.memory import DEFAULT_ASSUMPTIONS, padded_vocab_size, stage_params_per_gpu
+from toolkit.plan.memory import DEFAULT_ASSUMPTIONS
 from toolkit.models.shapes import ModelShape
 
 
@@ -64,23 +71,34 @@ class StepTime:
         return self.mfu * self.flops_per_step / self.model_flops_per_step
 
 
-def layer_forward_flops(*, shape: ModelShape, tokens: int, seq_length: int) -> tuple[float, float]:
+def layer_forward_flops(*, shape: ModelShape, tokens: int, seq_length: int,
+                        moe: bool | None = None) -> tuple[float, float]:
     """(matmul FLOPs, attention-core FLOPs) of one layer's forward over `tokens` tokens, each query attending to
-    `seq_length` keys (counted in full, as Narayanan's formula does)."""
-    matmul_params = shape.params_per_layer() - 2 * shape.hidden_size
-    if shape.is_moe:  # a token runs through the router and its top-k experts, not all of them
-        matmul_params += routed_expert_params(shape) - shape.expert_params_per_layer()
-    core = 4.0 * tokens * seq_length * shape.num_attention_heads * shape.kv_channels  # QK^T and AV
+    `seq_length` keys (counted in full, as Narayanan's formula does). An MoE layer's (when `moe`, default: when the
+    model is MoE) token runs through the router, its top-k experts and the shared experts, not all experts; MLA's
+    through its down and up projections (ModelShape.attention_matrix_params)."""
+    moe = shape.is_moe if moe is None else moe
+    matmul_params = shape.attention_matrix_params() + shape.active_mlp_params(moe=moe)
+    # QK^T over the query / key width, AV over the value width (MLA: nope + rope and v_head_dim; else both d)
+    core = 2.0 * tokens * seq_length * shape.num_attention_heads * (shape.qk_head_dim + shape.v_head_dim)
     return 2.0 * tokens * matmul_params, core
+
+
+def _model_layer_kinds(shape: ModelShape) -> list[tuple[bool, int]]:
+    """(is an MoE layer, how many) over the whole model."""
+    moe = shape.num_moe_layers
+    return [(kind, count) for kind, count in ((False, shape.num_layers - moe), (True, moe)) if count]
 
 
 def training_flops(*, shape: ModelShape, tokens: int, seq_length: int, recompute: str, tp: int = 1) -> float:
     """Training FLOPs (forward + backward, recompute included) of the whole model over `tokens` tokens."""
-    matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=seq_length)
     passes = 4.0 if recompute == "full" else 3.0
-    extra_core = core if recompute == "selective" else 0.0
+    layers = 0.0
+    for moe, count in _model_layer_kinds(shape):
+        matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=seq_length, moe=moe)
+        layers += count * ((matmul + core) * passes + (core if recompute == "selective" else 0.0))
     logits = 2.0 * tokens * padded_vocab_size(shape=shape, tp=tp) * shape.hidden_size
-    return shape.num_layers * ((matmul + core) * passes + extra_core) + 3.0 * logits
+    return layers + 3.0 * logits
 
 
 def ring_time_s(*, kind: str, message_bytes: float, group_size: int, bandwidth_gbps: float,
@@ -112,8 +130,10 @@ def estimate_step_time(*, shape: ModelShape, layout: PlanLayout, training: Train
     a, gpu = assumptions, cluster.gpu
     m, p, v, t = num_micro_batches(layout=layout, training=training), layout.pp, layout.vpp, layout.tp
     s = training.seq_length
-    mb = _per_micro_batch_s(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=a)
-    per_mb_s = mb.compute_s + mb.elementwise_s + mb.tp_s + mb.cp_s + mb.pp_s + mb.ep_s
+    mb = max((_per_micro_batch_s(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=a,
+                                 stage=stage) for stage in _timed_stages(shape=shape, layout=layout)),
+             key=lambda x: x.total_s)
+    per_mb_s = mb.total_s
     bubble_s = (p - 1) / v * per_mb_s
     dp_total_s, dp_hidden_s = _dp_comm_s(shape=shape, layout=layout, cluster=cluster, num_micro=m,
                                          compute_s=m * (mb.compute_s + mb.elementwise_s), assumptions=a)
@@ -142,28 +162,46 @@ class _MicroBatch:
     pp_s: float
     ep_s: float
 
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.elementwise_s + self.tp_s + self.cp_s + self.pp_s + self.ep_s
 
-def _stage_layers(*, shape: ModelShape, layout: PlanLayout) -> int:
-    """Layers on the slowest stage: megatron splits evenly; a published uneven split holds at most the ceiling."""
-    return math.ceil(shape.num_layers / layout.pp)
+
+def _timed_stages(*, shape: ModelShape, layout: PlanLayout) -> list[int]:
+    """The stages that can be the slowest: the last (its layers plus the logits) when every layer is alike, else
+    also the first of each other mix of dense and MoE layers."""
+    return representative_stages(shape=shape, layout=layout) if shape.dense_layers else [layout.pp - 1]
 
 
-def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions) -> _MicroBatch:
-    """One micro-batch through the slowest stage (the last: its layers plus the logits) on one rank."""
+def _stage_layer_kinds(*, shape: ModelShape, layout: PlanLayout, stage: int) -> tuple[int, int]:
+    """(dense, MoE) layers of a stage: megatron splits evenly; a published uneven split holds at most the ceiling."""
+    if shape.dense_layers:
+        return stage_layer_counts(shape=shape, layout=layout, stage=stage)
+    layers = math.ceil(shape.num_layers / layout.pp)
+    return (0, layers) if shape.is_moe else (layers, 0)
+
+
+def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions, stage: int) -> _MicroBatch:
+    """One micro-batch through pipeline stage `stage` (the last adds the logits) on one rank."""
     a, t, cp = assumptions, layout.tp, layout.cp
     s = training.seq_length
     tokens = s * layout.micro_batch_size // cp          # this rank's share of the micro-batch
-    layers = _stage_layers(shape=shape, layout=layout)
-    matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=s)
+    dense, moe = _stage_layer_kinds(shape=shape, layout=layout, stage=stage)
+    layers = dense + moe
     passes = 4.0 if layout.recompute == "full" else 3.0
-    layer_flops = (matmul + core) * passes + (core if layout.recompute == "selective" else 0.0)
-    if shape.is_moe:  # the step waits on the EP rank the router sends the most tokens to
-        layer_flops += imbalance_extra_flops(shape=shape, tokens=tokens, passes=passes, ep=layout.ep, assumptions=a)
-    vocab = padded_vocab_size(shape=shape, tp=t)
-    stage_flops = (layer_flops * layers + 6.0 * tokens * vocab * shape.hidden_size) / t
+    layer_flops = core_flops = elementwise = 0.0
+    for is_moe, count in ((False, dense), (True, moe)):
+        matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=s, moe=is_moe)
+        flops = (matmul + core) * passes + (core if layout.recompute == "selective" else 0.0)
+        if is_moe:  # the step waits on the EP rank the router sends the most tokens to
+            flops += imbalance_extra_flops(shape=shape, tokens=tokens, passes=passes, ep=layout.ep, assumptions=a)
+        layer_flops, core_flops = layer_flops + count * flops, core_flops + count * core
+        elementwise += count * elementwise_bytes(shape=shape, layout=layout, tokens=tokens, seq_length=s,
+                                                 assumptions=a, moe=is_moe)
+    logits = 6.0 * tokens * padded_vocab_size(shape=shape, tp=t) * shape.hidden_size if stage == layout.pp - 1 else 0.0
+    stage_flops = (layer_flops + logits) / t
     flops_per_s = cluster.gpu.peak_bf16_tflops * 1e12 * a.efficiency
-    elementwise_s = layers * elementwise_bytes(shape=shape, layout=layout, tokens=tokens, seq_length=s,
-                                                assumptions=a) / (cluster.gpu.hbm_gbps * 1e9)
+    elementwise_s = elementwise / (cluster.gpu.hbm_gbps * 1e9)
     # Tensor parallel: 4 all-reduces (or reduce-scatter + all-gather pairs under SP, the same volume) per layer.
     tp_calls = 6 if layout.recompute == "full" else 4
     tp_one = ring_time_s(kind="all_reduce", message_bytes=tokens * shape.hidden_size * a.activation_bytes,
@@ -171,27 +209,33 @@ def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions) -> _Mic
                          assumptions=a)
     tp_s = tp_one * tp_calls * layers * (1.0 - a.tp_overlap)
     cp_s = _cp_exposed_s(shape=shape, layout=layout, tokens=tokens, layers=layers,
-                         attention_s=core * passes * layers / t / flops_per_s, cluster=cluster, assumptions=a)
-    ep_s = all_to_all_s(shape=shape, layout=layout, tokens=tokens, layers=layers, cluster=cluster, assumptions=a)
+                         attention_s=core_flops * passes / t / flops_per_s, cluster=cluster, assumptions=a)
+    ep_s = all_to_all_s(shape=shape, layout=layout, tokens=tokens, layers=moe, cluster=cluster, assumptions=a)
     return _MicroBatch(compute_s=stage_flops / flops_per_s, elementwise_s=elementwise_s, tp_s=tp_s, cp_s=cp_s,
                        pp_s=_pp_p2p_s(shape=shape, layout=layout, tokens=tokens, cluster=cluster, assumptions=a),
                        ep_s=ep_s)
 
 
 def elementwise_bytes(*, shape: ModelShape, layout: PlanLayout, tokens: int, seq_length: int,
-                      assumptions: Assumptions) -> float:
+                      assumptions: Assumptions, moe: bool | None = None) -> float:
     """HBM bytes one rank's memory-bound kernels move in one layer for `tokens` tokens (forward, backward and any
     recomputed forward), counted in bf16 elements per token of the forward:
       hidden width h (split by SP): two norms (read h, write h), two residual adds (read 2h, write h), with
         dropout two dropouts (read h, write h and a 1-byte mask)              -> 10h, +5h with dropout
       FFN width f (split by TP): activation read f write f (GeLU), SwiGLU reads 2f  -> 2f or 3f
-        (MoE: the k routed copies at the expert width, f = k · moe_ffn_hidden_size, at the mean routing)
+        (an MoE layer: the k routed copies at the expert width and the shared experts,
+        f = k · moe_ffn_hidden_size + shared width, at the mean routing)
+      MLA's latents (split by SP): their norms (read and write q_lora_rank and kv_lora_rank)
       attention scores a·s (split by TP), only without fused attention: softmax read and write, with dropout
         also its mask and output                                             -> 2as, +2.5as with dropout
     """
     a, h, t = assumptions, shape.hidden_size, layout.tp
     hidden = (10 + (5 if a.dropout else 0)) * h / (t if layout.sp else 1)
-    ffn_width = shape.moe_topk * shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size
+    moe = shape.is_moe if moe is None else moe
+    if shape.mla:
+        hidden += 2 * ((shape.mla.q_lora_rank or 0) + shape.mla.kv_lora_rank) / (t if layout.sp else 1)
+    ffn_width = (shape.moe_topk * shape.moe_ffn_hidden_size + shape.shared_expert_ffn_hidden_size if moe
+                 else shape.ffn_hidden_size)
     ffn = (3 if shape.gated_mlp else 2) * ffn_width / t
     scores = 0.0
     if a.attention == "local":  # unfused attention writes the s x s scores to memory (fused / flash does not)
@@ -208,7 +252,7 @@ def _cp_exposed_s(*, shape, layout, tokens, layers, attention_s, cluster, assump
     if cp <= 1:
         return 0.0
     _, kv_heads = heads_per_rank(shape=shape, tp=layout.tp)  # a replicated KV head when tp > num_kv_heads
-    kv_chunk_bytes = 2 * tokens * kv_heads * shape.kv_channels * a.activation_bytes
+    kv_chunk_bytes = tokens * kv_heads * (shape.qk_head_dim + shape.v_head_dim) * a.activation_bytes
     # point-to-point to the ring neighbour: NVLink inside a node, else the GPU's own NIC (no striping over others)
     inside = layout.tp * cp <= cluster.gpus_per_node
     link = cluster.gpu.nvlink_gbps if inside else cluster.gpu.ib_gbps
@@ -237,6 +281,13 @@ def dp_overlap_share(*, layout: PlanLayout, assumptions: Assumptions) -> float:
     return assumptions.dp_overlap
 
 
+def _heaviest_stage_params(*, shape, layout, assumptions) -> tuple[int, int]:
+    """(parameters, routed-expert parameters) per GPU of the stage holding the most parameters."""
+    return max((stage_params_per_gpu(shape=shape, layout=layout, stage=i, layer_spec=assumptions.layer_spec),
+                stage_expert_params_per_gpu(shape=shape, layout=layout, stage=i))
+               for i in representative_stages(shape=shape, layout=layout))
+
+
 def _dp_comm_s(*, shape, layout, cluster, num_micro, compute_s, assumptions) -> tuple[float, float]:
     """(all data-parallel collectives of the heaviest stage over one step, the part hidden behind compute:
     reduce-scatters behind the backward passes (2/3 of the compute), ZeRO-3's gathers also behind forward)."""
@@ -244,8 +295,7 @@ def _dp_comm_s(*, shape, layout, cluster, num_micro, compute_s, assumptions) -> 
     if ranks <= 1:
         return 0.0, 0.0
     a = assumptions
-    params = max(stage_params_per_gpu(shape=shape, layout=layout, stage=i) for i in {0, layout.pp - 1})
-    experts = stage_expert_params_per_gpu(shape=shape, layout=layout)
+    params, experts = _heaviest_stage_params(shape=shape, layout=layout, assumptions=a)
     groups = [(params - experts, ranks, group_bandwidth_gbps(stride=layout.tp, size=ranks, cluster=cluster))]
     if experts:  # each expert's replicas: expert_dp ranks, tp × ep apart (megatron's etp × ep × edp grid)
         groups.append((experts, layout.expert_dp, group_bandwidth_gbps(stride=layout.tp * layout.ep,
@@ -274,9 +324,8 @@ def _dp_comm_s(*, shape, layout, cluster, num_micro, compute_s, assumptions) -> 
 def _optimizer_s(*, shape, layout, cluster, assumptions) -> float:
     """Adam is memory bound on the GPU; with offload it runs on the CPU behind PCIe transfers."""
     a = assumptions
-    params = max(stage_params_per_gpu(shape=shape, layout=layout, stage=i) for i in {0, layout.pp - 1})
+    params, experts = _heaviest_stage_params(shape=shape, layout=layout, assumptions=a)
     shard = params / (layout.zero_size if layout.zero_stage >= 1 else 1)
-    experts = stage_expert_params_per_gpu(shape=shape, layout=layout)
     if experts and layout.zero_stage >= 1:  # the experts' states are partitioned over expert_dp ranks only
         shard = (params - experts) / layout.zero_size + experts / layout.expert_dp
     if layout.offload_optimizer:

@@ -277,8 +277,12 @@ def check_lora(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
         return [Problem("error", "lora_needs_weights", f"training.lora with model.builtin={spec.model.builtin}: the "
                         "base weights would be megatron-core's random initialisation, frozen",
                         "fine-tune a checkpoint (model.path) with LoRA, or pretrain without training.lora")]
+    from toolkit.train.lora.adapters import LoraFamilyError
+
     try:
         modules = spec_lora_modules(spec)
+    except LoraFamilyError as err:
+        return [Problem("error", err.rule, str(err), err.fix)]
     except (AdapterError, DsmtError) as err:
         return [Problem("error", "lora_targets", str(err), "set training.lora.targets to names listed above, or "
                         "leave it unset for every attention and MLP projection")]

@@ -21,8 +21,14 @@ def check_model_adapter(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     model_type = spec_model_type(spec) if spec.model.path is not None else None
     if model_type not in supported_model_types() or get_family(model_type).is_encoder:
         return []  # builtin shapes and inline configs: the dry run reads them; encoders: check_encoder_model
+    from toolkit.adapters.hf_source import QuantizedCheckpointError, fp8_block_size, quantization_config
+
     try:  # config.json only (the weights are the dry run's and the loader's)
-        model_settings(load_hf_config(Path(spec.model.path)), vocab_pad_multiple=spec.model.make_vocab_size_divisible_by)
+        path = Path(spec.model.path)
+        fp8_block_size(quantization_config(path), checkpoint_dir=path, dequantize_fp8=False)  # FP8 / quantised
+        model_settings(load_hf_config(path), vocab_pad_multiple=spec.model.make_vocab_size_divisible_by)
+    except QuantizedCheckpointError as err:
+        return [Problem("error", err.rule, err.detail, err.fix)]
     except DsmtError as err:
         return [Problem("error", "model_config", str(err), "use a config the family reproduces (the message "
                         "names each field), or another checkpoint")]

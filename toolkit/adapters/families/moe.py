@@ -1,4 +1,4 @@
-"""What the mixture-of-experts families (Mixtral, Qwen3-MoE) share: the megatron-core MoE settings read from an HF
+"""What the mixture-of-experts families (Mixtral, Qwen3-MoE, Qwen2-MoE) share: the megatron-core MoE settings read from an HF
 config, and the refusals for what megatron-core cannot reproduce. Not a family itself (registers nothing).
 
 Routing (HF modeling_mixtral / modeling_qwen3_moe): p = softmax(router logits) over all experts in fp32, the top k
@@ -10,8 +10,8 @@ The load-balancing loss: HF adds `router_aux_loss_coef × aux` to the loss only 
 `output_router_logits: true` (its default is false), with aux = E × sum_i f_i × P_i pooled over all layers' routing
 (f_i: share of top-k assignments to expert i, summing to k; P_i: mean router probability). megatron-core adds one
 term per MoE layer, `coeff × E / (k T^2) × sum_i c_i P_i` = coeff / k × (HF's aux of that layer alone), and sums the
-layers. So `coeff = router_aux_loss_coef × k / num_layers` makes megatron's sum the mean over layers of HF's per-layer
-term: HF's pooled value exactly for one MoE layer, and within the spread of the layers' routing statistics otherwise
+layers. So `coeff = router_aux_loss_coef × k / (MoE layers)` makes megatron's sum the mean over the MoE layers of
+HF's per-layer term (Qwen2-MoE's dense layers route nothing): HF's pooled value exactly for one MoE layer, and within the spread of the layers' routing statistics otherwise
 (docs/moe-notes.md, 4.1: 2.013562 mean of per-layer terms vs 2.012190 pooled on a 2-layer model).
 """
 
@@ -37,8 +37,11 @@ def expert_rows(*, router: str, gate: str, up: str, down: str) -> tuple[WeightMa
     )
 
 
-def moe_fields(hf_config, *, num_experts: int, ffn_hidden_size: int, renormalise: bool) -> dict:
-    """The TransformerConfig fields of an all-MoE decoder whose experts are SwiGLU MLPs of `ffn_hidden_size`."""
+def moe_fields(hf_config, *, num_experts: int, ffn_hidden_size: int, renormalise: bool,
+               num_moe_layers: int | None = None) -> dict:
+    """The TransformerConfig fields of an MoE decoder whose experts are SwiGLU MLPs of `ffn_hidden_size`
+    (`num_moe_layers`: how many layers are MoE, all by default)."""
+    num_moe_layers = hf_config.num_hidden_layers if num_moe_layers is None else num_moe_layers
     topk = hf_config.num_experts_per_tok
     aux_on = bool(getattr(hf_config, "output_router_logits", False)) and hf_config.router_aux_loss_coef > 0
     return dict(
@@ -52,7 +55,7 @@ def moe_fields(hf_config, *, num_experts: int, ffn_hidden_size: int, renormalise
         moe_grouped_gemm=False,  # SequentialMLP: one MLP per local expert (grouped GEMM needs CUDA kernels)
         moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="aux_loss" if aux_on else "none",
-        moe_aux_loss_coeff=hf_config.router_aux_loss_coef * topk / hf_config.num_hidden_layers if aux_on else 0.0,
+        moe_aux_loss_coeff=hf_config.router_aux_loss_coef * topk / num_moe_layers if aux_on else 0.0,
     )
 
 

@@ -94,6 +94,7 @@ def attention_problems(*, spec) -> list[Problem]:
 def model_settings_of(*, spec):
     """(ModelSettings or None, problems): the adapters' view of the spec's model, read without any weights."""
     from toolkit.adapters.hf_config import model_settings
+    from toolkit.adapters.hf_source import QuantizedCheckpointError
     from toolkit.train.job import pretrain
 
     multiple = spec.model.make_vocab_size_divisible_by
@@ -125,6 +126,8 @@ def model_settings_of(*, spec):
             hf_config, multiple = info.hf_config, info.vocab_pad_multiple
             where = f"model.path={spec.model.path} ({info.kind} checkpoint, {info.params_dtype})"
         settings = model_settings(hf_config, vocab_pad_multiple=multiple)
+    except QuantizedCheckpointError as err:  # FP8 / quantised weights: the rule and fix are the reader's
+        return None, [Problem("error", err.rule, err.detail, err.fix)]
     except DsmtError as err:
         rule = "builtin_not_trainable" if spec.model.builtin is not None else "model_config"
         from toolkit.adapters.family import supported_model_types

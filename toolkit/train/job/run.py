@@ -161,6 +161,8 @@ def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
         chunks, info = load_model_chunks(checkpoint=hf_dir, layout=layout, params_dtype=dtype,
                                          show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
                                          attention=spec_attention(spec), zero3_config=zero3_config)
+    if dist.get_rank() == 0:
+        _say_passthrough(info)
     if spec.training.lora is not None:  # freeze the base, attach the adapters (toolkit/train/lora/adapters.py)
         from toolkit.train.lora.apply import apply_lora
 
@@ -169,6 +171,15 @@ def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
                           tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp,
                           task=task_for_model(settings=info.settings))
     return hybrid, info
+
+
+def _say_passthrough(info) -> None:
+    """One line when the checkpoint keeps tensors the model does not load (DeepSeek-V3's multi-token prediction)."""
+    from toolkit.convert.passthrough import passthrough_notice
+
+    line = passthrough_notice(kind=info.kind, hf_dir=info.hf_dir, patterns=info.settings.passthrough_hf)
+    if line:
+        print(line, flush=True)
 
 
 def encoder_batches(*, spec, layout, hf_dir: Path, hf_config):
@@ -313,13 +324,15 @@ def export_trained(*, hybrid, info, precision: str, lora, mcore_dir: Path, hf_di
     """Trained weights -> dsmt megatron checkpoint `mcore_dir`, saved collectively (every rank writes its own
     shards; ZeRO-3 parameters are gathered one at a time into CPU copies) -> HF directory `hf_dir`, streamed tensor
     by tensor from that checkpoint by rank 0 while the other ranks wait on its status file: liveness-checked, no
-    collective timeout a long export could outlast, and a failure on rank 0 raises on every rank. With LoRA, the
+    collective timeout a long export could outlast, and a failure on rank 0 raises on every rank. Tensors the model
+    does not load (`ModelSettings.passthrough_hf`) are copied unchanged from the run's source into both. With LoRA, the
     merge and the PEFT adapter (`adapter_dir`) also read the gathered CPU copies (base weights and adapters are
     partitioned at ZeRO-3). Both output directories are replaced."""
     import contextlib
 
     from toolkit.convert.checkpoint import run_on_rank0
     from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
+    from toolkit.convert.passthrough import keep_source_passthrough
     from toolkit.models.chunks import save_mcore_checkpoint
     from toolkit.train.lora.export import gather_peft_adapter, merged_lora, write_peft_adapter
     from toolkit.train.engine.zero3 import params_on_cpu
@@ -334,6 +347,9 @@ def export_trained(*, hybrid, info, precision: str, lora, mcore_dir: Path, hf_di
             adapter = gather_peft_adapter(hybrid.chunks, settings=info.settings, lora=lora)
 
     def export(progress) -> str:
+        # Tensors the model does not load (multi-token prediction) go out as the run's source had them.
+        keep_source_passthrough(kind=info.kind, hf_dir=info.hf_dir, patterns=info.settings.passthrough_hf,
+                                mcore_dir=mcore_dir)
         line = convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True, progress=progress).line()
         if lora is not None:  # after the HF export: trained embeddings are read from it
             write_peft_adapter(adapter, settings=info.settings, lora=lora, out_dir=adapter_dir,

@@ -50,6 +50,14 @@ class LoraError(DsmtError):
     """A LoRA setting this model or run cannot take."""
 
 
+class LoraFamilyError(LoraError):
+    """A model family whose layers dsmt's LoRA cannot adapt (its `fix` says what to do instead)."""
+
+    rule = "lora_family"
+    fix = ("fine-tune the model fully (remove training.lora), or LoRA-train it with a plain HF + PEFT loop "
+           "(dsmt's LoRA adapts megatron's fused qkv / proj / fc1 / fc2 linears only)")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraModule:
     """One HF module PEFT would wrap: `hf_path` with `*` for the layer (model.layers.*.self_attn.q_proj), its
@@ -75,11 +83,18 @@ def family_modules(family) -> list[LoraModule]:
         raise LoraError(f"training.lora on {family.model_type} (an encoder): dsmt's LoRA supports the decoder "
                         "families (GPTModel chunks) only; fine-tune the encoder fully (remove training.lora)")
     rows = {row.megatron: row for row in family.weights}
+    if "decoder.layers.*.self_attention.linear_kv_down_proj.weight" in rows:
+        raise LoraFamilyError(f"training.lora on {family.model_type}: multi-latent attention's projections (q_a / "
+                              "q_b / kv_a_proj_with_mqa / kv_b / o_proj) and the MoE experts take no LoRA adapter in "
+                              "dsmt")
+    if any(row.per_expert for row in family.weights):
+        raise LoraFamilyError(f"training.lora on {family.model_type}: its MoE layers' experts, router and shared "
+                              "experts take no LoRA adapter in dsmt (a mixture-of-experts MLP)")
     modules = []
     for linear in LINEARS:
         row = rows.get(f"decoder.layers.*.{linear}.weight")
         if row is None:
-            raise LoraError(f"training.lora: the {family.model_type} weight table has no decoder.layers.*.{linear}"
+            raise LoraFamilyError(f"training.lora: the {family.model_type} weight table has no decoder.layers.*.{linear}"
                             ".weight row (a mixture-of-experts MLP?); dsmt's LoRA needs the dense layer")
         modules += [LoraModule(hf.removesuffix(".weight"), linear, row.kind, slot) for slot, hf in enumerate(row.hf)]
     return modules

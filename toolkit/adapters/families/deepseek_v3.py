@@ -1,0 +1,62 @@
+"""DeepSeek-V3 / R1, and the V3-shaped Moonlight / Kimi (HF `DeepseekV3ForCausalLM`): DeepSeek-V2's layers with
+sigmoid routing over an `e_score_correction_bias` inside expert groups (deepseek.py), and multi-token-prediction
+layers (`num_nextn_predict_layers`) stored after the decoder as `model.layers.<num_hidden_layers + i>.*`, which
+HF's model does not load: dsmt keeps them through conversion and export, bit for bit, and does not train them."""
+
+from toolkit.adapters.family import ModelFamily, register
+from toolkit.adapters.families.deepseek import (DEEPSEEK_IGNORED, DEEPSEEK_LM_HEAD, deepseek_fields, deepseek_problems,
+                                                deepseek_weights, edit_routers, group_settings)
+from toolkit.adapters.mla import MLA_LOW_RANK_Q_ROWS, MLA_PLAIN_Q_ROWS
+from toolkit.adapters.routing import GroupLimitedTopk
+
+# HF ranks a group by the sum of its two best (score + bias); megatron by its top (k / topk_group).
+HF_GROUP_SCORE_TOPK = 2
+
+
+def read_deepseek_v3_config(hf_config) -> dict:
+    groups, chosen, topk = group_settings(hf_config)
+    native_groups = groups > 1 and topk // chosen == HF_GROUP_SCORE_TOPK
+    return deepseek_fields(hf_config) | dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,  # the bias stays as published (HF keeps it a fixed buffer)
+        moe_router_num_groups=groups if native_groups else None,
+        moe_router_group_topk=chosen if native_groups else None,
+    )
+
+
+def check_deepseek_v3_config(hf_config) -> list[str]:
+    problems = deepseek_problems(hf_config)
+    if hf_config.num_experts_per_tok > 1 and not hf_config.norm_topk_prob:
+        problems.append("norm_topk_prob=false with sigmoid routing: megatron-core always renormalises the chosen "
+                        "sigmoid scores (top-k > 1). Fix: none in dsmt for this checkpoint")
+    return problems
+
+
+def group_choice(hf_config) -> GroupLimitedTopk | None:
+    """HF's group rule where megatron's differs (k / topk_group != 2)."""
+    groups, chosen, topk = group_settings(hf_config)
+    if groups <= 1 or topk // chosen == HF_GROUP_SCORE_TOPK:
+        return None
+    return GroupLimitedTopk(num_groups=groups, group_topk=chosen, group_score_topk=HF_GROUP_SCORE_TOPK,
+                            masked_score=float("-inf"))
+
+
+def read_quirks(hf_config) -> dict:
+    choice = group_choice(hf_config)
+    return {"group_choice": choice} if choice is not None else {}
+
+
+def mtp_layers(hf_config) -> tuple[str, ...]:
+    """The multi-token-prediction layers' tensor names (`*`: any rest of the name)."""
+    first = hf_config.num_hidden_layers
+    return tuple(f"model.layers.{first + i}.*" for i in range(int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)))
+
+
+DEEPSEEK_V3 = register(ModelFamily(
+    model_type="deepseek_v3", hf_architecture="DeepseekV3ForCausalLM",
+    weights=deepseek_weights(None, expert_bias=True, q_rows=MLA_PLAIN_Q_ROWS + MLA_LOW_RANK_Q_ROWS),
+    untied_output=DEEPSEEK_LM_HEAD, ignored_hf=DEEPSEEK_IGNORED, read_config=read_deepseek_v3_config,
+    check_config=check_deepseek_v3_config, read_weights=lambda hf_config: deepseek_weights(hf_config, expert_bias=True),
+    read_quirks=read_quirks, edit_model=edit_routers, read_passthrough=mtp_layers,
+))

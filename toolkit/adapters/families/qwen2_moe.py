@@ -1,0 +1,66 @@
+"""Qwen1.5-MoE / Qwen2-MoE (HF `Qwen2MoeForCausalLM`): Qwen2's attention (q / k / v biases) and MoE layers of
+softmax-routed SwiGLU experts plus one shared expert whose output HF scales by sigmoid(shared_expert_gate(x))
+(megatron's `SharedExpertMLP` with `moe_shared_expert_gate`). Dense layers where `mlp_only_layers` or
+`decoder_sparse_step` say so: layer i is MoE when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+The routing and the load-balancing term are Qwen3-MoE's (families/moe.py); the term counts the MoE layers only."""
+
+from toolkit.adapters.family import Architecture, ModelFamily, WeightMapping, register
+from toolkit.adapters.families.deepseek import DENSE_MLP
+from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
+from toolkit.adapters.families.moe import LLAMA_WITHOUT_MLP, expert_rows, moe_fields, moe_problems
+from toolkit.adapters.families.qwen2 import QKV_BIAS, check_qwen2_config
+from toolkit.adapters.transforms import Kind
+from toolkit.adapters.window import window_fields
+
+M = WeightMapping
+_MLP = "model.layers.*.mlp"
+_SHARED = f"{_MLP}.shared_expert"
+QWEN2_MOE_WEIGHTS = LLAMA_WITHOUT_MLP + (QKV_BIAS,) + DENSE_MLP + tuple(
+    M(row.megatron, row.kind, row.hf, layers="moe")
+    for row in expert_rows(router=f"{_MLP}.gate.weight", gate=f"{_MLP}.experts.*.gate_proj.weight",
+                           up=f"{_MLP}.experts.*.up_proj.weight", down=f"{_MLP}.experts.*.down_proj.weight")
+) + (
+    M("decoder.layers.*.mlp.shared_experts.linear_fc1.weight", Kind.GATE_UP,
+      (f"{_SHARED}.gate_proj.weight", f"{_SHARED}.up_proj.weight"), layers="moe"),
+    M("decoder.layers.*.mlp.shared_experts.linear_fc2.weight", Kind.ROW, (f"{_SHARED}.down_proj.weight",), layers="moe"),
+    M("decoder.layers.*.mlp.shared_experts.gate_weight", Kind.REPLICATED, (f"{_MLP}.shared_expert_gate.weight",),
+      layers="moe"),
+)
+
+
+def moe_layer_pattern(hf_config) -> list[int]:
+    """megatron's `moe_layer_freq` list (1 = MoE layer), as HF's Qwen2MoeDecoderLayer decides."""
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
+
+
+def read_qwen2_moe_config(hf_config) -> dict:
+    pattern = moe_layer_pattern(hf_config)
+    fields = moe_fields(hf_config, num_experts=hf_config.num_experts, ffn_hidden_size=hf_config.moe_intermediate_size,
+                        renormalise=bool(hf_config.norm_topk_prob), num_moe_layers=sum(pattern))
+    return fields | window_fields(hf_config) | dict(
+        ffn_hidden_size=hf_config.intermediate_size,  # the dense layers' MLP
+        moe_layer_freq=pattern,
+        moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+        moe_shared_expert_gate=True,
+    )
+
+
+def check_qwen2_moe_config(hf_config) -> list[str]:
+    problems = check_qwen2_config(hf_config) + moe_problems(hf_config, renormalise=bool(hf_config.norm_topk_prob))
+    if not hf_config.num_experts or not any(moe_layer_pattern(hf_config)):
+        problems.append(f"num_experts={hf_config.num_experts}, mlp_only_layers={hf_config.mlp_only_layers}, "
+                        f"decoder_sparse_step={hf_config.decoder_sparse_step}: no MoE layer. Fix: convert it as a "
+                        "dense qwen2 model (model_type: qwen2)")
+    if not hf_config.shared_expert_intermediate_size:
+        problems.append("shared_expert_intermediate_size=0: HF's Qwen2-MoE layer always has its shared expert. "
+                        "Fix: correct config.json")
+    return problems
+
+
+QWEN2_MOE = register(ModelFamily(
+    model_type="qwen2_moe", hf_architecture="Qwen2MoeForCausalLM", weights=QWEN2_MOE_WEIGHTS, untied_output=LM_HEAD,
+    ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qkv_bias=True), read_config=read_qwen2_moe_config,
+    check_config=check_qwen2_moe_config,
+))
