@@ -102,6 +102,9 @@ def test_group_choice_is_set_only_where_megatrons_rule_differs():
     ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=false"),
     ("deepseek_v3", dict(n_group=3), "n_group=3 does not divide n_routed_experts=4"),
     ("deepseek_v3", dict(n_shared_experts=0), "n_shared_experts=0"),
+    ("deepseek_v3", dict(num_experts_per_tok=1, n_group=1, topk_group=1), "num_experts_per_tok=1 with norm_topk_prob=true"),
+    ("deepseek_v2", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 0.707,
+                                          "original_max_position_embeddings": 32}), "mscale=0.707, mscale_all_dim=None"),
     ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0"),
     ("qwen2_moe", dict(mlp_only_layers=[0, 1, 2, 3]), "no MoE layer"),
     ("qwen2_moe", dict(hidden_act="gelu"), "hidden_act='gelu'"),
@@ -216,3 +219,13 @@ def test_packed_records_attend_as_alone_with_mla(model_type, tmp_path):
     assert (packed[:, :20] - alone[0]).abs().max() < 1e-5
     assert (packed[:, 20:] - alone[1]).abs().max() < 1e-5
     assert packed[:, 20:].abs().max() > 0.1  # real logits
+
+
+def test_mla_keeps_the_unfused_rope_on_gpus():
+    """megatron refuses fused RoPE for MLA without YaRN and with YaRN switches to its own triton MLA kernels."""
+    from toolkit.adapters.fusions import fusion_fields
+
+    for model_type, fused in (("deepseek_v3", False), ("deepseek_v2", False), ("qwen2_moe", True)):
+        fields = fusion_fields(settings=model_settings(tiny_config(model_type)), device="cuda", te_layers=True,
+                               fused_rope=True)
+        assert fields["apply_rope_fusion"] is fused, model_type

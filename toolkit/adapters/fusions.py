@@ -44,7 +44,10 @@ def fusion_fields(*, settings, device: str, te_layers: bool, fused_rope: bool | 
         (architecture.activation == "silu" and architecture.gated_mlp)
         or (architecture.activation == "gelu" and (architecture.gated_mlp or architecture.linear_bias)))
     fields["bias_dropout_fusion"] = True
-    fields["apply_rope_fusion"] = (te_layers and architecture.position_embedding == "rope"
+    # Multi-latent attention (DeepSeek) rotates inside its own module: megatron refuses the fused RoPE there without
+    # YaRN and with it switches to its triton MLA kernels, never run here; MLA keeps the unfused RoPE.
+    mla = bool(settings.transformer_fields.get("multi_latent_attention"))
+    fields["apply_rope_fusion"] = (te_layers and architecture.position_embedding == "rope" and not mla
                                    and (fused_rope_available() if fused_rope is None else fused_rope))
     return fields
 

@@ -119,9 +119,9 @@ def replicated_linear() -> type:
 
 def mla_core_attention() -> type:
     """megatron's local `DotProductAttention` for MLA, whose keys (nope + rope dims) and values (v_head_dim) differ
-    in width. MLA passes both widths (`k_channels`, `v_channels`) and its softmax scale, which megatron-core 0.16's
-    local attention does not accept; it needs neither: the scores take the key width from the tensors, and the
-    output width per head is `kv_channels`, which toolkit/adapters/mla.py sets to v_head_dim."""
+    in width. MLA passes both widths (`k_channels`, `v_channels`), which megatron-core 0.16's local attention does
+    not accept; it needs neither: the scores take the key width from the tensors, and the output width per head is
+    `kv_channels`, which toolkit/adapters/mla.py sets to v_head_dim (the softmax scale MLA passes is kept)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class MLADotProductAttention(DotProductAttention):

@@ -102,9 +102,13 @@ def parameters_and_buffers(chunks: list) -> tuple[dict[str, torch.nn.Parameter],
     params = [p for chunk in chunks for p in chunk.parameters()]
     with full_shape_standins(params):
         by_pointer = {p.data_ptr(): p for p in params}
-        tensors = canonical_tensors(chunks)
+        tensors = canonical_tensors(chunks)  # first: megatron's router may re-cast its expert_bias buffer here
+        buffers = {b.data_ptr() for chunk in chunks for b in chunk.buffers()}
+        unknown = [name for name, t in tensors.items() if t.data_ptr() not in by_pointer and t.data_ptr() not in buffers]
+        if unknown:  # a state-dict tensor that is neither: traced wrongly, not to be copied into blindly
+            raise AdapterError(f"checkpoint tensors {unknown[:5]} are neither a parameter nor a buffer of the model")
         return ({name: by_pointer[t.data_ptr()] for name, t in tensors.items() if t.data_ptr() in by_pointer},
-                {name: t for name, t in tensors.items() if t.data_ptr() not in by_pointer})
+                {name: t for name, t in tensors.items() if t.data_ptr() in buffers})
 
 
 def _pattern(name: str) -> re.Pattern:

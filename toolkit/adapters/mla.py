@@ -17,8 +17,8 @@ them whole, as Transformer Engine's duplicated `TELinear` and, in dsmt's local l
 the shared rope key a gradient of this rank's heads only). Under sequence parallelism each rank computes them on its
 sequence shard and megatron sums the rope key's gradient over TP in its reduce-scatter; their weights are marked
 `sequence_parallel`, so the engine sums their gradients over TP as it does the norms'. Without sequence parallelism
-nothing would sum that gradient: training with TP > 1 needs sequence parallelism (`mla_needs_sp`,
-toolkit/parallel/rules.py).
+nothing would sum that gradient: training with TP > 1 needs sequence parallelism, which every DeepSeek model gets
+from the MoE rule (`moe_tp_needs_sequence_parallel`, toolkit/parallel/rules.py).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def mla_fields(hf_config) -> dict:
     )
     if rope["rope_type"] == "yarn":
         fields.update(
-            rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
+            rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),  # transformers requires it
             original_max_position_embeddings=int(rope.get("original_max_position_embeddings")
                                                  or hf_config.max_position_embeddings),
             beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
@@ -105,6 +105,11 @@ def mla_problems(hf_config) -> list[str]:
         if truncate is False:
             problems.append("rope_parameters.truncate=false (YaRN correction range not rounded): megatron-core "
                             "rounds it. Fix: none in dsmt for this checkpoint")
+        if bool(rope.get("mscale")) != bool(rope.get("mscale_all_dim")):
+            problems.append(f"rope_parameters mscale={rope.get('mscale')}, mscale_all_dim={rope.get('mscale_all_dim')}:"
+                            " with only one of them set transformers' YaRN uses its default attention factor, "
+                            "megatron-core's the ratio of the two. Fix: none in dsmt for this checkpoint (DeepSeek's "
+                            "releases set both)")
         if rope.get("attention_factor") is not None:
             problems.append(f"rope_parameters.attention_factor={rope['attention_factor']}: megatron-core's YaRN "
                             "derives the factor from mscale / mscale_all_dim. Fix: remove attention_factor from "

@@ -30,6 +30,9 @@ def check_deepseek_v3_config(hf_config) -> list[str]:
     if hf_config.num_experts_per_tok > 1 and not hf_config.norm_topk_prob:
         problems.append("norm_topk_prob=false with sigmoid routing: megatron-core always renormalises the chosen "
                         "sigmoid scores (top-k > 1). Fix: none in dsmt for this checkpoint")
+    if hf_config.num_experts_per_tok == 1 and hf_config.norm_topk_prob:
+        problems.append("num_experts_per_tok=1 with norm_topk_prob=true: HF weighs the one expert 1.0, megatron-core "
+                        "by its sigmoid score (it renormalises top-k > 1 only). Fix: none in dsmt for this checkpoint")
     return problems
 
 
