@@ -95,10 +95,12 @@ def model_chunks(*, config, settings: ModelSettings, layout: Layout, attention: 
 
         check_encoder_attention(attention=attention, cp_size=layout.cp)
         return encoder_chunks(config=config, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
-    kinds = {"moe": settings.num_experts, "dense": 0} if settings.num_experts else {"dense": 0}
+    moe_layers = settings.moe_layers
+    kinds = {"moe": settings.num_experts} if moe_layers else {}  # the spec of each kind of layer the model has
+    kinds |= {"dense": 0} if len(moe_layers) < settings.num_layers else {}
     specs = {kind: family_layer_spec(config=config, settings=settings, attention=attention, cp_size=layout.cp,
                                      num_experts=num_experts) for kind, num_experts in kinds.items()}
-    spec = per_layer_specs(dense=specs["dense"], moe=specs.get("moe"), moe_layers=settings.moe_layers,
+    spec = per_layer_specs(dense=specs.get("dense"), moe=specs.get("moe"), moe_layers=moe_layers,
                            num_layers=settings.num_layers)
     return gpt_chunks(config=config, spec=spec, settings=settings, vpp_size=layout.vpp, parallel_output=parallel_output)
 

@@ -67,15 +67,23 @@ def load_hf_config(checkpoint_dir: Path):
     return AutoConfig.from_pretrained(str(checkpoint_dir))
 
 
-def rope_settings(hf_config) -> tuple[float, dict | None, str | None]:
-    """(rope_theta, megatron rope-scaling kwargs or None, problem or None), for transformers 4 and 5 configs."""
+def rope_parameters(hf_config) -> dict:
+    """The model's RoPE parameters from a transformers 4 (`rope_scaling` + `rope_theta`) or 5 (`rope_parameters`)
+    config, with `rope_theta` and `rope_type` always set."""
     params = getattr(hf_config, "rope_parameters", None) or {}
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     # Per layer type (Gemma 3): the global layers' RoPE is the model's; the local layers' is the family's own.
     params, scaling = (part.get("full_attention", part) or {} for part in (params, scaling))
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     merged = {**scaling, **params}
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    merged["rope_theta"] = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    merged["rope_type"] = merged.get("rope_type", merged.get("type", "default"))
+    return merged
+
+
+def rope_settings(hf_config) -> tuple[float, dict | None, str | None]:
+    """(rope_theta, megatron rope-scaling kwargs or None, problem or None), for transformers 4 and 5 configs."""
+    merged = rope_parameters(hf_config)
+    theta, rope_type = merged["rope_theta"], merged["rope_type"]
     if rope_type == "default":
         return theta, None, None
     if rope_type == "linear":  # HF divides the inverse frequencies by the factor; so does build.py

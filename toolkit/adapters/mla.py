@@ -24,6 +24,7 @@ from the MoE rule (`moe_tp_needs_sequence_parallel`, toolkit/parallel/rules.py).
 from __future__ import annotations
 
 from toolkit.adapters.family import WeightMapping
+from toolkit.adapters.hf_config import rope_parameters
 from toolkit.adapters.transforms import Kind
 
 M = WeightMapping
@@ -56,19 +57,9 @@ def mla_rows(hf_config) -> tuple[WeightMapping, ...]:
     return MLA_PLAIN_Q_ROWS if hf_config.q_lora_rank is None else MLA_LOW_RANK_Q_ROWS
 
 
-def _rope(hf_config) -> dict:
-    """The rope parameters of a transformers 4 or 5 config (`rope_parameters`, else `rope_scaling` + `rope_theta`)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    merged = {**scaling, **params}
-    merged.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    merged["rope_type"] = merged.get("rope_type", merged.get("type", "default"))
-    return merged
-
-
 def mla_fields(hf_config) -> dict:
     """megatron's `MLATransformerConfig` fields (build.py picks that class when `multi_latent_attention` is set)."""
-    rope = _rope(hf_config)
+    rope = rope_parameters(hf_config)
     fields = dict(
         multi_latent_attention=True,
         q_lora_rank=hf_config.q_lora_rank,
@@ -96,7 +87,7 @@ def mla_fields(hf_config) -> dict:
 def mla_problems(hf_config) -> list[str]:
     """What megatron's MLA cannot reproduce of this config."""
     problems = []
-    rope = _rope(hf_config)
+    rope = rope_parameters(hf_config)
     if rope["rope_type"] not in ("default", "yarn"):
         problems.append(f"rope_type {rope['rope_type']!r} with multi-latent attention: megatron-core's MLA has "
                         "default RoPE and YaRN only. Fix: none in dsmt for this checkpoint")

@@ -42,6 +42,7 @@ class McoreReader:
         self._reader.set_up_storage_reader(self._metadata, True)
         self._stored = {key: md for key, md in self._metadata.state_dict_metadata.items()
                         if isinstance(md, TensorStorageMetadata)}  # drops the `_extra_state` byte blobs
+        self._per_layer_prefixes = {m.group(0) for m in map(PER_LAYER_KEY.match, self._stored) if m}
         self._files = OpenFiles()
         self._data_offsets: dict[tuple, int | None] = {}
 
@@ -71,10 +72,7 @@ class McoreReader:
     def _per_layer(self, stack: str, layer: int) -> bool:
         """Whether the checkpoint keys this layer on its own (`decoder.layers.3.<rest>`, megatron's non-homogeneous
         layers: DeepSeek's dense first layers, Qwen2-MoE's mlp_only_layers) rather than stacked over layers."""
-        prefix = f"{stack}.layers.{layer}."
-        if not hasattr(self, "_per_layer_prefixes"):
-            self._per_layer_prefixes = {m.group(0) for m in map(PER_LAYER_KEY.match, self._stored) if m}
-        return prefix in self._per_layer_prefixes
+        return f"{stack}.layers.{layer}." in self._per_layer_prefixes
 
     def has(self, name: str) -> bool:
         key, index = self.locate(name)

@@ -48,8 +48,7 @@ class CheckpointInfo:
 
 def inspect_checkpoint(path: Path, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE) -> CheckpointInfo:
     path = Path(path)
-    megatron_markers = (ckpt.METADATA_FILE, "model", "latest_checkpointed_iteration.txt", "metadata.json")
-    if any((path / marker).exists() for marker in megatron_markers):
+    if ckpt.is_megatron_dir(path):
         metadata = ckpt.read_metadata(path)
         hf_config = load_hf_config(path / "hf")
         multiple = metadata["vocab_pad_multiple"]

@@ -19,32 +19,18 @@ Neither HF model adds a load-balancing term to the loss; neither does dsmt for t
 from __future__ import annotations
 
 from toolkit.adapters.family import WeightMapping
-from toolkit.adapters.families.llama import LM_HEAD
-from toolkit.adapters.families.moe import expert_rows
+from toolkit.adapters.families.llama import LLAMA_WEIGHTS
+from toolkit.adapters.families.moe import DENSE_MLP, expert_rows, moe_layer_pattern, shared_expert_rows
 from toolkit.adapters.mla import mla_fields, mla_problems, mla_rows
 from toolkit.adapters.transforms import Kind
 
 M = WeightMapping
 _LAYER = "model.layers.*.mlp"
-DENSE_MLP = (
-    M("decoder.layers.*.mlp.linear_fc1.weight", Kind.GATE_UP, (f"{_LAYER}.gate_proj.weight", f"{_LAYER}.up_proj.weight"),
-      layers="dense"),
-    M("decoder.layers.*.mlp.linear_fc2.weight", Kind.ROW, (f"{_LAYER}.down_proj.weight",), layers="dense"),
-)
-SHARED_EXPERTS = (
-    M("decoder.layers.*.mlp.shared_experts.linear_fc1.weight", Kind.GATE_UP,
-      (f"{_LAYER}.shared_experts.gate_proj.weight", f"{_LAYER}.shared_experts.up_proj.weight"), layers="moe"),
-    M("decoder.layers.*.mlp.shared_experts.linear_fc2.weight", Kind.ROW, (f"{_LAYER}.shared_experts.down_proj.weight",),
-      layers="moe"),
-)
-OUTSIDE_LAYERS = (
-    M("embedding.word_embeddings.weight", Kind.VOCAB, ("model.embed_tokens.weight",)),
-    M("decoder.final_layernorm.weight", Kind.REPLICATED, ("model.norm.weight",)),
-)
-ROUTED_EXPERTS = tuple(
-    WeightMapping(row.megatron, row.kind, row.hf, layers="moe")
-    for row in expert_rows(router=f"{_LAYER}.gate.weight", gate=f"{_LAYER}.experts.*.gate_proj.weight",
-                           up=f"{_LAYER}.experts.*.up_proj.weight", down=f"{_LAYER}.experts.*.down_proj.weight"))
+OUTSIDE_LAYERS = tuple(row for row in LLAMA_WEIGHTS if not row.per_layer)  # embedding, final norm
+ROUTED_EXPERTS = expert_rows(router=f"{_LAYER}.gate.weight", gate=f"{_LAYER}.experts.*.gate_proj.weight",
+                             up=f"{_LAYER}.experts.*.up_proj.weight", down=f"{_LAYER}.experts.*.down_proj.weight",
+                             layers="moe")
+SHARED_EXPERTS = shared_expert_rows(hf_prefix=f"{_LAYER}.shared_experts")
 EXPERT_BIAS = M("decoder.layers.*.mlp.router.expert_bias", Kind.REPLICATED, (f"{_LAYER}.gate.e_score_correction_bias",),
                 layers="moe")
 
@@ -56,12 +42,6 @@ def deepseek_weights(hf_config, *, expert_bias: bool, q_rows: tuple[WeightMappin
     attention = mla_rows(hf_config) if q_rows is None else tuple(dict.fromkeys(q_rows))
     return (OUTSIDE_LAYERS + attention + DENSE_MLP + ROUTED_EXPERTS + SHARED_EXPERTS
             + ((EXPERT_BIAS,) if expert_bias else ()))
-
-
-def moe_layer_pattern(hf_config) -> list[int]:
-    """megatron's `moe_layer_freq` list: 0 for the first `first_k_dense_replace` layers (dense), 1 after."""
-    dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
-    return [0 if i < dense else 1 for i in range(hf_config.num_hidden_layers)]
 
 
 def num_routed_experts(hf_config) -> int:
@@ -121,6 +101,11 @@ def group_settings(hf_config) -> tuple[int, int, int]:
     return groups, chosen, int(hf_config.num_experts_per_tok)
 
 
+def group_quirks(choice) -> dict:
+    """`ModelFamily.read_quirks`' dict holding a family's `GroupLimitedTopk` (none where megatron's rule is HF's)."""
+    return {"group_choice": choice} if choice is not None else {}
+
+
 def edit_routers(model, *, settings) -> None:
     """`ModelFamily.edit_model`: the routers get HF's group choice where the family's `read_quirks` put one."""
     from toolkit.adapters.routing import use_group_limited_topk
@@ -129,6 +114,3 @@ def edit_routers(model, *, settings) -> None:
     if choice is not None:
         use_group_limited_topk(model, choice=choice)
 
-
-DEEPSEEK_IGNORED = ("model.layers.*.self_attn.rotary_emb.inv_freq",)
-DEEPSEEK_LM_HEAD = LM_HEAD

@@ -2,8 +2,9 @@
 of softmax-routed experts plus shared experts. The shared parts and the routing rules: deepseek.py."""
 
 from toolkit.adapters.family import ModelFamily, register
-from toolkit.adapters.families.deepseek import (DEEPSEEK_IGNORED, DEEPSEEK_LM_HEAD, deepseek_fields, deepseek_problems,
-                                                deepseek_weights, edit_routers, group_settings)
+from toolkit.adapters.families.deepseek import (deepseek_fields, deepseek_problems, deepseek_weights, edit_routers,
+                                                group_quirks, group_settings)
+from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
 from toolkit.adapters.mla import MLA_LOW_RANK_Q_ROWS, MLA_PLAIN_Q_ROWS
 from toolkit.adapters.routing import GroupLimitedTopk
 
@@ -38,15 +39,10 @@ def group_choice(hf_config) -> GroupLimitedTopk | None:
     return GroupLimitedTopk(num_groups=groups, group_topk=chosen, group_score_topk=1, masked_score=0.0)
 
 
-def read_quirks(hf_config) -> dict:
-    choice = group_choice(hf_config)
-    return {"group_choice": choice} if choice is not None else {}
-
-
 DEEPSEEK_V2 = register(ModelFamily(
     model_type="deepseek_v2", hf_architecture="DeepseekV2ForCausalLM",
     weights=deepseek_weights(None, expert_bias=False, q_rows=MLA_PLAIN_Q_ROWS + MLA_LOW_RANK_Q_ROWS),
-    untied_output=DEEPSEEK_LM_HEAD, ignored_hf=DEEPSEEK_IGNORED, read_config=read_deepseek_v2_config,
+    untied_output=LM_HEAD, ignored_hf=ROTARY_BUFFERS, read_config=read_deepseek_v2_config,
     check_config=check_deepseek_v2_config, read_weights=lambda hf_config: deepseek_weights(hf_config, expert_bias=False),
-    read_quirks=read_quirks, edit_model=edit_routers,
+    read_quirks=lambda hf_config: group_quirks(group_choice(hf_config)), edit_model=edit_routers,
 ))

@@ -4,8 +4,9 @@ layers (`num_nextn_predict_layers`) stored after the decoder as `model.layers.<n
 HF's model does not load: dsmt keeps them through conversion and export, bit for bit, and does not train them."""
 
 from toolkit.adapters.family import ModelFamily, register
-from toolkit.adapters.families.deepseek import (DEEPSEEK_IGNORED, DEEPSEEK_LM_HEAD, deepseek_fields, deepseek_problems,
-                                                deepseek_weights, edit_routers, group_settings)
+from toolkit.adapters.families.deepseek import (deepseek_fields, deepseek_problems, deepseek_weights, edit_routers,
+                                                group_quirks, group_settings)
+from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
 from toolkit.adapters.mla import MLA_LOW_RANK_Q_ROWS, MLA_PLAIN_Q_ROWS
 from toolkit.adapters.routing import GroupLimitedTopk
 
@@ -45,11 +46,6 @@ def group_choice(hf_config) -> GroupLimitedTopk | None:
                             masked_score=float("-inf"))
 
 
-def read_quirks(hf_config) -> dict:
-    choice = group_choice(hf_config)
-    return {"group_choice": choice} if choice is not None else {}
-
-
 def mtp_layers(hf_config) -> tuple[str, ...]:
     """The multi-token-prediction layers' tensor names (`*`: any rest of the name)."""
     first = hf_config.num_hidden_layers
@@ -59,7 +55,7 @@ def mtp_layers(hf_config) -> tuple[str, ...]:
 DEEPSEEK_V3 = register(ModelFamily(
     model_type="deepseek_v3", hf_architecture="DeepseekV3ForCausalLM",
     weights=deepseek_weights(None, expert_bias=True, q_rows=MLA_PLAIN_Q_ROWS + MLA_LOW_RANK_Q_ROWS),
-    untied_output=DEEPSEEK_LM_HEAD, ignored_hf=DEEPSEEK_IGNORED, read_config=read_deepseek_v3_config,
+    untied_output=LM_HEAD, ignored_hf=ROTARY_BUFFERS, read_config=read_deepseek_v3_config,
     check_config=check_deepseek_v3_config, read_weights=lambda hf_config: deepseek_weights(hf_config, expert_bias=True),
-    read_quirks=read_quirks, edit_model=edit_routers, read_passthrough=mtp_layers,
+    read_quirks=lambda hf_config: group_quirks(group_choice(hf_config)), edit_model=edit_routers, read_passthrough=mtp_layers,
 ))

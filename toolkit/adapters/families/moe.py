@@ -27,14 +27,42 @@ _DENSE_MLP = ("decoder.layers.*.mlp.linear_fc1.weight", "decoder.layers.*.mlp.li
 LLAMA_WITHOUT_MLP = tuple(row for row in LLAMA_WEIGHTS if row.megatron not in _DENSE_MLP)
 
 
-def expert_rows(*, router: str, gate: str, up: str, down: str) -> tuple[WeightMapping, ...]:
+def expert_rows(*, router: str, gate: str, up: str, down: str, layers: str = "all") -> tuple[WeightMapping, ...]:
     """An MoE layer's rows from its HF names (`*` = layer, then expert): the router [E, h] on every TP rank, each
-    expert a SwiGLU MLP as a dense layer's (fused [gate; up] column-parallel, down row-parallel)."""
+    expert a SwiGLU MLP as a dense layer's (fused [gate; up] column-parallel, down row-parallel). `layers="moe"`
+    where dense layers mix in (`WeightMapping.layers`)."""
     return (
-        WeightMapping("decoder.layers.*.mlp.router.weight", Kind.REPLICATED, (router,)),
-        WeightMapping("decoder.layers.*.mlp.experts.*.linear_fc1.weight", Kind.GATE_UP, (gate, up)),
-        WeightMapping("decoder.layers.*.mlp.experts.*.linear_fc2.weight", Kind.ROW, (down,)),
+        WeightMapping("decoder.layers.*.mlp.router.weight", Kind.REPLICATED, (router,), layers=layers),
+        WeightMapping("decoder.layers.*.mlp.experts.*.linear_fc1.weight", Kind.GATE_UP, (gate, up), layers=layers),
+        WeightMapping("decoder.layers.*.mlp.experts.*.linear_fc2.weight", Kind.ROW, (down,), layers=layers),
     )
+
+
+def shared_expert_rows(*, hf_prefix: str) -> tuple[WeightMapping, ...]:
+    """The rows of an MoE layer's shared-expert MLP (megatron's `SharedExpertMLP`) from the HF module `hf_prefix`
+    (`*` = layer) holding gate_proj / up_proj / down_proj."""
+    return (
+        WeightMapping("decoder.layers.*.mlp.shared_experts.linear_fc1.weight", Kind.GATE_UP,
+                      (f"{hf_prefix}.gate_proj.weight", f"{hf_prefix}.up_proj.weight"), layers="moe"),
+        WeightMapping("decoder.layers.*.mlp.shared_experts.linear_fc2.weight", Kind.ROW,
+                      (f"{hf_prefix}.down_proj.weight",), layers="moe"),
+    )
+
+
+# Llama's MLP rows, for the dense layers of a model whose other layers are MoE (DeepSeek, Qwen2-MoE).
+DENSE_MLP = tuple(WeightMapping(row.megatron, row.kind, row.hf, layers="dense") for row in LLAMA_WEIGHTS
+                  if row.megatron in _DENSE_MLP)
+
+
+def moe_layer_pattern(hf_config) -> list[int]:
+    """megatron's `moe_layer_freq` list (1 = MoE layer, 0 = dense) of a config with dense layers among its MoE
+    ones, by the planner's reading of the same fields (toolkit/models/moe_shapes.py: DeepSeek's
+    `first_k_dense_replace`, Qwen2-MoE's `mlp_only_layers` / `decoder_sparse_step`)."""
+    from toolkit.models.moe_shapes import dense_layer_indices
+
+    num_layers = hf_config.num_hidden_layers
+    dense = set(dense_layer_indices(hf_config.to_dict(), num_layers=num_layers))
+    return [int(i not in dense) for i in range(num_layers)]
 
 
 def moe_fields(hf_config, *, num_experts: int, ffn_hidden_size: int, renormalise: bool,

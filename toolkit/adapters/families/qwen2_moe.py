@@ -5,34 +5,21 @@ softmax-routed SwiGLU experts plus one shared expert whose output HF scales by s
 The routing and the load-balancing term are Qwen3-MoE's (families/moe.py); the term counts the MoE layers only."""
 
 from toolkit.adapters.family import Architecture, ModelFamily, WeightMapping, register
-from toolkit.adapters.families.deepseek import DENSE_MLP
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
-from toolkit.adapters.families.moe import LLAMA_WITHOUT_MLP, expert_rows, moe_fields, moe_problems
+from toolkit.adapters.families.moe import (DENSE_MLP, LLAMA_WITHOUT_MLP, expert_rows, moe_fields, moe_layer_pattern,
+                                           moe_problems, shared_expert_rows)
 from toolkit.adapters.families.qwen2 import QKV_BIAS, check_qwen2_config
 from toolkit.adapters.transforms import Kind
 from toolkit.adapters.window import window_fields
 
-M = WeightMapping
 _MLP = "model.layers.*.mlp"
-_SHARED = f"{_MLP}.shared_expert"
-QWEN2_MOE_WEIGHTS = LLAMA_WITHOUT_MLP + (QKV_BIAS,) + DENSE_MLP + tuple(
-    M(row.megatron, row.kind, row.hf, layers="moe")
-    for row in expert_rows(router=f"{_MLP}.gate.weight", gate=f"{_MLP}.experts.*.gate_proj.weight",
-                           up=f"{_MLP}.experts.*.up_proj.weight", down=f"{_MLP}.experts.*.down_proj.weight")
-) + (
-    M("decoder.layers.*.mlp.shared_experts.linear_fc1.weight", Kind.GATE_UP,
-      (f"{_SHARED}.gate_proj.weight", f"{_SHARED}.up_proj.weight"), layers="moe"),
-    M("decoder.layers.*.mlp.shared_experts.linear_fc2.weight", Kind.ROW, (f"{_SHARED}.down_proj.weight",), layers="moe"),
-    M("decoder.layers.*.mlp.shared_experts.gate_weight", Kind.REPLICATED, (f"{_MLP}.shared_expert_gate.weight",),
-      layers="moe"),
+QWEN2_MOE_WEIGHTS = LLAMA_WITHOUT_MLP + (QKV_BIAS,) + DENSE_MLP + expert_rows(
+    router=f"{_MLP}.gate.weight", gate=f"{_MLP}.experts.*.gate_proj.weight", up=f"{_MLP}.experts.*.up_proj.weight",
+    down=f"{_MLP}.experts.*.down_proj.weight", layers="moe",
+) + shared_expert_rows(hf_prefix=f"{_MLP}.shared_expert") + (
+    WeightMapping("decoder.layers.*.mlp.shared_experts.gate_weight", Kind.REPLICATED,
+                  (f"{_MLP}.shared_expert_gate.weight",), layers="moe"),
 )
-
-
-def moe_layer_pattern(hf_config) -> list[int]:
-    """megatron's `moe_layer_freq` list (1 = MoE layer), as HF's Qwen2MoeDecoderLayer decides."""
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
 
 
 def read_qwen2_moe_config(hf_config) -> dict:
