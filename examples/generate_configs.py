@@ -3,7 +3,7 @@ that passes every check (DeepSpeed JSON, megatron settings, deepspeed / torchrun
 
     python examples/generate_configs.py --model llama3-70b --nodes 4 --gpus-per-node 8 --gpu h100-80gb --out sweep/
 
---model is a built-in shape (`dsmt plan --list-models`), an HF checkpoint directory or a config.json. Layouts that
+--model is a built-in shape (toolkit/models/shapes.py), an HF checkpoint directory or a config.json. Layouts that
 fail a rule (TP not dividing the heads, a batch that does not add up, out of memory, ...) are listed with the rule
 that refused them; nothing is written for them. sweep/summary.tsv lists every layout tried.
 """

@@ -14,7 +14,6 @@ from toolkit.cli import main
 from toolkit.models.moe_shapes import CONFIG_DEFAULTS, MlaShape
 from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape, load_model_shape, shape_from_config
 from toolkit.plan.activations import activation_bytes_per_layer
-from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.hardware import get_gpu
 from toolkit.plan.layers import layer_tensors, representative_stages, stage_layer_counts
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
@@ -213,7 +212,7 @@ def test_slowest_stage_with_dense_layers():
     time = estimate_step_time(shape=V2_LITE, layout=layout, training=TrainingShape(4096, 64), cluster=cluster)
     matmul, core = layer_forward_flops(shape=V2_LITE, tokens=4096, seq_length=4096, moe=True)
     last = 9 * 3 * (matmul + core) + 6 * 4096 * 102400 * 2048
-    assert time.compute_s == pytest.approx(8 * last / (989e12 * Assumptions().efficiency), rel=1e-12)
+    assert time.compute_s == pytest.approx(8 * last / (989e12 * H100.matmul_efficiency), rel=1e-12)
 
 
 def test_plan_deepseek_v3_on_256_h100s(capsys):

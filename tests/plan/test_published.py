@@ -15,12 +15,14 @@ import re
 import pytest
 
 from toolkit.plan.assumptions import Assumptions
+from toolkit.plan.calibration import CALIBRATION_TOLERANCE
 from toolkit.plan.hardware import get_gpu
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import (activation_bytes_per_layer, estimate_memory, largest_gathered_params,
                                  micro_batches_in_flight, model_state_bytes)
 from toolkit.plan.schedule import simulate_pipeline
-from toolkit.plan.timing import estimate_step_time, ring_time_s, training_flops
+from toolkit.plan.collectives import ring_time_s
+from toolkit.plan.timing import estimate_step_time, training_flops
 from toolkit.models.shapes import BUILTIN_SHAPES
 
 # Korthikanti's Megatron-LM of 2022: unfused (non-flash) attention with the fused softmax kernel, dropout, norms
@@ -200,50 +202,17 @@ def test_step_time_bubble_fraction_and_ring_bounds():
     assert t.bubble_fraction == pytest.approx(3 / (2 * 32))
     per_micro_batch_s = (t.compute_s + t.elementwise_s + t.tp_comm_s + t.cp_comm_s + t.pp_comm_s) / 32
     assert t.bubble_s == pytest.approx(3 / 2 * per_micro_batch_s)
-    exact = Assumptions(link_efficiency=1.0, collective_latency_s=0.0)
+    exact = Assumptions(link_efficiency=1.0, collective_latency_s=0.0, nvlink_hop_latency_s=0.0)
     ar = ring_time_s(kind="all_reduce", message_bytes=1e9, group_size=8, bandwidth_gbps=100, assumptions=exact)
     rs = ring_time_s(kind="reduce_scatter", message_bytes=1e9, group_size=8, bandwidth_gbps=100, assumptions=exact)
     assert ar == pytest.approx(2 * 7 / 8 * 0.01) and rs == pytest.approx(7 / 8 * 0.01)
 
 
-# --- the time model against measured utilisation (toolkit/plan/published.py) ---------------------------------
-def _calibration_residuals(assumptions):
-    from toolkit.plan.published import calibration_runs, predicted_utilisation
-
-    runs = [r for r in calibration_runs() if not r.interleaved_unpublished]
-    return {r: math.log(predicted_utilisation(r, assumptions=assumptions) / r.utilisation) for r in runs}
-
-
-def test_time_model_reproduces_published_utilisation():
-    """Narayanan 2021 Table 1 (HFU, 1.7B-1T on A100) and MegaScale's Megatron-LM baseline (MFU): the RMS residual
-    is within the stated time_uncertainty; the largest (the 1.7B model, 12%, where memory-bound kernels weigh
-    most) below 13%."""
-    a = Assumptions()
-    residuals = _calibration_residuals(a)
-    for run, r in residuals.items():
-        print(f"{run.label:34s} {run.utilisation_kind} published {run.utilisation:.3f} predicted/published "
-              f"{math.exp(r):.3f}")
-    rms = math.sqrt(sum(r * r for r in residuals.values()) / len(residuals))
-    print(f"RMS {rms:.4f}, time_uncertainty {a.time_uncertainty}")
-    assert len(residuals) >= 10
-    assert rms <= a.time_uncertainty
-    assert max(abs(r) for r in residuals.values()) <= 0.13
-
-
-def test_efficiency_is_the_least_squares_fit():
-    """The default efficiency is the fit, not a guess: moving it by 0.02 either way fits the runs worse."""
-    base = Assumptions()
-
-    def loss(eff):
-        return sum(r * r for r in _calibration_residuals(dataclasses.replace(base, efficiency=eff)).values())
-
-    assert loss(base.efficiency) < loss(base.efficiency - 0.02)
-    assert loss(base.efficiency) < loss(base.efficiency + 0.02)
-
-
+# --- the time model against measured utilisation: tests/plan/test_calibration.py ----------------------------
 def test_llama3_405b_within_its_interleaving_bounds():
     """Llama 3 Table 4 (43% and 41% BF16 MFU): its interleaving depth is unpublished, so the prediction spans no
-    interleaving (v = 1) to one layer per virtual stage; the published MFU lies inside, up to the uncertainty."""
+    interleaving (v = 1) to one layer per virtual stage; the published MFU lies inside, up to the calibration's 20 %
+    (these runs sit above H100's fitted efficiency: Meta's 16k-GPU H100 runs reach more than MPT's or IBM's)."""
     from toolkit.plan.published import LLAMA3, calibration_runs, model_shape, predicted_utilisation
 
     a = Assumptions()
@@ -253,4 +222,4 @@ def test_llama3_405b_within_its_interleaving_bounds():
         low = predicted_utilisation(run, assumptions=a)
         high = predicted_utilisation(run, assumptions=a, vpp=math.ceil(model_shape(run.model).num_layers / run.pp))
         print(f"{run.label}: published {run.utilisation}, predicted {low:.3f} (v=1) .. {high:.3f}")
-        assert low * (1 - a.time_uncertainty) <= run.utilisation <= high * (1 + a.time_uncertainty)
+        assert low * (1 - CALIBRATION_TOLERANCE) <= run.utilisation <= high * (1 + CALIBRATION_TOLERANCE)

@@ -10,9 +10,9 @@ import pytest
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.hardware import get_gpu
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
-from toolkit.plan.memory import stage_params_per_gpu
-from toolkit.plan.timing import (dp_overlap_share, elementwise_bytes, estimate_step_time, group_bandwidth_gbps,
-                                 ring_time_s)
+from toolkit.plan.collectives import group_bandwidth_gbps
+from toolkit.plan.timing import elementwise_bytes, estimate_step_time
+from toolkit.plan.zero_traffic import overlap_share
 from toolkit.models.shapes import BUILTIN_SHAPES
 
 H100 = get_gpu("h100-80gb")
@@ -30,27 +30,12 @@ def test_dp_overlap_follows_the_engine(pp, zero, hides):
     """engine_config sets overlap_comm false at pp > 1 and reduces after the schedule; ZeRO-0 and bf16 ZeRO-1
     (BF16_Optimizer) reduce at the accumulation boundary; only ZeRO-2/3 hooks at pp = 1 run beside backward."""
     layout = PlanLayout(tp=1, pp=pp, dp=16 // pp, zero_stage=zero)
-    share = dp_overlap_share(layout=layout, assumptions=Assumptions(dp_overlap=1.0))
+    share = overlap_share(layout=layout, assumptions=Assumptions(dp_overlap=1.0))
     assert share == (1.0 if hides else 0.0)
     t = _step(layout, dp_overlap=1.0)
     assert (t.dp_hidden_s > 0) == hides
     if not hides:
         assert t.dp_comm_s > 0
-
-
-def test_zero1_traffic_is_fp32_all_reduce_plus_weight_all_gather():
-    """BF16_Optimizer all-reduces the fp32 gradient buffers (communication_data_type fp32) and all-gathers the
-    updated bf16 weights after the step: exposed, over the dp ranks (16 GPUs, two nodes: 8 NICs per group)."""
-    a = Assumptions()
-    layout = PlanLayout(tp=1, pp=1, dp=16, zero_stage=1)
-    params = stage_params_per_gpu(shape=LLAMA8, layout=layout, stage=0)
-    cluster = Cluster(nodes=2, gpus_per_node=8, gpu=H100)
-    link = group_bandwidth_gbps(stride=1, size=16, cluster=cluster)
-    expected = (ring_time_s(kind="all_reduce", message_bytes=4 * params, group_size=16, bandwidth_gbps=link,
-                            assumptions=a)
-                + ring_time_s(kind="all_gather", message_bytes=2 * params, group_size=16, bandwidth_gbps=link,
-                              assumptions=a))
-    assert _step(layout).dp_comm_s == pytest.approx(expected)
 
 
 def test_group_bandwidth_is_nvlink_inside_a_node_and_rails_across():

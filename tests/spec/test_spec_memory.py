@@ -111,3 +111,17 @@ def test_cpu_runs_are_not_modelled(write_spec):
 def test_invalid_layout_is_left_to_the_divisibility_checks(write_spec):
     _, report = check_file(write_spec(_gpu_spec(parallel={"pp": 3})))
     assert "world_size" in report.rules("error") and "memory_fit" not in report.rules("error")
+
+
+def test_planner_inputs_carry_the_specs_communication_settings():
+    """The time model's DP traffic reads the spec's bucket sizes and communication_data_type (zero_traffic.py)."""
+    from toolkit.spec.checks import planner_inputs
+    from toolkit.spec.schema import JobSpec
+
+    raw = _gpu_spec(communication={"communication_data_type": "bf16", "reduce_bucket_elements": 1000,
+                                   "allgather_bucket_elements": 2000})
+    _, _, _, assumptions = planner_inputs(JobSpec.model_validate(raw))
+    assert (assumptions.dp_grad_comm_bytes, assumptions.reduce_bucket_elements,
+            assumptions.allgather_bucket_elements) == (2, 1000, 2000)
+    _, _, _, default = planner_inputs(JobSpec.model_validate(_gpu_spec()))
+    assert default.dp_grad_comm_bytes == 4

@@ -15,6 +15,7 @@ from toolkit.errors import DsmtError
 # Bytes of one element of the working weights, 16-bit gradients and activations, per training precision.
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ATTENTION_KINDS = ("fused", "local")
+DP_ENGINES = ("deepspeed", "megatron", "fsdp")
 LAYER_SPECS = ("te", "local")
 
 
@@ -34,10 +35,13 @@ class Assumptions:
     master_grad_bytes: int = 4
     # --- communication buffers (DeepSpeed defaults, docs "ZeRO optimizations"; the spec's communication) ------
     reduce_bucket_elements: int = 500_000_000      # zero_optimization.reduce_bucket_size
+    allgather_bucket_elements: int = 500_000_000   # zero_optimization.allgather_bucket_size (ZeRO-1/2)
     overlap_comm: bool = True                      # zero_optimization.overlap_comm: two reduce buckets, not one
     zero3_prefetch_elements: int = 50_000_000      # zero_optimization.stage3_prefetch_bucket_size
     # zero_optimization.stage3_param_persistence_threshold: smaller parameters stay whole on every rank
     zero3_persistence_threshold: int = 100_000
+    # zero_optimization.stage3_max_reuse_distance: parameters reused within it stay gathered (DeepSpeed's default)
+    zero3_max_reuse_distance: int = 1_000_000_000
     # --- activations (Korthikanti et al. 2022, section 4; megatron-core's local layers as measured) ---------
     # Core attention: "fused" (Transformer Engine / flash: no s x s scores stored) or "local" (megatron-core's
     # DotProductAttention: keeps the softmax output and the probabilities, s x s per head; toolkit/plan/activations.py).
@@ -55,7 +59,7 @@ class Assumptions:
 
     def __post_init__(self):
         checks = (("precision", self.precision, tuple(PRECISION_BYTES)), ("attention", self.attention, ATTENTION_KINDS),
-                  ("layer_spec", self.layer_spec, LAYER_SPECS))
+                  ("layer_spec", self.layer_spec, LAYER_SPECS), ("dp_engine", self.dp_engine, DP_ENGINES))
         for name, value, valid in checks:
             if value not in valid:
                 raise DsmtError(f"assumption {name}={value!r} is not one of {', '.join(valid)}")
@@ -81,36 +85,47 @@ class Assumptions:
     # CUDA context (~0.5 GB), NCCL communicator buffers and workspace (cuBLAS, TE): measured 1.5-3 GB on H100.
     framework_overhead_gb: float = 2.5
     fragmentation_fraction: float = 0.05   # caching allocator slack over states + activations
-    # --- time model (toolkit/plan/timing.py; calibrated in tests/plan/test_published.py) ---------------------
-    # Achieved / peak throughput of the layers' matmuls: the one fitted constant, the least-squares fit (in log
-    # space) to the utilisation measured in the published runs of toolkit/plan/published.py: Narayanan et al.
-    # 2021 Table 1 (1.7B-1T, A100) and MegaScale's Megatron-LM baseline (175B, 12,288 A100s); Llama 3's 405B
-    # H100 runs fall inside the bounds their unpublished interleaving allows (tests/plan/test_published.py).
-    efficiency: float = 0.71
+    # --- time model (toolkit/plan/timing.py; calibrated on the measured runs of toolkit/plan/published.py and
+    # published_sharded.py, tests/plan/test_calibration.py; `dsmt plan --calibration` prints the table) ---------
+    # Achieved / peak throughput of the layers' matmuls. None: the GPU preset's fitted value (hardware.py:
+    # GpuSpec.matmul_efficiency, A100 0.70, H100 0.52), the least-squares fit in log space to the runs on it.
+    efficiency: float | None = None
     link_efficiency: float = 0.8    # nccl-tests bus bandwidth / nominal link bandwidth (PERFORMANCE.md)
     # Memory-bound kernels between the matmuls (norms, residual adds, activation function, dropout, softmax) run
     # at HBM bandwidth. timing.py counts the bf16 tensors each reads and writes in the forward (Korthikanti et al.
     # 2022 list the same tensors); backward kernels read input and gradient and write a gradient: ~2x forward.
     elementwise_backward_factor: float = 2.0
-    # Share of the data-parallel traffic DeepSpeed issues from backward hooks (ZeRO-2/3 at pp = 1 with
-    # communication.overlap_comm) that hides behind compute; layouts without such hooks hide none (timing.py).
-    dp_overlap: float = 0.5
+    # Share of the hookable data-parallel traffic (ZeRO-2/3 with overlap_comm at pp = 1; zero_traffic.py) hidden
+    # behind compute, and DeepSpeed's data-parallel collective latency as a multiple of NCCL's model. Both are
+    # fitted jointly to DeepSpeed's measured ZeRO-3 runs (GPT 175B / 530B on 128-1,024 A100s,
+    # published_sharded.py DS_AZURE): they fall with GPU count at micro-batch 1 as ring latency grows, and hide
+    # almost nothing. PyTorch FSDP (the MPT and IBM rows) overlaps far more (`fsdp_overlap`, fitted on them) and
+    # shows no extra latency; dsmt's engine is DeepSpeed, so plans use the DeepSpeed figures.
+    dp_overlap: float = 0.1
+    deepspeed_latency_scale: float = 3.5
+    fsdp_overlap: float = 0.7
     dp_grad_comm_bytes: int = 4     # dsmt's ds_config communication_data_type "fp32" (megatron's default)
+    # What sends the data-parallel traffic (toolkit/plan/zero_traffic.py): "deepspeed" (dsmt's engine); the
+    # published runs the model is calibrated on also ran "megatron" (DDP / distributed optimizer) and "fsdp".
+    dp_engine: str = "deepspeed"
     tp_overlap: float = 0.0         # dsmt runs megatron-core's TP collectives without userbuffer overlap
     # Share of context parallelism's ring K/V exchange hidden behind the attention it feeds: Transformer Engine
     # posts step i+1's send/recv before step i's attention kernel (megatron-core CP, TE AttnFuncWithCPAndKVP2P);
     # the first step's exchange and the load imbalance of the causal chunks stay exposed.
     cp_overlap: float = 0.9
-    collective_latency_s: float = 20e-6   # per collective call, ring startup
+    # NCCL's cost model (src/graph/tuning.cc, ring / Simple protocol; toolkit/plan/collectives.py): a base latency
+    # per call (also taken for a point-to-point send) plus one hop latency per ring step, NVLink or network.
+    collective_latency_s: float = 8.4e-6
+    nvlink_hop_latency_s: float = 3.4e-6
+    net_hop_latency_s: float = 9.6e-6
     optimizer_passes: int = 3       # Adam reads/writes each state byte ~3 times per step (memory bound)
     # ZeRO-Offload (Ren et al. 2021): DeepSpeed's CPUAdam updates ~1e9 params/s per process; gradients go down
     # and bf16 parameters come back over PCIe Gen4/5 x16 (~25 GB/s achieved).
     cpu_adam_params_per_s: float = 1.0e9
     pcie_gbps: float = 25.0
     # Relative uncertainty of a predicted step time: layouts predicted within it of the fastest count as ties and
-    # the simplest of them is chosen (search.py: SIMPLICITY_ORDER). Its value is the RMS of log(predicted /
-    # published utilisation) over the calibration runs, 5.3%, rounded up (the largest residual is 12%, the 1.7B
-    # model, where memory-bound kernels weigh most).
+    # the simplest of them is chosen (search.py: SIMPLICITY_ORDER). 6 %: about the RMS of log(predicted /
+    # measured) over the tensor / pipeline runs (calibration.py prints each kind's band with every plan).
     time_uncertainty: float = 0.06
     # --- mixture of experts (toolkit/plan/experts.py) -------------------------------------------------------
     # Routed tokens the busiest expert-parallel rank receives over the mean: 1.0 is perfectly balanced routing

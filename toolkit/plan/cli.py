@@ -11,10 +11,13 @@ from pathlib import Path
 from toolkit.errors import DsmtError
 
 OVERRIDES = {  # flag -> (Assumptions field, help); defaults and sources: toolkit/plan/assumptions.py
-    "--efficiency": ("efficiency", "achieved / peak matmul throughput (default 0.71, fitted to published runs)"),
+    "--efficiency": ("efficiency", "achieved / peak matmul throughput (default: the GPU's fit to published runs, "
+                                   "A100 0.70, H100 0.52; dsmt plan --calibration)"),
     "--link-efficiency": ("link_efficiency", "achieved / nominal link bandwidth (default 0.8)"),
-    "--dp-overlap": ("dp_overlap", "share of ZeRO-2/3 hook traffic hidden at pp = 1 (default 0.5; other layouts "
-                                   "hide none, as dsmt's engine runs DeepSpeed)"),
+    "--dp-overlap": ("dp_overlap", "share of ZeRO-2/3 traffic hidden behind compute at pp = 1 (default 0.1, fitted "
+                                   "to DeepSpeed's ZeRO-3 runs; other layouts hide none)"),
+    "--deepspeed-latency-scale": ("deepspeed_latency_scale", "DeepSpeed data-parallel collective latency as a "
+                                                             "multiple of NCCL's model (default 3.5, fitted)"),
     "--tp-overlap": ("tp_overlap", "share of tensor-parallel communication hidden (default 0)"),
     "--cp-overlap": ("cp_overlap", "share of the context-parallel ring exchange hidden behind attention (default 0.9)"),
     "--time-uncertainty": ("time_uncertainty", "relative uncertainty of a predicted step: within it of the fastest, "
@@ -23,7 +26,8 @@ OVERRIDES = {  # flag -> (Assumptions field, help); defaults and sources: toolki
                                                    "(default 4: communication_data_type fp32)"),
     "--elementwise-backward-factor": ("elementwise_backward_factor", "memory-bound bytes of backward / forward "
                                                                      "(default 2)"),
-    "--collective-latency-s": ("collective_latency_s", "fixed cost of one collective call (default 2e-5)"),
+    "--collective-latency-s": ("collective_latency_s", "base latency of one collective call (default 8.4e-6, NCCL's "
+                                                       "model; plus 3.4e-6 per NVLink and 9.6e-6 per network step)"),
     "--optimizer-passes": ("optimizer_passes", "HBM passes over the optimizer state per step (default 3)"),
     "--router-imbalance": ("router_imbalance", "MoE: routed tokens of the busiest expert-parallel rank over the mean "
                                                "(default 1.0 = balanced routing; capped at ep)"),
@@ -41,20 +45,34 @@ GPU_FLAGS = ("gpu_mem_gb", "peak_tflops", "nvlink_gbps", "ib_gbps", "hbm_gbps")
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="pick TP / PP / VPP / DP / ZeRO / micro-batch / recompute for a cluster",
                               description=__doc__)
-    p.add_argument("model", help="built-in shape name (e.g. llama3-70b), HF checkpoint dir, or config.json")
-    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("model", nargs="?", help="built-in shape name (e.g. llama3-70b), HF checkpoint dir, or config.json; also "
+                   "the models of the published runs the planner is calibrated on (e.g. gpt-18.4b, gpt-neox-20b)")
+    p.add_argument("--calibration", action="store_true", help="print the published runs the time model is "
+                   "calibrated on, measured against predicted, and exit")
+    p.add_argument("--nodes", type=int)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="h100-80gb", help="preset (a100-40gb, a100-80gb, h100-80gb, h200-141gb) or "
                    "'custom' with the --gpu-mem-gb / --peak-tflops / --nvlink-gbps / --ib-gbps figures")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     p.add_argument("--top", type=int, default=10, help="how many fitting layouts to print")
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     p.add_argument("--emit-spec", type=Path, metavar="JOB.yaml", help="write the best layout as a job spec")
     p.add_argument("--explain", metavar="LAYOUT", help='why a layout fits or not, e.g. "tp=8 pp=4 zero=1 mbs=1"')
     p.add_argument("--charts", type=Path, metavar="DIR", help="draw memory.{png,svg} and pipeline.{png,svg}")
-    p.add_argument("--allow-offload", action="store_true", help="also consider ZeRO-Offload of the optimizer")
-    p.add_argument("--max-mbs", type=int, default=16, help="largest micro-batch size searched")
+    limits = p.add_argument_group("search limits", "restrict the layouts searched, to ask the question a run "
+                                  "answered (e.g. a replicated optimizer: --zero-stages 0)")
+    limits.add_argument("--zero-stages", metavar="LIST", default="1,2,3",
+                        help="ZeRO stages to search, comma-separated (default 1,2,3; 0 = replicated optimizer)")
+    limits.add_argument("--max-tp", type=int, metavar="N", help="largest tensor-parallel size searched")
+    limits.add_argument("--max-pp", type=int, metavar="N", help="largest pipeline-parallel size searched")
+    limits.add_argument("--recompute", metavar="LIST", default="none,selective,full",
+                        help="activation recompute choices searched, comma-separated (default all)")
+    offload = limits.add_mutually_exclusive_group()
+    offload.add_argument("--allow-offload", action="store_true", help="also consider ZeRO-Offload of the optimizer")
+    offload.add_argument("--no-offload", action="store_true",
+                         help="never offload the optimizer (the default; stated for scripts that say it)")
+    limits.add_argument("--max-mbs", type=int, default=16, help="largest micro-batch size searched")
     p.add_argument("--attention", choices=("fused", "local"), default="fused",
                    help="fused: Transformer Engine / flash (no s x s scores stored, needed for cp > 1); local: "
                         "megatron's unfused attention (stores the s x s scores; what runs without TE)")
@@ -79,13 +97,35 @@ def _assumptions(args):
                                                                 and value == 0):
                 raise DsmtError(f"{flag}={value} is out of range; efficiencies are in (0, 1], overlaps and the "
                                 "time uncertainty in [0, 1], the rest >= 0")
-            kind = type(getattr(Assumptions, field))
+            kind = float if field == "efficiency" else type(getattr(Assumptions, field))  # efficiency: None = GPU's
             values[field] = kind(value)
     values["attention"] = args.attention  # the layers follow it (adapters/build.py layer_spec)
     values["layer_spec"] = "te" if args.attention == "fused" else "local"
     if args.dropout:
         values["dropout"] = True
     return dataclasses.replace(Assumptions(), **values)
+
+
+def _model_shape(ref: str, load_model_shape):
+    """A checkpoint path or built-in shape (load_model_shape), or a published run's model (published.PAPER_SHAPES,
+    e.g. gpt-18.4b) where no such path exists."""
+    from toolkit.plan.published import PAPER_SHAPES
+
+    if ref in PAPER_SHAPES and not Path(ref).exists():
+        return PAPER_SHAPES[ref]
+    return load_model_shape(ref)
+
+
+def _limits(args):
+    from toolkit.plan.search import SearchLimits
+
+    try:
+        zero_stages = tuple(sorted({int(z) for z in args.zero_stages.split(",") if z.strip()}))
+    except ValueError:
+        raise DsmtError(f"--zero-stages={args.zero_stages!r} must list stages as integers, e.g. --zero-stages 0,1")
+    recompute = tuple(r.strip() for r in args.recompute.split(",") if r.strip())
+    return SearchLimits(zero_stages=zero_stages, max_tp=args.max_tp, max_pp=args.max_pp, recompute=recompute,
+                        offload=args.allow_offload, max_micro_batch_size=args.max_mbs)
 
 
 def _lora(args):
@@ -118,7 +158,21 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.plan.search import plan
     from toolkit.models.shapes import load_model_shape
 
-    shape = load_model_shape(args.model)
+    if args.calibration:
+        from toolkit.plan.calibration import calibration_rows, calibration_table
+
+        if args.json:
+            json.dump(calibration_rows(_assumptions(args)), sys.stdout, indent=2)
+            print()
+        else:
+            print("\n".join(calibration_table(_assumptions(args))))
+        return 0
+    missing = [flag for flag, value in (("MODEL", args.model), ("--nodes", args.nodes), ("--seq-len", args.seq_len),
+                                        ("--global-batch", args.global_batch)) if value is None]
+    if missing:
+        raise DsmtError(f"dsmt plan needs {', '.join(missing)} (or --calibration alone), e.g. dsmt plan llama3-70b "
+                        "--nodes 8 --seq-len 4096 --global-batch 128")
+    shape = _model_shape(args.model, load_model_shape)
     cluster = _cluster(args)
     training = TrainingShape(seq_length=args.seq_len, global_batch_size=args.global_batch, lora=_lora(args))
     if shape.attention_softcap is not None and args.attention == "fused":
@@ -127,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
               "scores stored)", file=sys.stderr)
         args.attention = "local"
     result = plan(shape=shape, training=training, cluster=cluster, assumptions=_assumptions(args),
-                  allow_offload=args.allow_offload, max_micro_batch_size=args.max_mbs)
+                  limits=_limits(args))
     if args.explain:
         layout = report.parse_layout(args.explain, cluster=cluster)
         print(report.explain(shape=shape, layout=layout, training=training, cluster=cluster, result=result))

@@ -24,6 +24,10 @@ class GpuSpec:
     hbm_gbps: float             # device memory bandwidth, GB/s (optimizer step is memory bound)
     nvlink_gbps: float          # intra-node, per GPU per direction, GB/s
     ib_gbps: float              # inter-node, per GPU per direction, GB/s
+    # Achieved / peak throughput of the layers' matmuls: the time model's one fitted constant per GPU, the
+    # least-squares fit (log space) to the measured runs on it (toolkit/plan/published.py; tests/plan/
+    # test_calibration.py checks it is the fit).
+    matmul_efficiency: float = 0.72
 
     @property
     def memory_gb(self) -> float:
@@ -32,12 +36,13 @@ class GpuSpec:
 
 GPU_PRESETS: dict[str, GpuSpec] = {
     # A100 SXM data sheet: 312 TF bf16 dense, 1,555 / 2,039 GB/s HBM, NVLink 3 600 GB/s total; HDR InfiniBand.
-    "a100-40gb": GpuSpec("a100-40gb", 312.0, 40_960 * MIB, 1555.0, 300.0, 25.0),
-    "a100-80gb": GpuSpec("a100-80gb", 312.0, 81_920 * MIB, 2039.0, 300.0, 25.0),
+    "a100-40gb": GpuSpec("a100-40gb", 312.0, 40_960 * MIB, 1555.0, 300.0, 25.0, 0.70),
+    "a100-80gb": GpuSpec("a100-80gb", 312.0, 81_920 * MIB, 2039.0, 300.0, 25.0, 0.70),
     # H100 SXM: 989 TF bf16 dense, 80 GB at 3.35 TB/s, NVLink 4 900 GB/s total; NDR InfiniBand.
-    "h100-80gb": GpuSpec("h100-80gb", 989.0, 81_559 * MIB, 3350.0, 450.0, 50.0),
-    # H200 SXM: H100 compute, 141 GB at 4.8 TB/s.
-    "h200-141gb": GpuSpec("h200-141gb", 989.0, 143_771 * MIB, 4800.0, 450.0, 50.0),
+    # H100 runs reach a smaller share of their peak than A100 runs (the fits: 0.52 against 0.70).
+    "h100-80gb": GpuSpec("h100-80gb", 989.0, 81_559 * MIB, 3350.0, 450.0, 50.0, 0.52),
+    # H200 SXM: H100 compute, 141 GB at 4.8 TB/s; no measured H200 run is in the calibration: H100's fit.
+    "h200-141gb": GpuSpec("h200-141gb", 989.0, 143_771 * MIB, 4800.0, 450.0, 50.0, 0.52),
 }
 
 
@@ -62,7 +67,8 @@ def custom_gpu(
         missing = [f"--{k.replace('_', '-')}" for k, v in values.items() if v is None]
         if missing:
             raise DsmtError(f"a custom GPU needs every figure; missing: {', '.join(missing)}")
-        base = GpuSpec("custom", 0.0, 0, hbm_gbps or 2000.0, 0.0, 0.0)
+        # a new accelerator is assumed no better used than H100 (the lower of the fitted efficiencies)
+        base = GpuSpec("custom", 0.0, 0, hbm_gbps or 2000.0, 0.0, 0.0, 0.52)
     for key, value in values.items():
         if value is not None and value <= 0:
             raise DsmtError(f"{key} must be positive, got {value}")

@@ -24,8 +24,8 @@ import dataclasses
 
 from toolkit.errors import DsmtError
 from toolkit.plan.assumptions import Assumptions
-from toolkit.plan.hardware import get_gpu
-from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
+from toolkit.plan.published_run import PublishedRun, gpt_shape
+from toolkit.plan.published_sharded import SHARDED_RUNS, SHARDED_SHAPES
 from toolkit.plan.timing import estimate_step_time
 from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape
 
@@ -37,24 +37,19 @@ LLAMA3 = "Dubey et al. 2024 (Llama 3), Table 4"
 MEGASCALE = "Jiang et al. 2024 (MegaScale), abstract and section 6"
 
 
-def _gpt(name: str, hidden: int, layers: int, heads: int, vocab: int = 51200) -> ModelShape:
-    """A GPT-3 style model as these papers define it: ffn = 4h, GeLU, tied embeddings."""
-    return ModelShape(name, hidden, layers, heads, heads, 4 * hidden, vocab, True, False, 2048)
-
-
 # Shapes published only in these sources (the named models are in toolkit/models/shapes.py).
-PAPER_SHAPES: dict[str, ModelShape] = {s.name: s for s in [
-    _gpt("gpt-1.7b", 2304, 24, 24), _gpt("gpt-3.6b", 3072, 30, 32), _gpt("gpt-7.5b", 4096, 36, 32),
-    _gpt("gpt-18.4b", 6144, 40, 48), _gpt("gpt-39.1b", 8192, 48, 64), _gpt("gpt-76.1b", 10240, 60, 80),
-    _gpt("gpt-145.6b", 12288, 80, 96), _gpt("gpt-310.1b", 16384, 96, 128),
-    _gpt("mt-nlg-530b", 20480, 105, 128),              # Narayanan's 529.6B row is the same shape
+PAPER_SHAPES: dict[str, ModelShape] = {**SHARDED_SHAPES, **{s.name: s for s in [
+    gpt_shape("gpt-1.7b", 2304, 24, 24), gpt_shape("gpt-3.6b", 3072, 30, 32), gpt_shape("gpt-7.5b", 4096, 36, 32),
+    gpt_shape("gpt-18.4b", 6144, 40, 48), gpt_shape("gpt-39.1b", 8192, 48, 64), gpt_shape("gpt-76.1b", 10240, 60, 80),
+    gpt_shape("gpt-145.6b", 12288, 80, 96), gpt_shape("gpt-310.1b", 16384, 96, 128),
+    gpt_shape("mt-nlg-530b", 20480, 105, 128),              # Narayanan's 529.6B row is the same shape
     # NeMo's GPT-3 configs (conf/training/gpt3/5b.yaml, 20b.yaml), GPT-2 BPE vocabulary.
-    _gpt("nemo-gpt3-5b", 4096, 24, 32, vocab=50257), _gpt("nemo-gpt3-20b", 6144, 44, 48, vocab=50257),
+    gpt_shape("nemo-gpt3-5b", 4096, 24, 32, vocab=50257), gpt_shape("nemo-gpt3-20b", 6144, 44, 48, vocab=50257),
     # GPT-NeoX-20B config.json: 44 layers, 6144 hidden, 64 heads, ffn 4h, untied, vocab 50432.
     ModelShape("gpt-neox-20b", 6144, 44, 64, 64, 24576, 50432, False, False, 2048),
     # Nemotron-4 340B (Nvidia 2024 report, Table 1): squared-ReLU MLP (not gated), GQA 8 groups, untied.
     ModelShape("nemotron4-340b", 18432, 96, 96, 8, 73728, 256000, False, False, 4096),
-]}
+]}}
 
 
 def model_shape(name: str) -> ModelShape:
@@ -65,61 +60,12 @@ def model_shape(name: str) -> ModelShape:
     return shape
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PublishedRun:
-    """One published run: the cluster and batch (the planner's inputs) and the layout the authors chose."""
-
-    source: str
-    model: str                      # a key of BUILTIN_SHAPES or PAPER_SHAPES
-    gpu: str                        # GPU preset (toolkit/plan/hardware.py)
-    num_gpus: int
-    global_batch: int               # sequences per optimizer step
-    seq_length: int
-    tp: int
-    pp: int
-    cp: int = 1
-    vpp: int = 1
-    micro_batch_size: int = 1       # 1 where the source does not say
-    sequence_parallel: bool = True  # with tp > 1; Korthikanti et al. 2022 introduced it, earlier runs lack it
-    interleaved_unpublished: bool = False   # interleaved schedule whose virtual-stage count the source omits
-    # Optimizer state partitioned over data parallelism (ZeRO-1, megatron's distributed optimizer, FSDP) as the
-    # planner assumes; False where every replica held it all (Megatron-LM 2021), None where the source is silent.
-    sharded_optimizer: bool | None = True
-    recompute: str = "none"         # what the run recomputed, where the source says
-    precision: str = "bf16"
-    # Measured utilisation of the bf16 peak: "mfu" counts model FLOPs only, "hfu" also the recomputed forward
-    # (Narayanan's TFLOP/s). None where the source gives none or the run was not bf16.
-    utilisation: float | None = None
-    utilisation_kind: str = "mfu"
-    note: str = ""
-
-    @property
-    def dp(self) -> int:
-        return self.num_gpus // (self.tp * self.cp * self.pp)
-
-    @property
-    def label(self) -> str:
-        return f"{self.model} on {self.num_gpus} {self.gpu}"
-
-    def cluster(self, *, gpus_per_node: int = 8) -> Cluster:
-        return Cluster(nodes=self.num_gpus // gpus_per_node, gpus_per_node=gpus_per_node, gpu=get_gpu(self.gpu))
-
-    def training(self) -> TrainingShape:
-        return TrainingShape(seq_length=self.seq_length, global_batch_size=self.global_batch)
-
-    def layout(self) -> PlanLayout:
-        """The published layout, with ZeRO-1 (megatron's distributed optimizer / DeepSpeed ZeRO-1)."""
-        return PlanLayout(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, vpp=self.vpp,
-                          sp=self.sequence_parallel and self.tp > 1,
-                          zero_stage=1, micro_batch_size=self.micro_batch_size, recompute=self.recompute)
-
-
 def _narayanan(model, gpus, batch, tp, pp, tflops) -> PublishedRun:
     # utilisation = achieved TFLOP/s / 312 (A100 bf16 peak), the paper's own "% of peak" column
     return PublishedRun(source=NARAYANAN, model=model, gpu="a100-80gb", num_gpus=gpus, global_batch=batch,
                         seq_length=2048, tp=tp, pp=pp, recompute="full", utilisation=tflops / 312.0,
-                        utilisation_kind="hfu", precision="mixed", sharded_optimizer=False,
-                        sequence_parallel=False)
+                        utilisation_kind="hfu", precision="mixed", zero_stage=0, sequence_parallel=False,
+                        attention="local", dropout=True)
 
 
 RUNS: tuple[PublishedRun, ...] = (
@@ -129,7 +75,7 @@ RUNS: tuple[PublishedRun, ...] = (
     _narayanan("gpt-145.6b", 1536, 2304, 8, 8, 148), _narayanan("gpt-310.1b", 1920, 2160, 8, 16, 155),
     _narayanan("mt-nlg-530b", 2520, 2520, 8, 35, 163), _narayanan("gpt-1t", 3072, 3072, 8, 64, 163),
     PublishedRun(source=MT_NLG, model="mt-nlg-530b", gpu="a100-80gb", num_gpus=2240, global_batch=1920,
-                 seq_length=2048, tp=8, pp=35, recompute="full", sharded_optimizer=None, sequence_parallel=False),
+                 seq_length=2048, tp=8, pp=35, recompute="full", zero_stage=None, sequence_parallel=False),
     PublishedRun(source=NEOX, model="gpt-neox-20b", gpu="a100-40gb", num_gpus=96, global_batch=1536,
                  seq_length=2048, tp=2, pp=4, micro_batch_size=4),
     PublishedRun(source=NEMO_2412, model="nemo-gpt3-5b", gpu="h100-80gb", num_gpus=64, global_batch=2048,
@@ -163,6 +109,7 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(source=MEGASCALE, model="gpt3-175b", gpu="a100-80gb", num_gpus=12288, global_batch=6144,
                  seq_length=2048, tp=8, pp=8, utilisation=round(0.552 / 1.34, 3),
                  note="Megatron-LM baseline, derived: 55.2% / 1.34"),
+    *SHARDED_RUNS,
 )
 
 
@@ -177,18 +124,25 @@ def expressible(run: PublishedRun) -> bool:
 
 
 def expert_runs() -> list[PublishedRun]:
-    """The layouts the planner's choice is compared with: expressible, and chosen under the planner's own memory
-    premise (optimizer state sharded over data parallelism). Megatron-LM 2021 replicated the optimizer, so its
-    model-parallel sizes answer a different memory question (tests/plan/test_expert_layouts.py lists them too)."""
-    return [r for r in RUNS if expressible(r) and r.sharded_optimizer]
+    """The layouts the planner's choice is compared with: megatron runs (TP and PP were the authors' choice)
+    whose stages hold equal layer counts and whose sharding the source states."""
+    return [r for r in RUNS if r.engine == "megatron" and expressible(r) and r.zero_stage is not None]
+
+
+def premise(run: PublishedRun):
+    """The question the run answered, as search limits: its sharding (a replicated optimizer is ZeRO-0) and its
+    recompute choice where the source states it; TP, PP, virtual stages and micro-batch free."""
+    from toolkit.plan.search import SearchLimits
+
+    limits = SearchLimits(zero_stages=(run.layout().zero_stage,))
+    return dataclasses.replace(limits, recompute=(run.recompute,)) if run.recompute else limits
 
 
 def run_assumptions(run: PublishedRun, assumptions: Assumptions) -> Assumptions:
-    """The planner's assumptions with the run's own setup where it differs: Megatron-LM in 2021 trained GPT with
-    dropout 0.1 and an unfused (scores in memory) softmax."""
-    if run.source == NARAYANAN:
-        return dataclasses.replace(assumptions, attention="local", dropout=True)
-    return assumptions
+    """The planner's assumptions with the run's own setup: its attention kernel and dropout (Megatron-LM in 2021
+    trained GPT with dropout 0.1 and an unfused softmax), gradient reduction width and data-parallel engine."""
+    return dataclasses.replace(assumptions, attention=run.attention, dropout=run.dropout,
+                               dp_grad_comm_bytes=run.grad_comm_bytes, dp_engine=run.engine)
 
 
 def predicted_utilisation(run: PublishedRun, *, assumptions: Assumptions, vpp: int | None = None) -> float:
@@ -199,11 +153,10 @@ def predicted_utilisation(run: PublishedRun, *, assumptions: Assumptions, vpp: i
     return t.hfu if run.utilisation_kind == "hfu" else t.mfu
 
 
-def planner_choice(run: PublishedRun, *, assumptions: Assumptions | None = None):
-    """The planner's first choice (a search.Candidate, or None when nothing fits) for the run's model, GPUs,
-    global batch and sequence length: what tests/plan/test_expert_layouts.py compares with the run's layout."""
+def planner_plan(run: PublishedRun, *, assumptions: Assumptions | None = None):
+    """The planner's answer (a search.Plan) to the run's question: its model, GPUs, global batch and sequence
+    length under its premise and its own setup (run_assumptions)."""
     from toolkit.plan.search import plan  # search imports timing; imported here to keep this module data-first
 
-    result = plan(shape=model_shape(run.model), training=run.training(), cluster=run.cluster(),
-                  assumptions=assumptions or Assumptions())
-    return result.best
+    return plan(shape=model_shape(run.model), training=run.training(), cluster=run.cluster(),
+                assumptions=run_assumptions(run, assumptions or Assumptions()), limits=premise(run))

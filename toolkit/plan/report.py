@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from toolkit.errors import DsmtError
+from toolkit.plan.calibration import how_sure, how_sure_lines
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import CATEGORIES
 from toolkit.plan.search import Candidate, Plan, evaluate, layout_violations, simplicity_reason
@@ -128,6 +129,9 @@ def plan_dict(result: Plan, *, top: int) -> dict:
         "choice": {"preferred_for_simplicity": result.preferred_for_simplicity,
                    "time_uncertainty": result.assumptions.time_uncertainty,
                    "fastest": result.fastest.layout.label() if result.fastest else None, "note": choice_note(result)},
+        "search_limits": result.limits.describe() or None,
+        "how_sure": (how_sure(candidate=result.best, shape=result.shape, cluster=c, assumptions=result.assumptions)
+                     if result.best else None),
         "layouts": [candidate_dict(x, moe=moe) for x in result.fitting[:top]],
         "rejected": [dict(candidate_dict(x, moe=moe), reason=rejection_reason(x)) for x in result.rejected],
     }
@@ -174,6 +178,7 @@ def format_table(result: Plan, *, top: int) -> str:
         f"cluster {c.nodes} x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gb:.1f} GB, "
         f"{c.gpu.peak_bf16_tflops:.0f} TF bf16); seq {tr.seq_length}, global batch {tr.global_batch_size}; "
         f"{result.evaluated} layouts evaluated, {len(result.fitting)} fit",
+        *([f"search limited to: {result.limits.describe()}"] if result.limits.describe() else []),
         *_lora_line(shape=shape, training=tr),
         *moe_lines(shape=shape, assumptions=result.assumptions),
         "",
@@ -191,6 +196,7 @@ def format_table(result: Plan, *, top: int) -> str:
         lines.append("    no layout fits; see the rejected ones below")
     else:
         lines += ["", choice_note(result)] + _expert_params_line(result.best, shape=shape)
+        lines += how_sure_lines(candidate=result.best, shape=shape, cluster=c, assumptions=result.assumptions)
     if result.rejected:
         header = ("best rejected (faster than the winner, but do not fit):" if result.fitting else
                   "closest to fitting (none fits: add GPUs, shorten the sequence, or try --allow-offload):")
@@ -259,7 +265,9 @@ def explain(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, c
         lines.append(f"    stage {stage.stage}: {_gb(stage.total_bytes)} GB = {cats}  "
                      f"[{stage.params_per_gpu / 1e9:.2f} B params/GPU{experts}, {stage.micro_batches_in_flight:g} "
                      f"micro-batches in flight]")
-    lines += _time_lines(x.time, moe=shape.is_moe) + _rank_lines(x, result)
+    lines += _time_lines(x.time, moe=shape.is_moe)
+    lines += how_sure_lines(candidate=x, shape=shape, cluster=cluster, assumptions=result.assumptions, indent="  ")
+    lines += _rank_lines(x, result)
     return "\n".join(lines)
 
 
@@ -268,11 +276,21 @@ def _time_lines(t, *, moe: bool = False) -> list[str]:
                        for name, field in step_parts(moe=moe).items())
     a2a = [f"  ep all to all: the MoE token all-to-all (dispatch + combine, forward and backward: 4 per layer and "
            f"micro-batch, 6 with full recompute), {t.ep_comm_s:.3f} s per step, not hidden"] if moe else []
-    return [f"  step time {t.step_time_s:.3f} s = {parts}", *a2a,
-        f"  data-parallel traffic hidden behind backward: {t.dp_hidden_s:.3f} s (only ZeRO-2/3 at pp = 1 hide any)",
+    return [f"  step time {t.step_time_s:.3f} s = {parts}", *a2a, *_dp_lines(t),
         f"  {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, bubble (p-1)/(v*m) = {t.bubble_fraction:.1%}, "
         f"{t.flops_per_step / 1e15:.1f} PFLOP per step",
     ]
+
+
+def _dp_lines(t) -> list[str]:
+    """The data-parallel traffic by phase (toolkit/plan/zero_traffic.py) and the part hidden behind compute."""
+    dp = t.dp_traffic
+    if dp is None or dp.total_s == 0:
+        return ["  data-parallel traffic: none (one replica)"]
+    return [f"  data-parallel traffic {dp.total_s:.3f} s per step: beside forward {dp.forward_s:.3f} (ZeRO-3 gathers), "
+            f"beside backward {dp.backward_s:.3f} (ZeRO-3 gathers, ZeRO-2/3 gradient reductions), after the step "
+            f"{dp.after_step_s:.3f}; hidden behind compute {dp.hidden_s:.3f} (only ZeRO-2/3 with overlap_comm at "
+            "pp = 1 hide any)"]
 
 
 def _rank_lines(x: Candidate, result: Plan) -> list[str]:

@@ -27,6 +27,47 @@ MAX_VPP = 8
 MIN_TOKENS_PER_CP_RANK = 4096
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchLimits:
+    """What the search may propose (`dsmt plan --zero-stages --max-tp --max-pp --recompute --allow-offload
+    --max-mbs`): a user asks the question a published run answered, e.g. `zero_stages=(0,)` for a replicated
+    optimizer. The default is every layout the rules accept, ZeRO-1 to 3, no offload. ZeRO-0 keeps the whole
+    optimizer on every rank (16-bit runs: DeepSpeed's FP16_UnfusedOptimizer), so it is searched only when asked."""
+
+    zero_stages: tuple[int, ...] = (1, 2, 3)
+    max_tp: int | None = None
+    max_pp: int | None = None
+    recompute: tuple[str, ...] = RECOMPUTE_CHOICES
+    offload: bool = False
+    max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE
+
+    def __post_init__(self):
+        problems = []
+        if not self.zero_stages or not set(self.zero_stages) <= {0, 1, 2, 3}:
+            problems.append(f"zero stages {list(self.zero_stages)} must be a non-empty subset of 0, 1, 2, 3")
+        if not self.recompute or not set(self.recompute) <= set(RECOMPUTE_CHOICES):
+            problems.append(f"recompute {list(self.recompute)} must be a non-empty subset of "
+                            f"{', '.join(RECOMPUTE_CHOICES)}")
+        for name in ("max_tp", "max_pp", "max_micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"{name}={value} must be at least 1")
+        if problems:
+            raise DsmtError("invalid search limits: " + "; ".join(problems))
+
+    def describe(self) -> str:
+        """The restrictions that differ from the default, for the plan's header ('' when none)."""
+        default, parts = SearchLimits(), []
+        if self.zero_stages != default.zero_stages:
+            parts.append("zero stages " + ",".join(map(str, self.zero_stages)))
+        parts += [f"tp <= {self.max_tp}"] if self.max_tp else []
+        parts += [f"pp <= {self.max_pp}"] if self.max_pp else []
+        if self.recompute != default.recompute:
+            parts.append("recompute " + ",".join(self.recompute))
+        parts += ["optimizer offload allowed"] if self.offload else []
+        return "; ".join(parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     layout: PlanLayout
@@ -48,6 +89,7 @@ class Plan:
     rejected: list[Candidate]      # faster than the fastest fitting but too big; if none fits, the smallest ones
     evaluated: int
     fastest: Candidate | None = None   # the fitting layout with the shortest predicted step
+    limits: SearchLimits = SearchLimits()
 
     @property
     def best(self) -> Candidate | None:
@@ -130,25 +172,28 @@ def evaluate(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, 
     return Candidate(layout=layout, memory=memory, time=time)
 
 
-def _topologies(*, model: ModelFacts, training: TrainingShape, cluster: Cluster, attention: str, max_vpp: int):
+def _topologies(*, model: ModelFacts, training: TrainingShape, cluster: Cluster, attention: str, max_vpp: int,
+                limits: SearchLimits):
     """(tp, cp, pp, vpp) to search: TP inside a node only (the planner never proposes a TP group across nodes),
     CP only with fused attention and at least MIN_TOKENS_PER_CP_RANK tokens per rank."""
     world, per_node = cluster.world_size, cluster.gpus_per_node
-    for tp in valid_tp_sizes(model=model, limit=per_node):
+    for tp in valid_tp_sizes(model=model, limit=min(per_node, limits.max_tp or per_node)):
         if tp_spans_nodes(tp=tp, gpus_per_node=per_node):
             continue
         for cp in divisors(world // tp):
             if cp > 1 and (attention != "fused" or training.seq_length // cp < MIN_TOKENS_PER_CP_RANK):
                 continue
             for pp in divisors(world // (tp * cp)):
+                if limits.max_pp and pp > limits.max_pp:
+                    continue
                 vpps = [v for v in range(1, max_vpp + 1) if v == 1 or (pp > 1 and model.num_layers % (pp * v) == 0)]
                 for vpp in vpps:
                     yield tp, cp, pp, vpp
 
 
 def enumerate_layouts(*, shape: ModelShape, training: TrainingShape, cluster: Cluster,
-                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS, allow_offload: bool = False,
-                      max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE, max_vpp: int = MAX_VPP):
+                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS, limits: SearchLimits = SearchLimits(),
+                      max_vpp: int = MAX_VPP):
     """Yield every layout the rules accept (toolkit/parallel/rules.py: the same as `dsmt check` and `dsmt train`),
     without TP groups across nodes. Sequence parallelism is on whenever tp > 1 (megatron-core's recommendation:
     the same communication volume as TP alone, less activation memory; megatron-core needs it for MoE with TP).
@@ -156,27 +201,31 @@ def enumerate_layouts(*, shape: ModelShape, training: TrainingShape, cluster: Cl
     model = ModelFacts.from_shape(shape, vocab_multiple=VOCAB_DIVISIBLE_BY)
     attention = assumptions.attention
     # Selective recompute drops only the attention core, which fused attention does not store.
-    recomputes = [r for r in RECOMPUTE_CHOICES if not (r == "selective" and attention == "fused")]
+    recomputes = [r for r in limits.recompute
+                  if not (r == "selective" and attention == "fused" and "none" in limits.recompute)]
     for tp, cp, pp, vpp in _topologies(model=model, training=training, cluster=cluster, attention=attention,
-                                       max_vpp=max_vpp):
+                                       max_vpp=max_vpp, limits=limits):
         dp = cluster.world_size // (tp * cp * pp)
         # Plans are bf16: DeepSpeed keeps fp32 master weights and accumulates gradients in fp32 only under ZeRO
         # (stage 1 is the BF16 optimizer; with nothing to partition it costs what ZeRO-0 would).
-        zeros = [1] if dp * cp == 1 else [1, 2, 3]
+        # Without data parallelism the stages partition nothing: one is searched, ZeRO-1 where allowed
+        zeros = sorted(limits.zero_stages) if dp * cp > 1 else [1 if 1 in limits.zero_stages
+                                                                 else min(limits.zero_stages)]
         eps = valid_ep_sizes(model=model, layout=Layout(dp=dp, cp=cp)) if shape.is_moe else (1,)
-        for mbs, zero, ep in itertools.product(range(1, max_micro_batch_size + 1), zeros, eps):
+        for mbs, zero, ep in itertools.product(range(1, limits.max_micro_batch_size + 1), zeros, eps):
             layout = PlanLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, sp=tp > 1, zero_stage=zero,
                                 micro_batch_size=mbs)
             run = plan_run_facts(layout=layout, training=training, cluster=cluster, assumptions=assumptions)
             if layout_errors(layout=layout, model=model, run=run):
                 continue
-            for offload, recompute in itertools.product([False, True] if allow_offload else [False], recomputes):
+            for offload, recompute in itertools.product([False, True] if limits.offload and zero else [False],
+                                                        recomputes):
                 yield dataclasses.replace(layout, recompute=recompute, offload_optimizer=offload)
 
 
 def plan(*, shape: ModelShape, training: TrainingShape, cluster: Cluster,
-         assumptions: Assumptions = DEFAULT_ASSUMPTIONS, allow_offload: bool = False, keep_rejected: int = 5,
-         max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE) -> Plan:
+         assumptions: Assumptions = DEFAULT_ASSUMPTIONS, limits: SearchLimits = SearchLimits(),
+         keep_rejected: int = 5) -> Plan:
     """Evaluate every valid layout; among those that fit, the simplest within the time model's uncertainty of the
     fastest comes first (rank_candidates), the rest by predicted step time."""
     if training.global_batch_size < 1 or training.seq_length < 1:
@@ -184,7 +233,7 @@ def plan(*, shape: ModelShape, training: TrainingShape, cluster: Cluster,
                         f"({training.seq_length}) must be positive")
     fitting, rejected, evaluated = [], [], 0
     for layout in enumerate_layouts(shape=shape, training=training, cluster=cluster, assumptions=assumptions,
-                                    allow_offload=allow_offload, max_micro_batch_size=max_micro_batch_size):
+                                    limits=limits):
         candidate = evaluate(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=assumptions)
         (fitting if candidate.fits else rejected).append(candidate)
         evaluated += 1
@@ -195,7 +244,8 @@ def plan(*, shape: ModelShape, training: TrainingShape, cluster: Cluster,
             f"micro_batch_size * dp, with tp dividing heads ({shape.num_attention_heads}) and KV heads "
             f"({shape.num_kv_heads}) and pp dividing num_layers ({shape.num_layers}); data-parallel sizes this "
             f"batch allows: {', '.join(map(str, dps)) or 'none'}. Choose a global batch that is a multiple of "
-            f"{cluster.world_size}, or change the cluster size")
+            f"{cluster.world_size}, or change the cluster size"
+            + (f" (searched only: {limits.describe()}; relax those limits)" if limits.describe() else ""))
     fastest = min(fitting, key=lambda c: c.time.step_time_s) if fitting else None
     rejected.sort(key=lambda c: c.time.step_time_s)
     if fastest is not None:  # what would win with more memory
@@ -204,4 +254,4 @@ def plan(*, shape: ModelShape, training: TrainingShape, cluster: Cluster,
         shown = sorted(rejected, key=lambda c: c.memory.total_bytes)
     ranked = rank_candidates(fitting=fitting, cluster=cluster, uncertainty=assumptions.time_uncertainty)
     return Plan(shape=shape, cluster=cluster, training=training, assumptions=assumptions, fitting=ranked,
-                rejected=shown[:keep_rejected], evaluated=evaluated, fastest=fastest)
+                rejected=shown[:keep_rejected], evaluated=evaluated, fastest=fastest, limits=limits)

@@ -7,17 +7,15 @@ Sources
     full recompute, +1 forward of the attention core for selective recompute.
   * Pipeline bubble (p-1)/(v·m) (same paper, section 2.2); TP traffic 8·b·s·h·(t-1)/t elements per layer per
     micro-batch (4 all-reduces; 6 with full recompute).
-  * Collectives: ring bounds from nccl-tests PERFORMANCE.md, all-reduce 2(n-1)/n·S/B, reduce-scatter and
-    all-gather (n-1)/n·S/B. Ranks are megatron-core's order (tp fastest, then cp, dp, pp), one NIC per GPU.
+  * Collectives (toolkit/plan/collectives.py): ring bounds of nccl-tests PERFORMANCE.md over the links a group
+    crosses, plus NCCL's own latency per call. Ranks are megatron-core's order (tp fastest, then cp, dp, pp), one
+    NIC per GPU.
   * Context parallelism (megatron-core through Transformer Engine): each rank holds s/cp tokens; per layer the
     ring passes K and V chunks cp-1 times forward and about twice that backward (K, V again and dK, dV), beside
     the attention compute. Gradients reduce over the dp x cp ranks holding equal weights.
-  * Data parallel as dsmt's engine runs DeepSpeed (toolkit/train/engine/hybrid.py, DeepSpeed 0.19 engine.py):
-    at pp > 1 the engine sets overlap_comm false and reduces after the pipeline schedule; at ZeRO-0 DeepSpeed's
-    allreduce_gradients reduces after the last backward; bf16 ZeRO-1 with fp32 accumulation (dsmt's default) is
-    DeepSpeed's BF16_Optimizer, which all-reduces at the accumulation boundary and all-gathers the updated bf16
-    weights after the step. Only ZeRO-2 (reduce-scatter in the backward hooks of every micro-batch) and ZeRO-3
-    (also parameter all-gathers, prefetched) at pp = 1 run beside compute: `dp_overlap` of that traffic hides.
+  * Data parallel as DeepSpeed 0.19 sends it under dsmt's engine (toolkit/plan/zero_traffic.py): per stage, what
+    it all-reduces, reduce-scatters and all-gathers per micro-batch or per step, in how many calls, and what
+    runs beside compute (ZeRO-2/3 with overlap_comm at pp = 1 only).
   * Multi-latent attention (DeepSeek): the down and up projections' FLOPs on every token, the core QK^T over
     nope + rope dims and AV over v_head_dim. Under TP the down projections are whole on every rank (Transformer
     Engine) but each rank runs them on its own s / tp tokens (dsmt runs TP with SP for MoE), so they divide by tp
@@ -38,11 +36,13 @@ import math
 
 from toolkit.plan.activations import heads_per_rank
 from toolkit.plan.assumptions import Assumptions
+from toolkit.plan.collectives import group_bandwidth_gbps, group_span, ring_time_s
 from toolkit.plan.experts import all_to_all_s, imbalance_extra_flops
 from toolkit.plan.layers import (padded_vocab_size, representative_stages, stage_expert_params_per_gpu,
                                  stage_layer_counts, stage_params_per_gpu)
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS
+from toolkit.plan.zero_traffic import DpTraffic, dp_traffic, gathered_modules
 from toolkit.models.shapes import ModelShape
 
 
@@ -57,18 +57,24 @@ class StepTime:
     pp_comm_s: float          # pipeline point-to-point over the step
     bubble_s: float           # pipeline fill and drain
     dp_comm_s: float          # exposed data-parallel collectives
-    dp_hidden_s: float        # data-parallel collectives hidden behind backward (ZeRO-2/3 hooks at pp = 1)
+    dp_hidden_s: float        # data-parallel collectives hidden behind compute (ZeRO-2/3 with overlap_comm, pp = 1)
     optimizer_s: float
     bubble_fraction: float    # (p-1)/(v·m), the paper's bubble time over ideal time
     flops_per_step: float     # hardware FLOPs, recompute included
     model_flops_per_step: float   # FLOPs without recompute (the MFU numerator)
     tokens_per_s: float
     mfu: float
+    dp_traffic: DpTraffic | None = None   # the data-parallel traffic by phase (zero_traffic.py)
 
     @property
     def hfu(self) -> float:
         """Hardware FLOPs utilisation: the MFU with the recomputed forward counted as work."""
         return self.mfu * self.flops_per_step / self.model_flops_per_step
+
+
+def matmul_efficiency(*, gpu, assumptions: Assumptions) -> float:
+    """Achieved / peak matmul throughput: the assumption when set (--efficiency), else the GPU's fitted value."""
+    return assumptions.efficiency if assumptions.efficiency is not None else gpu.matmul_efficiency
 
 
 def layer_forward_flops(*, shape: ModelShape, tokens: int, seq_length: int,
@@ -101,29 +107,6 @@ def training_flops(*, shape: ModelShape, tokens: int, seq_length: int, recompute
     return layers + 3.0 * logits
 
 
-def ring_time_s(*, kind: str, message_bytes: float, group_size: int, bandwidth_gbps: float,
-                assumptions: Assumptions) -> float:
-    """Ring-bound time of one collective (nccl-tests): all_reduce 2(n-1)/n, others (n-1)/n, times S/B."""
-    if group_size <= 1 or message_bytes <= 0:
-        return 0.0
-    factor = (2.0 if kind == "all_reduce" else 1.0) * (group_size - 1) / group_size
-    bandwidth = bandwidth_gbps * 1e9 * assumptions.link_efficiency
-    return factor * message_bytes / bandwidth + assumptions.collective_latency_s
-
-
-def group_bandwidth_gbps(*, stride: int, size: int, cluster: Cluster) -> float:
-    """Per-GPU bus bandwidth of a ring over `size` ranks placed `stride` ranks apart.
-
-    Inside one node it is NVLink. Across nodes each GPU has its own NIC (rail-optimised DGX / HGX nodes,
-    hardware.py): the k ranks of the group that share a node send over k NICs at once (NCCL stripes its rings
-    over them), so the ring gets k x NIC bandwidth, at most NVLink."""
-    per_node = cluster.gpus_per_node
-    if stride * size <= per_node:
-        return cluster.gpu.nvlink_gbps
-    ranks_per_node = max(1, min(size, per_node // stride))
-    return min(cluster.gpu.nvlink_gbps, ranks_per_node * cluster.gpu.ib_gbps)
-
-
 def estimate_step_time(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, cluster: Cluster,
                        assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> StepTime:
     """Predicted time of one optimizer step on the slowest pipeline stage."""
@@ -135,21 +118,22 @@ def estimate_step_time(*, shape: ModelShape, layout: PlanLayout, training: Train
              key=lambda x: x.total_s)
     per_mb_s = mb.total_s
     bubble_s = (p - 1) / v * per_mb_s
-    dp_total_s, dp_hidden_s = _dp_comm_s(shape=shape, layout=layout, cluster=cluster, num_micro=m,
-                                         compute_s=m * (mb.compute_s + mb.elementwise_s), assumptions=a)
+    passes = 4.0 if layout.recompute == "full" else 3.0   # forward, backward (2x), a recomputed forward
+    busy_s = m * (mb.compute_s + mb.elementwise_s)
+    dp = _dp_traffic(shape=shape, layout=layout, cluster=cluster, num_micro=m, forward_s=busy_s / passes,
+                     backward_s=busy_s * (passes - 1) / passes, assumptions=a)
     optimizer_s = _optimizer_s(shape=shape, layout=layout, cluster=cluster, assumptions=a)
-    dp_exposed_s = dp_total_s - dp_hidden_s
-    step_s = m * per_mb_s + bubble_s + dp_exposed_s + optimizer_s
+    step_s = m * per_mb_s + bubble_s + dp.exposed_s + optimizer_s
     global_tokens = training.global_batch_size * s
     model_flops = training_flops(shape=shape, tokens=global_tokens, seq_length=s, recompute="none", tp=t)
     hw_flops = training_flops(shape=shape, tokens=global_tokens, seq_length=s, recompute=layout.recompute, tp=t)
     return StepTime(
         step_time_s=step_s, compute_s=m * mb.compute_s, elementwise_s=m * mb.elementwise_s,
         tp_comm_s=m * mb.tp_s, cp_comm_s=m * mb.cp_s, ep_comm_s=m * mb.ep_s,
-        pp_comm_s=m * mb.pp_s, bubble_s=bubble_s, dp_comm_s=dp_exposed_s, dp_hidden_s=dp_hidden_s,
+        pp_comm_s=m * mb.pp_s, bubble_s=bubble_s, dp_comm_s=dp.exposed_s, dp_hidden_s=dp.hidden_s,
         optimizer_s=optimizer_s, bubble_fraction=(p - 1) / (v * m), flops_per_step=hw_flops,
         model_flops_per_step=model_flops, tokens_per_s=global_tokens / step_s,
-        mfu=model_flops / (step_s * cluster.world_size * gpu.peak_bf16_tflops * 1e12),
+        mfu=model_flops / (step_s * cluster.world_size * gpu.peak_bf16_tflops * 1e12), dp_traffic=dp,
     )
 
 
@@ -200,13 +184,13 @@ def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions, stage: 
                                                  assumptions=a, moe=is_moe)
     logits = 6.0 * tokens * padded_vocab_size(shape=shape, tp=t) * shape.hidden_size if stage == layout.pp - 1 else 0.0
     stage_flops = (layer_flops + logits) / t
-    flops_per_s = cluster.gpu.peak_bf16_tflops * 1e12 * a.efficiency
+    flops_per_s = cluster.gpu.peak_bf16_tflops * 1e12 * matmul_efficiency(gpu=cluster.gpu, assumptions=a)
     elementwise_s = elementwise / (cluster.gpu.hbm_gbps * 1e9)
     # Tensor parallel: 4 all-reduces (or reduce-scatter + all-gather pairs under SP, the same volume) per layer.
     tp_calls = 6 if layout.recompute == "full" else 4
     tp_one = ring_time_s(kind="all_reduce", message_bytes=tokens * shape.hidden_size * a.activation_bytes,
                          group_size=t, bandwidth_gbps=group_bandwidth_gbps(stride=1, size=t, cluster=cluster),
-                         assumptions=a)
+                         nodes=group_span(stride=1, size=t, cluster=cluster)[1], assumptions=a)
     tp_s = tp_one * tp_calls * layers * (1.0 - a.tp_overlap)
     cp_s = _cp_exposed_s(shape=shape, layout=layout, tokens=tokens, layers=layers,
                          attention_s=core_flops * passes / t / flops_per_s, cluster=cluster, assumptions=a)
@@ -272,59 +256,32 @@ def _pp_p2p_s(*, shape, layout, tokens, cluster, assumptions) -> float:
     return 2 * layout.vpp * (p2p_bytes / (link * 1e9 * a.link_efficiency) + a.collective_latency_s)
 
 
-def dp_overlap_share(*, layout: PlanLayout, assumptions: Assumptions) -> float:
-    """Share of the hookable data-parallel traffic hidden behind compute, as dsmt's engine runs DeepSpeed: none at
-    pp > 1 (overlap_comm off, reduction after the schedule) or at ZeRO-0/1 (reduced at the accumulation
-    boundary); `dp_overlap` for ZeRO-2/3 at pp = 1 (module docstring)."""
-    if layout.pp > 1 or layout.zero_stage <= 1:
-        return 0.0
-    return assumptions.dp_overlap
-
-
-def _heaviest_stage_params(*, shape, layout, assumptions) -> tuple[int, int]:
-    """(parameters, routed-expert parameters) per GPU of the stage holding the most parameters."""
+def _heaviest_stage_params(*, shape, layout, assumptions) -> tuple[int, int, int]:
+    """(parameters, routed-expert parameters, stage) per GPU of the stage holding the most parameters."""
     return max((stage_params_per_gpu(shape=shape, layout=layout, stage=i, layer_spec=assumptions.layer_spec),
-                stage_expert_params_per_gpu(shape=shape, layout=layout, stage=i))
+                stage_expert_params_per_gpu(shape=shape, layout=layout, stage=i), i)
                for i in representative_stages(shape=shape, layout=layout))
 
 
-def _dp_comm_s(*, shape, layout, cluster, num_micro, compute_s, assumptions) -> tuple[float, float]:
-    """(all data-parallel collectives of the heaviest stage over one step, the part hidden behind compute:
-    reduce-scatters behind the backward passes (2/3 of the compute), ZeRO-3's gathers also behind forward)."""
-    ranks = layout.zero_size   # megatron's dp-cp group: CP ranks hold the same weights
-    if ranks <= 1:
-        return 0.0, 0.0
-    a = assumptions
-    params, experts = _heaviest_stage_params(shape=shape, layout=layout, assumptions=a)
-    groups = [(params - experts, ranks, group_bandwidth_gbps(stride=layout.tp, size=ranks, cluster=cluster))]
-    if experts:  # each expert's replicas: expert_dp ranks, tp × ep apart (megatron's etp × ep × edp grid)
-        groups.append((experts, layout.expert_dp, group_bandwidth_gbps(stride=layout.tp * layout.ep,
-                                                                       size=layout.expert_dp, cluster=cluster)))
-
-    def ring(kind, count, bytes_per_param):
-        return sum(count * ring_time_s(kind=kind, message_bytes=held * bytes_per_param, group_size=size,
-                                       bandwidth_gbps=link, assumptions=a) for held, size, link in groups)
-
-    grads, weights = a.dp_grad_comm_bytes, a.param_bytes
-    if layout.zero_stage == 0:
-        return ring("all_reduce", 1, grads), 0.0
-    if layout.zero_stage == 1:   # BF16_Optimizer: reduce at the boundary, gather the updated weights
-        return ring("all_reduce", 1, grads) + ring("all_gather", 1, weights), 0.0
-    if layout.zero_stage == 2:
-        hookable = ring("reduce_scatter", num_micro, grads)
-        after_step = ring("all_gather", 1, weights)
-        compute_s *= 2 / 3
-    else:   # forward and backward gather every micro-batch, prefetched; nothing to gather after the step
-        hookable = ring("reduce_scatter", num_micro, grads) + ring("all_gather", 2 * num_micro, weights)
-        after_step = 0.0
-    hidden = dp_overlap_share(layout=layout, assumptions=a) * min(hookable, compute_s)
-    return hookable + after_step, hidden
+def _dp_traffic(*, shape, layout, cluster, num_micro, forward_s, backward_s, assumptions) -> DpTraffic:
+    """The heaviest stage's data-parallel traffic (toolkit/plan/zero_traffic.py): its non-expert parameters over
+    megatron's dp-cp group (CP ranks hold the same weights), tp apart; each expert's replicas over expert_dp
+    ranks, tp x ep apart (megatron's etp x ep x edp grid)."""
+    params, experts, stage = _heaviest_stage_params(shape=shape, layout=layout, assumptions=assumptions)
+    groups = [(params - experts, layout.zero_size, layout.tp)]
+    if experts:
+        groups.append((experts, layout.expert_dp, layout.tp * layout.ep))
+    dense, moe = _stage_layer_kinds(shape=shape, layout=layout, stage=stage)
+    modules = gathered_modules(shape=shape, layout=layout, layers=dense + moe, moe_layers=moe)
+    return dp_traffic(layout=layout, cluster=cluster, num_micro=num_micro, groups=groups, modules=modules,
+                      forward_compute_s=forward_s, backward_compute_s=backward_s, assumptions=assumptions,
+                      layers=dense + moe)
 
 
 def _optimizer_s(*, shape, layout, cluster, assumptions) -> float:
     """Adam is memory bound on the GPU; with offload it runs on the CPU behind PCIe transfers."""
     a = assumptions
-    params, experts = _heaviest_stage_params(shape=shape, layout=layout, assumptions=a)
+    params, experts, _ = _heaviest_stage_params(shape=shape, layout=layout, assumptions=a)
     shard = params / (layout.zero_size if layout.zero_stage >= 1 else 1)
     if experts and layout.zero_stage >= 1:  # the experts' states are partitioned over expert_dp ranks only
         shard = (params - experts) / layout.zero_size + experts / layout.expert_dp
