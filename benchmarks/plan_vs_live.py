@@ -1,7 +1,7 @@
 """The planner's memory model against live engines on this CPU: model states per rank and activations per case.
 
 Run: python benchmarks/plan_vs_live.py [--out DIR]   (2 launches, 2 and 4 gloo processes; ~2-4 min on 2 cores)
-     python benchmarks/plan_vs_live.py --smoke       (the first launch only; the test suite's check)
+     python benchmarks/plan_vs_live.py --smoke       (one small launch; the test suite's check)
 
 Prints, per layout, ZeRO stage, precision and rank, the parameter / gradient / optimizer / buffer bytes DeepSpeed
 holds (tests/plan/live_tensors.py classifies every tensor) next to the planner's prediction for that rank, then
@@ -22,8 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "plan"))
 
-from live_memory import (LAUNCHES, activation_rows, format_activation_table, format_state_table,  # noqa: E402
-                         run_launch, state_rows)
+from live_memory import (LAUNCHES, SMOKE_LAUNCHES, activation_rows, format_activation_table,  # noqa: E402
+                         format_state_table, run_launch, state_rows)
 
 TOLERANCE = 0.05
 
@@ -31,8 +31,9 @@ TOLERANCE = 0.05
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="keep the per-rank JSON here (default: a temp dir)")
-    parser.add_argument("--smoke", action="store_true", help="the first launch only (2 processes): that the "
-                        "benchmark runs (the test suite's check)")
+    parser.add_argument("--smoke", action="store_true", help="one small launch (2 processes, bf16 ZeRO-1 and 3, one "
+                        "activation case per recompute kind): that the benchmark runs (the test suite's check; "
+                        "tests/plan/test_live_engine.py checks every case)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))  # DeepSpeed's JIT op cache
     from toolkit.demo.tiny import make_tiny_checkpoint
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         root = args.out or Path(scratch)
         model_dir = make_tiny_checkpoint(root / "llama")
         launches = []
-        for index, (processes, cases) in enumerate(LAUNCHES[:1] if args.smoke else LAUNCHES):
+        for index, (processes, cases) in enumerate(SMOKE_LAUNCHES if args.smoke else LAUNCHES):
             start = time.perf_counter()
             launches.append(run_launch(model_dir=model_dir, out_dir=root / f"launch{index}", processes=processes,
                                        cases=cases))

@@ -178,6 +178,12 @@ LAUNCHES = (
         {"tp": 1, "pp": 1, "dp": 4, "zero": 3, "precision": "bf16", "persistence": 100_000}]}),
 )
 
+# The benchmark's smoke mode: one 2-process launch, bf16 ZeRO-1 and ZeRO-3 at dp 2, and one activation case per
+# recompute kind (the full set above is tests/plan/test_live_engine.py's).
+SMOKE_LAUNCHES = ((2, {"states": _states([(1, 1, 2)], zeros_pp1=(1, 3), precisions=("bf16",)),
+                       "activations": [c for c in ACTIVATION_CASES
+                                       if c["tp"] == 1 and c["precision"] == "bf16" and c["micro"] == 2]}),)
+
 
 def run_launch(*, model_dir: Path, out_dir: Path, processes: int, cases: dict, timeout_s: float = 600) -> list[dict]:
     """Run one launch of this file under torchrun (or the test session's warm ranks: toolkit/launch/warm_ranks.py);

@@ -45,11 +45,29 @@ def test_offload_only_when_allowed(capsys):
     (["--zero-stages", "4"], "zero stages [4] must be a non-empty subset of 0, 1, 2, 3"),
     (["--zero-stages", "one"], "--zero-stages='one' must list stages as integers"),
     (["--recompute", "some"], "recompute ['some'] must be a non-empty subset of none, selective, full"),
-    (["--max-tp", "0"], "max_tp=0 must be at least 1"),
+    (["--max-tp", "0"], "--max-tp 0 must be at least 1"),
+    (["--max-mbs", "0"], "--max-mbs 0 must be at least 1"),
 ])
 def test_bad_limits_are_named(capsys, flags, message):
     assert main(ARGS + flags) == 2
     assert message in capsys.readouterr().err
+
+
+def test_replicated_optimizer_spec_passes_check(tmp_path, capsys):
+    """--zero-stages 0 emits a spec dsmt check accepts: bf16 without ZeRO accumulates in bf16."""
+    from toolkit.spec.checks import check_file
+
+    spec = tmp_path / "z.yaml"
+    assert main(["plan", "llama3-8b", "--nodes", "1", "--seq-len", "4096", "--global-batch", "64",
+                 "--zero-stages", "0", "--emit-spec", str(spec)]) == 0
+    _, report = check_file(spec)
+    assert report.ok, report.to_text()
+    assert "grad_accum_dtype: bf16" in spec.read_text()
+
+
+def test_calibration_refuses_a_question(capsys):
+    assert main(["plan", "--calibration", "llama3-8b", "--nodes", "2"]) == 2
+    assert "it takes no question (MODEL, --nodes)" in capsys.readouterr().err
 
 
 def test_limits_no_layout_meets_names_them():

@@ -26,13 +26,13 @@ AG_LAT = (8.4 + (15 - 1) * 3.4 + 1 * 9.6) * 1e-6         # 15 steps, 1 of them b
 AR_LAT = (8.4 + (30 - 2) * 3.4 + 2 * 9.6) * 1e-6         # all-reduce: twice the steps
 
 
-def _traffic(*, zero, m=2, pp=1, dp=16, tp=1, groups=None, **assume):
+def _traffic(*, zero, m=2, pp=1, dp=16, tp=1, groups=None, trainable=1.0, **assume):
     """Hand figures use NCCL's own latency and half the traffic hidden; the fitted values are tested apart."""
     assume = {"deepspeed_latency_scale": 1.0, "dp_overlap": 0.5, **assume}
     layout = PlanLayout(tp=tp, pp=pp, dp=dp, zero_stage=zero)
     return dp_traffic(layout=layout, cluster=TWO_NODES, num_micro=m, groups=groups or [(P, dp, tp)],
                       modules=MODULES, forward_compute_s=FORWARD_S, backward_compute_s=BACKWARD_S,
-                      assumptions=Assumptions(**assume))
+                      assumptions=Assumptions(**assume), trainable=trainable)
 
 
 def test_nccl_latency_counts_ring_steps_and_network_hops():
@@ -122,11 +122,11 @@ def test_the_link_a_group_crosses():
                                                 + 7 / 8 * 2 * P / (450e9 * 0.8) + 2 * lat[1])
 
 
-@pytest.mark.parametrize("pp, overlap_comm", [(2, True), (1, False)])
-def test_nothing_hides_where_deepspeed_does_not_overlap(pp, overlap_comm):
-    """dsmt's engine turns overlap_comm off at pp > 1 and reduces after the schedule; without overlap_comm
-    DeepSpeed reduces on the compute stream."""
-    t = _traffic(zero=2, m=2, pp=pp, dp=8, overlap_comm=overlap_comm)
+@pytest.mark.parametrize("zero, overlap_comm", [(2, False), (1, True), (0, True)])
+def test_nothing_hides_where_deepspeed_does_not_overlap(zero, overlap_comm):
+    """Without overlap_comm (dsmt's engine turns it off at pp > 1) DeepSpeed reduces on the compute stream;
+    ZeRO-0/1 reduce at the accumulation boundary, after the last backward."""
+    t = _traffic(zero=zero, m=2, dp=8, overlap_comm=overlap_comm)
     assert t.total_s > 0 and t.hidden_s == 0
 
 
@@ -137,6 +137,10 @@ def test_deepspeed_latency_scale_multiplies_the_latency_only():
     assert three.total_s - one.total_s == pytest.approx(2 * calls_latency)
     fsdp = _traffic(zero=3, m=1, dp_engine="fsdp", deepspeed_latency_scale=3.0)
     assert fsdp.total_s == pytest.approx(one.total_s)
+    # fitted on ZeRO-3 runs only: ZeRO-0/1/2 keep NCCL's latency
+    for zero in (0, 1, 2):
+        assert _traffic(zero=zero, m=1, deepspeed_latency_scale=3.0).total_s == pytest.approx(
+            _traffic(zero=zero, m=1).total_s)
 
 
 def test_fsdp_shard_grad_op_gathers_forward_and_reduce_scatters():
@@ -154,4 +158,27 @@ def test_experts_reduce_over_their_own_group():
     experts = _traffic(zero=1, m=1, dp=2, tp=8, groups=[(P // 2, 2, 8)])
     assert both.after_step_s == pytest.approx(dense.after_step_s + experts.after_step_s)
     assert math.isclose(both.hidden_s, 0.0)
-    assert dataclasses.replace(both, hidden_s=1.0).exposed_s == pytest.approx(both.total_s - 1.0)
+
+
+def test_lora_reduces_only_the_adapters():
+    """1 % of the parameters trainable: ZeRO-1's reduction and weight gather move 1 % of the bytes (one bucket,
+    two parameter groups); ZeRO-3 still gathers every weight."""
+    t = _traffic(zero=1, m=1, trainable=0.01)
+    assert t.after_step_s == pytest.approx(2 * 15 / 16 * 4 * P * 0.01 / BW + AR_LAT
+                                           + 15 / 16 * 2 * P * 0.01 / BW + 2 * AG_LAT)
+    full, lora = _traffic(zero=3, m=1), _traffic(zero=3, m=1, trainable=0.01)
+    assert lora.forward_s == pytest.approx(full.forward_s)
+    assert lora.backward_s == pytest.approx(full.backward_s - 15 / 16 * 4 * P * 0.99 / BW - AG_LAT)
+
+
+def test_zero01_use_the_engines_bucket_not_the_specs():
+    """ZeRO-0/1 reduce through the engine's allreduce_gradients (5e8-element buckets) whatever reduce_bucket_size."""
+    assert _traffic(zero=1, m=1, reduce_bucket_elements=1000).total_s == pytest.approx(_traffic(zero=1, m=1).total_s)
+
+
+def test_the_output_layer_counts_against_the_reuse_distance():
+    """A 5e8-element output layer, traversed forward and backward, leaves no budget: every layer is gathered again."""
+    big = 6_400_000_000
+    assert regathered_share(params=big, layers=32, assumptions=Assumptions(), head_params=500_000_000) == 1.0
+    assert regathered_share(params=big, layers=32, assumptions=Assumptions(),
+                            head_params=100_000_000) == pytest.approx(30 / 32)   # ceil(8e8 / 4e8) = 2 kept

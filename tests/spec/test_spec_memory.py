@@ -118,10 +118,8 @@ def test_planner_inputs_carry_the_specs_communication_settings():
     from toolkit.spec.checks import planner_inputs
     from toolkit.spec.schema import JobSpec
 
-    raw = _gpu_spec(communication={"communication_data_type": "bf16", "reduce_bucket_elements": 1000,
-                                   "allgather_bucket_elements": 2000})
+    raw = _gpu_spec(communication={"communication_data_type": "bf16", "reduce_bucket_elements": 1000})
     _, _, _, assumptions = planner_inputs(JobSpec.model_validate(raw))
-    assert (assumptions.dp_grad_comm_bytes, assumptions.reduce_bucket_elements,
-            assumptions.allgather_bucket_elements) == (2, 1000, 2000)
+    assert (assumptions.dp_grad_comm_bytes, assumptions.reduce_bucket_elements) == (2, 1000)
     _, _, _, default = planner_inputs(JobSpec.model_validate(_gpu_spec()))
     assert default.dp_grad_comm_bytes == 4

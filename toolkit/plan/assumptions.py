@@ -1,4 +1,5 @@
-"""Every assumption of the planner, named, with its source; the CLI can override each one.
+"""Every assumption of the planner, named, with its source; `dsmt plan` overrides the main ones (its --help lists
+them), a job spec sets the communication ones (buckets, communication_data_type, overlap_comm).
 
 Defaults describe a bf16 megatron-core model trained with DeepSpeed ZeRO data parallelism on NVIDIA GPUs with
 Transformer Engine layers. `Assumptions.for_precision("fp32")` gives the byte widths of an fp32 run; `dsmt check`
@@ -35,7 +36,6 @@ class Assumptions:
     master_grad_bytes: int = 4
     # --- communication buffers (DeepSpeed defaults, docs "ZeRO optimizations"; the spec's communication) ------
     reduce_bucket_elements: int = 500_000_000      # zero_optimization.reduce_bucket_size
-    allgather_bucket_elements: int = 500_000_000   # zero_optimization.allgather_bucket_size (ZeRO-1/2)
     overlap_comm: bool = True                      # zero_optimization.overlap_comm: two reduce buckets, not one
     zero3_prefetch_elements: int = 50_000_000      # zero_optimization.stage3_prefetch_bucket_size
     # zero_optimization.stage3_param_persistence_threshold: smaller parameters stay whole on every rank

@@ -23,13 +23,14 @@ CALIBRATION_TOLERANCE = 0.20     # the issue's bar: each measured row predicted 
 KINDS = {"sharded": "sharded data parallel (ZeRO-2/3, FSDP)", "model": "tensor / pipeline parallel, ZeRO-0/1"}
 
 
-def layout_kind(*, zero_stage: int, dp: int) -> str:
-    """'sharded' when data parallelism sends parameters or gradients every micro-batch (ZeRO-2/3), else 'model'."""
-    return "sharded" if zero_stage >= 2 and dp > 1 else "model"
+def layout_kind(layout: PlanLayout) -> str:
+    """'sharded' when data parallelism (the dp x cp ranks holding equal weights) sends parameters or gradients
+    every micro-batch (ZeRO-2/3), else 'model'."""
+    return "sharded" if layout.zero_stage >= 2 and layout.zero_size > 1 else "model"
 
 
 def run_kind(run: PublishedRun) -> str:
-    return layout_kind(zero_stage=run.layout().zero_stage, dp=run.dp)
+    return layout_kind(run.layout())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ def nearest_runs(*, shape: ModelShape, layout: PlanLayout, cluster: Cluster, ass
                  count: int = 3) -> list[Residual]:
     """The measured rows nearest the question: same kind of layout first, then by model size, GPU count and GPU
     type (log distances, a different GPU type counts as a factor of e)."""
-    kind = layout_kind(zero_stage=layout.zero_stage, dp=layout.dp)
+    kind = layout_kind(layout)
     params, gpus = shape.num_params(), cluster.world_size
 
     def distance(r: Residual) -> tuple:
@@ -128,7 +129,7 @@ def _run_line(r: Residual) -> str:
 def how_sure(*, candidate, shape: ModelShape, cluster: Cluster, assumptions: Assumptions) -> dict:
     """The predicted range of a candidate's step time and MFU, and the published runs nearest it."""
     lay, t = candidate.layout, candidate.time
-    b = band(kind=layout_kind(zero_stage=lay.zero_stage, dp=lay.dp), assumptions=assumptions)
+    b = band(kind=layout_kind(lay), assumptions=assumptions)
     low, high = b.range(t.step_time_s)
     near = nearest_runs(shape=shape, layout=lay, cluster=cluster, assumptions=assumptions)
     family = cluster.gpu.name.split("-")[0]

@@ -106,6 +106,28 @@ def _assumptions(args):
     return dataclasses.replace(Assumptions(), **values)
 
 
+def _calibration(args) -> int:
+    """`dsmt plan --calibration`: every published measured run against the model's prediction. Each run is timed
+    on its own cluster and setup (its attention, dropout, gradient width, engine), so only the time model's
+    other assumption flags apply; a question's flags are refused."""
+    from toolkit.plan.calibration import calibration_rows, calibration_table
+
+    question = [flag for flag, value in (("MODEL", args.model), ("--nodes", args.nodes), ("--seq-len", args.seq_len),
+                                         ("--global-batch", args.global_batch), ("--explain", args.explain),
+                                         ("--emit-spec", args.emit_spec), ("--charts", args.charts),
+                                         ("--lora-rank", args.lora_rank)) if value is not None]
+    if question:
+        raise DsmtError(f"--calibration prints the published runs on their own clusters; it takes no question "
+                        f"({', '.join(question)}): drop those, or drop --calibration to plan")
+    assumptions = _assumptions(args)
+    if args.json:
+        json.dump(calibration_rows(assumptions), sys.stdout, indent=2)
+        print()
+    else:
+        print("\n".join(calibration_table(assumptions)))
+    return 0
+
+
 def _model_shape(ref: str, load_model_shape):
     """A checkpoint path or built-in shape (load_model_shape), or a published run's model (published.PAPER_SHAPES,
     e.g. gpt-18.4b) where no such path exists."""
@@ -159,14 +181,7 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.models.shapes import load_model_shape
 
     if args.calibration:
-        from toolkit.plan.calibration import calibration_rows, calibration_table
-
-        if args.json:
-            json.dump(calibration_rows(_assumptions(args)), sys.stdout, indent=2)
-            print()
-        else:
-            print("\n".join(calibration_table(_assumptions(args))))
-        return 0
+        return _calibration(args)
     missing = [flag for flag, value in (("MODEL", args.model), ("--nodes", args.nodes), ("--seq-len", args.seq_len),
                                         ("--global-batch", args.global_batch)) if value is None]
     if missing:

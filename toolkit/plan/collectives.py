@@ -8,11 +8,14 @@ Sources
     group's ranks in a node, so a group with k ranks per node gets k NICs' bandwidth, at most NVLink. Measured:
     8 A100s with 4 HDR NICs per node reach 85-96 GB/s all-reduce bus bandwidth across nodes, of 4 x 25 GB/s
     (NVIDIA/nccl-tests issues 119, 175; NVIDIA/nccl issue 1048).
-  * Latency: NCCL's tuning model (src/graph/tuning.cc, ncclTopoTuneModel, ring algorithm, Simple protocol): a
+  * Latency: NCCL's tuning model as an older release wrote it (src/graph/tuning.cc at NVIDIA/nccl 01afd20, when
+    it had three algorithms: tree, ring, collnet; ncclTopoTuneModel, ring algorithm, Simple protocol): a
     base latency per call plus one hop latency per ring step, nsteps = n-1 (all-gather, reduce-scatter) or
     2(n-1) (all-reduce), of which nodes-1 (twice for all-reduce) cross the network: 8.4 us + 3.4 us per NVLink
     step + 9.6 us per network step. A collective over 1,536 GPUs in 192 nodes pays 6.4 ms per call whatever its
-    size, which is what makes per-module ZeRO-3 gathers expensive at scale.
+    size, which is what makes per-module ZeRO-3 gathers expensive at scale. The model keeps the ring for every
+    collective; newer NCCL releases raise the network step to 14 us and run multi-node all-reduces as trees
+    (log-depth latency) or NVLS, so all-reduce latency at scale is an upper bound here.
 """
 
 from __future__ import annotations

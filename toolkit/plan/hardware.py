@@ -27,7 +27,7 @@ class GpuSpec:
     # Achieved / peak throughput of the layers' matmuls: the time model's one fitted constant per GPU, the
     # least-squares fit (log space) to the measured runs on it (toolkit/plan/published.py; tests/plan/
     # test_calibration.py checks it is the fit).
-    matmul_efficiency: float = 0.72
+    matmul_efficiency: float
 
     @property
     def memory_gb(self) -> float:

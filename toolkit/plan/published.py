@@ -77,7 +77,7 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(source=MT_NLG, model="mt-nlg-530b", gpu="a100-80gb", num_gpus=2240, global_batch=1920,
                  seq_length=2048, tp=8, pp=35, recompute="full", zero_stage=None, sequence_parallel=False),
     PublishedRun(source=NEOX, model="gpt-neox-20b", gpu="a100-40gb", num_gpus=96, global_batch=1536,
-                 seq_length=2048, tp=2, pp=4, micro_batch_size=4),
+                 seq_length=2048, tp=2, pp=4, micro_batch_size=4, engine="deepspeed"),
     PublishedRun(source=NEMO_2412, model="nemo-gpt3-5b", gpu="h100-80gb", num_gpus=64, global_batch=2048,
                  seq_length=2048, tp=1, pp=1, micro_batch_size=4, precision="fp8"),
     PublishedRun(source=NEMO_2412, model="nemo-gpt3-20b", gpu="h100-80gb", num_gpus=64, global_batch=256,
@@ -124,9 +124,10 @@ def expressible(run: PublishedRun) -> bool:
 
 
 def expert_runs() -> list[PublishedRun]:
-    """The layouts the planner's choice is compared with: megatron runs (TP and PP were the authors' choice)
-    whose stages hold equal layer counts and whose sharding the source states."""
-    return [r for r in RUNS if r.engine == "megatron" and expressible(r) and r.zero_stage is not None]
+    """The layouts the planner's choice is compared with: tensor / pipeline runs with ZeRO-0/1 (TP and PP were the
+    authors' choice; ZeRO-3 / FSDP runs had neither) whose stages hold equal layer counts and whose sharding the
+    source states."""
+    return [r for r in RUNS if r.engine != "fsdp" and r.zero_stage in (0, 1) and expressible(r)]
 
 
 def premise(run: PublishedRun):

@@ -32,7 +32,8 @@ class SearchLimits:
     """What the search may propose (`dsmt plan --zero-stages --max-tp --max-pp --recompute --allow-offload
     --max-mbs`): a user asks the question a published run answered, e.g. `zero_stages=(0,)` for a replicated
     optimizer. The default is every layout the rules accept, ZeRO-1 to 3, no offload. ZeRO-0 keeps the whole
-    optimizer on every rank (16-bit runs: DeepSpeed's FP16_UnfusedOptimizer), so it is searched only when asked."""
+    optimizer on every rank (a bf16 run then accumulates gradients in bf16: the emitted spec says so), so it is
+    searched only when asked."""
 
     zero_stages: tuple[int, ...] = (1, 2, 3)
     max_tp: int | None = None
@@ -48,10 +49,10 @@ class SearchLimits:
         if not self.recompute or not set(self.recompute) <= set(RECOMPUTE_CHOICES):
             problems.append(f"recompute {list(self.recompute)} must be a non-empty subset of "
                             f"{', '.join(RECOMPUTE_CHOICES)}")
-        for name in ("max_tp", "max_pp", "max_micro_batch_size"):
+        for name, flag in (("max_tp", "--max-tp"), ("max_pp", "--max-pp"), ("max_micro_batch_size", "--max-mbs")):
             value = getattr(self, name)
             if value is not None and value < 1:
-                problems.append(f"{name}={value} must be at least 1")
+                problems.append(f"{flag} {value} must be at least 1")
         if problems:
             raise DsmtError("invalid search limits: " + "; ".join(problems))
 

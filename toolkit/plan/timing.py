@@ -42,6 +42,7 @@ from toolkit.plan.layers import (padded_vocab_size, representative_stages, stage
                                  stage_layer_counts, stage_params_per_gpu)
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS
+from toolkit.plan.lora import lora_params
 from toolkit.plan.zero_traffic import DpTraffic, dp_traffic, gathered_modules
 from toolkit.models.shapes import ModelShape
 
@@ -121,7 +122,7 @@ def estimate_step_time(*, shape: ModelShape, layout: PlanLayout, training: Train
     passes = 4.0 if layout.recompute == "full" else 3.0   # forward, backward (2x), a recomputed forward
     busy_s = m * (mb.compute_s + mb.elementwise_s)
     dp = _dp_traffic(shape=shape, layout=layout, cluster=cluster, num_micro=m, forward_s=busy_s / passes,
-                     backward_s=busy_s * (passes - 1) / passes, assumptions=a)
+                     backward_s=busy_s * (passes - 1) / passes, assumptions=a, lora=training.lora)
     optimizer_s = _optimizer_s(shape=shape, layout=layout, cluster=cluster, assumptions=a)
     step_s = m * per_mb_s + bubble_s + dp.exposed_s + optimizer_s
     global_tokens = training.global_batch_size * s
@@ -263,19 +264,23 @@ def _heaviest_stage_params(*, shape, layout, assumptions) -> tuple[int, int, int
                for i in representative_stages(shape=shape, layout=layout))
 
 
-def _dp_traffic(*, shape, layout, cluster, num_micro, forward_s, backward_s, assumptions) -> DpTraffic:
+def _dp_traffic(*, shape, layout, cluster, num_micro, forward_s, backward_s, assumptions, lora=None) -> DpTraffic:
     """The heaviest stage's data-parallel traffic (toolkit/plan/zero_traffic.py): its non-expert parameters over
     megatron's dp-cp group (CP ranks hold the same weights), tp apart; each expert's replicas over expert_dp
-    ranks, tp x ep apart (megatron's etp x ep x edp grid)."""
+    ranks, tp x ep apart (megatron's etp x ep x edp grid). With LoRA only the adapters (whole on every TP rank)
+    carry gradients."""
     params, experts, stage = _heaviest_stage_params(shape=shape, layout=layout, assumptions=assumptions)
     groups = [(params - experts, layout.zero_size, layout.tp)]
     if experts:
         groups.append((experts, layout.expert_dp, layout.tp * layout.ep))
     dense, moe = _stage_layer_kinds(shape=shape, layout=layout, stage=stage)
     modules = gathered_modules(shape=shape, layout=layout, layers=dense + moe, moe_layers=moe)
+    last = stage == layout.pp - 1
+    head = padded_vocab_size(shape=shape, tp=layout.tp) * shape.hidden_size // layout.tp if last else 0
+    trainable = 1.0 if lora is None else min(1.0, lora_params(shape=shape, lora=lora, num_layers=dense + moe) / params)
     return dp_traffic(layout=layout, cluster=cluster, num_micro=num_micro, groups=groups, modules=modules,
                       forward_compute_s=forward_s, backward_compute_s=backward_s, assumptions=assumptions,
-                      layers=dense + moe)
+                      layers=dense + moe, head_params=head, trainable=trainable)
 
 
 def _optimizer_s(*, shape, layout, cluster, assumptions) -> float:

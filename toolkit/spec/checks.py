@@ -157,7 +157,6 @@ def planner_inputs(spec: JobSpec):
     attention = spec_attention(spec)
     assumptions = Assumptions.for_precision(
         spec.training.precision, reduce_bucket_elements=comm.reduce_bucket_elements,
-        allgather_bucket_elements=comm.allgather_bucket_elements,
         # the DP reduction width DeepSpeed uses (communication_data_type; dsmt's default fp32)
         dp_grad_comm_bytes={"bf16": 2, "fp16": 2}.get(comm.communication_data_type or "fp32", 4),
         overlap_comm=comm.overlap_comm and parallel.pp == 1,  # what the engine runs (engine_config)
