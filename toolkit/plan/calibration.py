@@ -118,12 +118,12 @@ def calibration_table(assumptions: Assumptions) -> list[str]:
     return lines
 
 
-def _run_line(r: Residual) -> str:
-    run, lay = r.run, r.run.layout()
-    gap = f"; known gap: {run.known_gap}" if run.known_gap else ""
-    return (f"{run.label} ({run.engine}, tp{lay.tp} pp{lay.pp} zero{lay.zero_stage}): measured "
-            f"{run.utilisation:.1%} {run.utilisation_kind.upper()}, predicted {r.predicted:.1%} "
-            f"[{run.source}]{gap}")
+def _run_line(near: dict) -> str:
+    """One entry of how_sure's nearest_published as a line."""
+    gap = f"; known gap: {near['known_gap']}" if near["known_gap"] else ""
+    return (f"{near['run']} ({near['engine']}, tp{near['tp']} pp{near['pp']} zero{near['zero_stage']}): measured "
+            f"{near['measured']:.1%} {near['kind'].upper()}, predicted {near['predicted']:.1%} "
+            f"[{near['source']}]{gap}")
 
 
 def how_sure(*, candidate, shape: ModelShape, cluster: Cluster, assumptions: Assumptions) -> dict:
@@ -134,8 +134,8 @@ def how_sure(*, candidate, shape: ModelShape, cluster: Cluster, assumptions: Ass
     near = nearest_runs(shape=shape, layout=lay, cluster=cluster, assumptions=assumptions)
     family = cluster.gpu.name.split("-")[0]
     same_gpu = sum(1 for r in residuals(assumptions) if run_kind(r.run) == b.kind and r.run.gpu.startswith(family))
-    return {"kind": b.kind, "rows_on_this_gpu": same_gpu, "relative_uncertainty": round(b.relative, 4), "calibration_rows": b.rows,
-            "rows_with_known_gaps": b.gaps, "band": b.describe(),
+    return {"kind": b.kind, "rows_on_this_gpu": same_gpu, "relative_uncertainty": round(b.relative, 4),
+            "calibration_rows": b.rows, "rows_with_known_gaps": b.gaps, "band": b.describe(),
             "step_time_range_s": [round(low, 4), round(high, 4)],
             "mfu_range": [round(t.mfu * t.step_time_s / high, 4), round(t.mfu * t.step_time_s / low, 4)],
             "moe_uncalibrated": shape.is_moe,
@@ -150,12 +150,11 @@ def how_sure_lines(*, candidate, shape: ModelShape, cluster: Cluster, assumption
                    indent: str = "") -> list[str]:
     sure = how_sure(candidate=candidate, shape=shape, cluster=cluster, assumptions=assumptions)
     (low, high), (mfu_low, mfu_high) = sure["step_time_range_s"], sure["mfu_range"]
-    moe = [f"{indent}  no measured MoE run is in the calibration: expert all-to-all and routing imbalance are "
-           "predicted, not fitted"] if sure["moe_uncalibrated"] else []
+    caveats = [f"{indent}  no measured MoE run is in the calibration: expert all-to-all and routing imbalance are "
+               "predicted, not fitted"] if sure["moe_uncalibrated"] else []
     if not sure["rows_on_this_gpu"]:
-        moe.append(f"{indent}  none of those runs was on {cluster.gpu.name}: the band is borrowed from other GPUs")
-    near = sum(([f"{indent}  {_run_line(r)}"] for r in nearest_runs(shape=shape, layout=candidate.layout,
-                                                                     cluster=cluster, assumptions=assumptions)), [])
+        caveats.append(f"{indent}  none of those runs was on {cluster.gpu.name}: the band is borrowed from other GPUs")
     return [f"{indent}how sure: step {candidate.time.step_time_s:.2f} s, likely {low:.2f}-{high:.2f} s (MFU "
-            f"{mfu_low:.1%}-{mfu_high:.1%}): {sure['band']}", *moe,
-            f"{indent}nearest published runs it is calibrated on:", *near]
+            f"{mfu_low:.1%}-{mfu_high:.1%}): {sure['band']}", *caveats,
+            f"{indent}nearest published runs it is calibrated on:",
+            *(f"{indent}  {_run_line(near)}" for near in sure["nearest_published"])]

@@ -15,7 +15,6 @@ def gpt_shape(name: str, hidden: int, layers: int, heads: int, vocab: int = 5120
     return ModelShape(name, hidden, layers, heads, heads, 4 * hidden, vocab, True, False, 2048)
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PublishedRun:
     """One published run: the cluster and batch (the planner's inputs) and the layout the authors chose."""

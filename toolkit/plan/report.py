@@ -328,7 +328,7 @@ def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, trainin
                      "seq_length": training.seq_length, "precision": "bf16", "recompute": lay.recompute,
                      "attention": attention},
     }
-    if lay.zero_stage == 0:  # bf16 without ZeRO: DeepSpeed accumulates in bf16 (its FP16_UnfusedOptimizer path)
+    if lay.zero_stage == 0:  # bf16 without ZeRO needs bf16 accumulation (dsmt check: fp32_accumulation_needs_zero)
         spec["communication"] = {"grad_accum_dtype": "bf16"}
     if training.lora is not None:  # the plan counted adapters on every projection (PEFT's default targets: None)
         spec["training"]["lora"] = {"rank": training.lora.rank}

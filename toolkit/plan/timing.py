@@ -36,7 +36,7 @@ import math
 
 from toolkit.plan.activations import heads_per_rank
 from toolkit.plan.assumptions import Assumptions
-from toolkit.plan.collectives import group_bandwidth_gbps, group_span, ring_time_s
+from toolkit.plan.collectives import group_ring_time_s
 from toolkit.plan.experts import all_to_all_s, imbalance_extra_flops
 from toolkit.plan.layers import (padded_vocab_size, representative_stages, stage_expert_params_per_gpu,
                                  stage_layer_counts, stage_params_per_gpu)
@@ -189,9 +189,8 @@ def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions, stage: 
     elementwise_s = elementwise / (cluster.gpu.hbm_gbps * 1e9)
     # Tensor parallel: 4 all-reduces (or reduce-scatter + all-gather pairs under SP, the same volume) per layer.
     tp_calls = 6 if layout.recompute == "full" else 4
-    tp_one = ring_time_s(kind="all_reduce", message_bytes=tokens * shape.hidden_size * a.activation_bytes,
-                         group_size=t, bandwidth_gbps=group_bandwidth_gbps(stride=1, size=t, cluster=cluster),
-                         nodes=group_span(stride=1, size=t, cluster=cluster)[1], assumptions=a)
+    tp_one = group_ring_time_s(kind="all_reduce", message_bytes=tokens * shape.hidden_size * a.activation_bytes,
+                               stride=1, size=t, cluster=cluster, assumptions=a)
     tp_s = tp_one * tp_calls * layers * (1.0 - a.tp_overlap)
     cp_s = _cp_exposed_s(shape=shape, layout=layout, tokens=tokens, layers=layers,
                          attention_s=core_flops * passes / t / flops_per_s, cluster=cluster, assumptions=a)
