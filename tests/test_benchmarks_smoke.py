@@ -48,3 +48,10 @@ def test_data_prepare_benchmark_prints_its_ratios():
         assert f"\n{name}:\n" in output, output
     assert len(re.findall(r"^  ratio prepare/tokenizer = \d+\.\d+  \(--workers [12]\)$", output, re.MULTILINE)) == 4
     assert output.count("outputs byte-identical across --workers: yes") == 2, output
+
+
+def test_manifest_cost_benchmark_prints_its_ratios():
+    output = run("benchmarks/manifest_cost.py", "--smoke")
+    assert re.search(r"^manifest, page cache \(after save\)\s.*ratio manifest/save = \d+\.\d+$", output,
+                     re.MULTILINE), output
+    assert re.search(r"xxh3_128 \d+ MB/s, zlib\.crc32 \d+ MB/s", output), output

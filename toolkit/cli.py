@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "toolkit.convert.cli",         # dsmt convert hf-to-mcore | mcore-to-hf
     "toolkit.verify.cli",          # dsmt verify
     "toolkit.train.job.cli",       # dsmt train
+    "toolkit.train.checkpoint.cli",  # dsmt checkpoint verify
     "toolkit.demo.run",            # dsmt demo
     "toolkit.spec.cli",            # dsmt check, dsmt generate
     "toolkit.plan.cli",            # dsmt plan

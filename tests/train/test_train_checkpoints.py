@@ -1,7 +1,6 @@
 """checkpoints.py without a model: RNG states saved and restored (the next draws repeat), and
 `training.keep_checkpoints` pruning of old complete tags. A fake engine stands in for DeepSpeed's."""
 
-import json
 import random
 from pathlib import Path
 
@@ -10,21 +9,11 @@ import pytest
 import torch
 
 from toolkit import backend
+from train_helpers import FakeEngine
 from toolkit.errors import DsmtError
 from toolkit.launch.local import single_process_group
 from toolkit.train.checkpoint import checkpoints
 from toolkit.train.checkpoint.checkpoints import COMPLETE_MARKER, LATEST, latest_complete, prune
-
-
-class FakeEngine:
-    """DeepSpeed's save/load contract as checkpoints.py uses it: a tag directory and the client state."""
-
-    def save_checkpoint(self, save_dir, *, tag, client_state, save_latest):
-        (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
-        (Path(save_dir) / tag / "client.json").write_text(json.dumps(client_state))
-
-    def load_checkpoint(self, load_dir, *, tag):
-        return None, json.loads((Path(load_dir) / tag / "client.json").read_text())
 
 
 @pytest.fixture

@@ -62,6 +62,18 @@ def run_dsmt(spec_path: Path) -> str:
     return result.stdout + result.stderr
 
 
+class FakeEngine:
+    """DeepSpeed's save/load contract as toolkit/train/checkpoint/checkpoints.py uses it: a tag directory and the
+    client state."""
+
+    def save_checkpoint(self, save_dir, *, tag, client_state, save_latest):
+        (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
+        (Path(save_dir) / tag / "client.json").write_text(json.dumps(client_state))
+
+    def load_checkpoint(self, load_dir, *, tag):
+        return None, json.loads((Path(load_dir) / tag / "client.json").read_text())
+
+
 # --- dsmt against the independent reference (reference.py) -----------------------------------------------------
 
 PARITY_STEPS = 6

@@ -11,7 +11,11 @@ from pathlib import Path
 
 from toolkit.errors import DsmtError
 from toolkit.launch.ports import free_port
+from toolkit.launch.watchdog import parent_death_signal
 from toolkit.launch.rank_output import CONSOLE_ENV, LOG_DIR_ENV, clear_reports, launched_failure, verbose
+
+
+STOP_GRACE_S = 40.0  # torchrun gives its ranks 30 s after SIGTERM before it SIGKILLs them
 
 
 def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: Path, timeout_s: float | None = 900.0,
@@ -68,7 +72,42 @@ def run_ranks(command: list[str], *, target: list[str], args: list[str], nprocs:
         except warm_ranks.ServerGone as err:
             why_cold = str(err)
     warm_ranks.record(target=target, nprocs=nprocs, warm=False, why=why_cold)
-    return subprocess.run(command, env=env, timeout=timeout_s, stdout=stdout, stderr=stderr, cwd=cwd).returncode
+    # torchrun gets SIGTERM when this process dies, however it dies, and stops its ranks (which also watch it:
+    # toolkit/launch/watchdog.py); SIGTERM to this process becomes SystemExit, so the same happens in order.
+    with _terminate_as_exit():
+        process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, cwd=cwd,
+                                   preexec_fn=parent_death_signal())
+        try:
+            return process.wait(timeout=timeout_s)
+        except BaseException:  # a timeout, Ctrl-C, SIGTERM: torchrun stops its ranks on SIGTERM, given the time
+            process.terminate()
+            try:
+                process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            raise
+
+
+@contextlib.contextmanager
+def _terminate_as_exit():
+    """SIGTERM raises SystemExit(143) in the main thread while the ranks run: subprocess.run then stops torchrun,
+    and the callers' `with` blocks (the run lock) unwind. Elsewhere (a thread) the handler cannot be set."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

@@ -269,7 +269,7 @@ def compare_nodes(*, head: dict, answers: dict[str, dict], device: str, slots: i
         if device == "cuda" and node.get("gpu_count") != slots:
             problems.append(Problem("error", "preflight_gpu_count", f"{host}: {node.get('gpu_count')} GPUs visible, "
                                     f"cluster.gpus_per_node={slots}", "fix the node (nvidia-smi) or "
-                                    f"CUDA_VISIBLE_DEVICES, or regenerate with --set cluster.gpus_per_node=N"))
+                                    "CUDA_VISIBLE_DEVICES, or regenerate with --set cluster.gpus_per_node=N"))
     if answers and not problems:
         problems.append(Problem("info", "preflight_nodes_match", f"{len(answers)} node(s): versions "
                                 f"{_versions_text(head['versions'])}, run dir and .deepspeed_env, network settings OK"))

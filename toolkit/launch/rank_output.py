@@ -96,14 +96,30 @@ def say_on_console(line: str) -> None:
         os.write(_console_fd, (line + "\n").encode())
 
 
+# Errors a rank sees when ANOTHER rank failed: its connection dropped, or a collective waited for it in vain.
+CONSEQUENCES = ("connection reset by peer", "connection closed by peer", "broken pipe", "timed out",
+                "connection refused", "remote process exited", "communicator was aborted", "socket timeout",
+                "watchdog caught collective operation timeout")
+REPORT_RESERVE_BYTES = 64 * 1024  # written at start, so a report fits on a disk that fills later
+
+
+def is_consequence(message: str) -> bool:
+    text = message.lower()
+    return any(pattern in text for pattern in CONSEQUENCES)
+
+
 def run_rank(entry, *, command: str) -> int:
     """Run a rank's `entry()` and return its exit code; a failure is reported where the launcher looks for it.
     Under dsmt's launcher the rank is quieted before anything runs; elsewhere `entry` calls `quiet_other_ranks`
     once it knows the run's directory."""
     if os.environ.get(LOG_DIR_ENV):
         quiet_other_ranks(log_dir=Path(os.environ[LOG_DIR_ENV]))
+        _reserve_report()
     try:
-        return int(entry() or 0)
+        code = int(entry() or 0)
+        if _log_dir is not None:  # nothing to report: the reserved space goes back
+            error_report(_log_dir, this_rank()).with_suffix(".reserve").unlink(missing_ok=True)
+        return code
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as err:  # noqa: BLE001 - every failure is reported, then the rank exits non-zero
@@ -116,17 +132,61 @@ def report_failure(err: BaseException, *, command: str) -> int:
     trace = "" if isinstance(err, DsmtError) else traceback.format_exc()
     exit_code = getattr(err, "exit_code", 1)
     under_dsmt_launcher = bool(os.environ.get(LOG_DIR_ENV))
+    suspects = _suspects(message, rank=rank)
+    if suspects:  # this rank only saw another's fault: name that one
+        message += "".join(f"\n  rank {other} failed first: {why}" for other, why in suspects)
     if under_dsmt_launcher and _log_dir is not None:  # the launcher reads it and says it once
-        _log_dir.mkdir(parents=True, exist_ok=True)
         report = {"rank": rank, "host": host, "command": command, "message": message, "traceback": trace,
-                  "exit_code": exit_code, "time": time.time()}
-        error_report(_log_dir, rank).write_text(json.dumps(report, indent=1) + "\n")
+                  "exit_code": exit_code, "time": time.time(), "consequence": is_consequence(message),
+                  "suspects": [other for other, _ in suspects]}
+        _write_report(report)
     if not under_dsmt_launcher or verbose() or _console_fd is not None:  # a quiet rank's file keeps the story
         print(f"{trace}{command}: error: rank {rank}: {message}", file=sys.stderr, flush=True)
     if _console_fd is not None and not under_dsmt_launcher:  # and the console gets one line
         where = f" (its output: {rank_log(_log_dir, rank)})" if _log_dir is not None else ""
         os.write(_console_fd, f"{command}: error: rank {rank} on {host}: {message}{where}\n".encode())
     return exit_code
+
+
+def _suspects(message: str, *, rank: int) -> list[tuple[int, str]]:
+    if not is_consequence(message) or _log_dir is None:
+        return []
+    from toolkit.launch import heartbeat
+
+    return heartbeat.suspects(_log_dir, me=rank)
+
+
+def _reserve_report() -> None:
+    """Claim this rank's report space now (real bytes: a sparse file would need blocks later)."""
+    if _log_dir is None:
+        return
+    try:
+        _log_dir.mkdir(parents=True, exist_ok=True)
+        error_report(_log_dir, this_rank()).with_suffix(".reserve").write_bytes(b" " * REPORT_RESERVE_BYTES)
+    except OSError:
+        pass
+
+
+def _write_report(report: dict) -> None:
+    """Into the reserved space when there is one (a full disk cannot refuse it), then renamed into place."""
+    target = error_report(_log_dir, report["rank"])
+    reserve = target.with_suffix(".reserve")
+    data = (json.dumps(report, indent=1) + "\n").encode()
+    if len(data) > REPORT_RESERVE_BYTES:  # the traceback's tail is what explains
+        report = {**report, "traceback": report["traceback"][-(REPORT_RESERVE_BYTES // 2):]}
+        data = (json.dumps(report, indent=1) + "\n").encode()[:REPORT_RESERVE_BYTES]
+    try:
+        if reserve.is_file():
+            with open(reserve, "r+b") as file:
+                file.write(data)
+                file.truncate(len(data))
+            os.replace(reserve, target)
+        else:
+            _log_dir.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+    except OSError as err:  # the console still gets the line
+        print(f"dsmt: rank {report['rank']}: could not write {target} ({err}): {report['message']}",
+              file=sys.stderr, flush=True)
 
 
 class RankFailure(DsmtError):
@@ -140,19 +200,82 @@ class RankFailure(DsmtError):
 def launched_failure(*, log_dir: Path, nprocs: int, returncode: int) -> RankFailure:
     """The error the launcher raises when its ranks failed: the earliest rank report in `log_dir`, else what
     torchrun recorded (a rank killed by a signal writes no report)."""
-    reports = [json.loads(p.read_text()) for p in sorted(log_dir.glob("rank*.error.json"))]
+    reports, unreadable = _read_reports(log_dir)
     launcher_log = log_dir / "launcher.log"
     logs = (f"every rank's output: {log_dir}/rank*.log; torchrun's: {launcher_log}" if launcher_log.is_file()
             else "every rank's output is above (--verbose)")
+    logs += "".join(f"; {path} is unreadable ({why})" for path, why in unreadable)
+    root = _torchrun_exits(launcher_log, root_cause_only=True)
+    if not reports and root:  # killed before any rank could report (the launcher stopped the others)
+        rank, how = next(iter(root.items()))
+        return RankFailure(f"rank {rank} of {nprocs} failed first ({how}), without an error of its own (its "
+                           f"output: {rank_log(log_dir, rank)}); the other ranks were stopped\n({logs})",
+                           exit_code=1)
+    if not reports and returncode < 0:  # torchrun itself was killed; its ranks stop on their own (watchdog.py)
+        return RankFailure(f"torchrun, the launcher of the {nprocs} ranks, was {_exit_words(returncode)}; its ranks "
+                           f"stop when they see it gone\n({logs})", exit_code=1)
     if not reports:
         return RankFailure(f"{nprocs} ranks failed (torchrun exit {returncode}) before reporting an error: "
                            f"{_torchrun_root_cause(log_dir / 'launcher.log')}\n({logs})", exit_code=1)
-    first = min(reports, key=lambda r: r["time"])
+    causes = [r for r in reports if not r.get("consequence")]
+    blamed = sorted({s for r in reports for s in r.get("suspects", [])} - {r["rank"] for r in causes})
+    if not causes and blamed:  # every report is a consequence of a rank that left none (killed, stopped)
+        first = min(reports, key=lambda r: r["time"])
+        exits = _torchrun_exits(launcher_log)
+        how = "".join(f" ({exits[rank]})" for rank in blamed[:1] if rank in exits)
+        return RankFailure(f"rank {blamed[0]} of {nprocs} failed first{how}, without an error of its own (its "
+                           f"output: {rank_log(log_dir, blamed[0])}); rank {first['rank']} on {first['host']} then "
+                           f"saw: {first['message']}\n({logs})", exit_code=1)
+    first = min(causes or reports, key=lambda r: r["time"])
     others = len(reports) - 1
     also = f"; {others} other rank(s) failed too" if others else ""
     trace = f"\n{first['traceback'].rstrip()}" if first["traceback"] else ""  # a bug, not a dsmt error: where
     return RankFailure(f"rank {first['rank']} of {nprocs} on {first['host']}: {first['message']}{trace}"
                        f"\n({logs}{also})", exit_code=int(first["exit_code"]) or 1)
+
+
+def _read_reports(log_dir: Path) -> tuple[list[dict], list[tuple[Path, str]]]:
+    reports, unreadable = [], []
+    for path in sorted(log_dir.glob("rank*.error.json")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as err:  # a report cut short (a disk that was full before it was reserved)
+            unreadable.append((path, f"{type(err).__name__}: {err}"))
+    return reports, unreadable
+
+
+def _torchrun_exits(launcher_log: Path, *, root_cause_only: bool = False) -> dict[int, str]:
+    """rank -> "exit code N" / "killed by SIGKILL" from torchrun's (or the warm launcher's) failure list; with
+    `root_cause_only` the first observed failure's rank alone (torchrun prints it after the others)."""
+    if not launcher_log.is_file():
+        return {}
+    import re
+
+    lines = launcher_log.read_text(errors="replace").splitlines()
+    if root_cause_only:
+        lines = lines[next((i for i, line in enumerate(lines) if "Root Cause" in line), len(lines)):]
+    exits, rank = {}, None
+    for line in lines:
+        if (found := re.match(r"\s*rank\s*:\s*(\d+)", line)):
+            rank = int(found.group(1))
+        elif rank is not None and (found := re.match(r"\s*exitcode\s*:\s*(-?\d+)", line)):
+            code = int(found.group(1))
+            exits.setdefault(rank, _exit_words(code))
+            if root_cause_only:
+                break
+            rank = None
+    return exits
+
+
+def _exit_words(code: int) -> str:
+    import signal
+
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _torchrun_root_cause(launcher_log: Path) -> str:
@@ -172,5 +295,6 @@ def _torchrun_root_cause(launcher_log: Path) -> str:
 
 def clear_reports(log_dir: Path) -> None:
     """A new launch into the same directory: the previous launch's logs and error reports are not this one's."""
-    for path in [*log_dir.glob("rank*.error.json"), *log_dir.glob("rank*.log"), log_dir / "launcher.log"]:
+    for path in [*log_dir.glob("rank*.error.json"), *log_dir.glob("rank*.error.reserve"), *log_dir.glob("rank*.log"),
+                 *log_dir.glob("rank*.heartbeat.json"), log_dir / "launcher.log"]:
         path.unlink(missing_ok=True)

@@ -42,6 +42,8 @@ def init_process_groups(*, layout: Layout, dist_backend: str, timeout_s: float =
         # takes (DeepSpeed reduces); created by default, they are one more rendezvous per group over the
         # hostname's interface, a classic multi-node hang where it resolves to the wrong one.
         create_gloo_process_groups=False,
+        # megatron's own groups wait 30 min by default whatever the world's timeout: the same for every group
+        distributed_timeout_minutes=timeout_s / 60,
     )
 
 

@@ -316,6 +316,13 @@ class TrainingSpec(Section):
     # about 26 bytes per parameter (an 8B model: ~200 GB), so keeping every one fills a disk in a long run.
     keep_checkpoints: int | None = Field(2, ge=1)
     log_interval: int = Field(10, ge=1)  # steps
+    # fp16 only: DeepSpeed skips a step whose gradients overflow and lowers the loss scale; after this many
+    # skipped steps in a row the run stops (the scale cannot recover). bf16 / fp32 stop at the first non-finite
+    # loss or gradient norm.
+    max_skipped_steps: int = Field(10, ge=1)
+    # How long a rank waits in a collective (every process group: the world and megatron's) before it fails and
+    # names the rank that stalled. null: 600 s on GPUs (NCCL), 180 s on the CPU backend.
+    collective_timeout_s: float | None = Field(None, gt=0)
     seed: int = Field(1234, ge=0)
     output_dir: str = "runs/dsmt"
     tensorboard: bool = False

@@ -4,15 +4,21 @@ what makes a resumed run identical (step, per-rank RNG), and a completion marker
     <output_dir>/checkpoints/step_000010/        DeepSpeed's files for tag step_000010
     <output_dir>/checkpoints/step_000010/dsmt_rng_rank{r}.pt
     <output_dir>/checkpoints/step_000010/layout-free/, dsmt_layout.json   the same state for any other layout
+    <output_dir>/checkpoints/step_000010/dsmt_manifest.json   every file's size and xxh3-128 digest
     <output_dir>/checkpoints/step_000010/dsmt_complete.json   written by rank 0 after every rank has saved
     <output_dir>/checkpoints/latest_complete     the newest complete tag (replaced atomically)
+
+A save writes into `.partial-step_000010/` and rank 0 renames it to `step_000010/` once the manifest and the marker
+are in (toolkit/train/checkpoint/manifest.py); a resume checks the files against the manifest and falls back to
+the next older checkpoint when one differs (toolkit/train/checkpoint/integrity.py).
 
 A run resumes through DeepSpeed when its layout (TP, PP, VPP, CP, DP, ZeRO stage) is the one in the completion
 marker, and from the layout-free copy when it differs (toolkit/train/checkpoint/reshard.py); either way nothing in the
 checkpoint is modified.
 
-A run killed while saving leaves a tag without `dsmt_complete.json`; resume never takes it. With
-`training.keep_checkpoints: K`, rank 0 deletes the oldest complete tags beyond the newest K after each save.
+A run killed while saving leaves a `.partial-*` folder (or, from older dsmt, a tag without `dsmt_complete.json`);
+resume never takes it, and it is removed before the next save and at resume. With `training.keep_checkpoints: K`,
+rank 0 deletes the oldest complete tags beyond the newest K after each save.
 
 The per-rank RNG file holds every generator a step can draw from: torch's CPU generator, the CUDA generator of
 this rank's device (when CUDA is available), megatron's RNG tracker states (the tensor-parallel / expert streams
@@ -34,6 +40,7 @@ import torch
 
 COMPLETE_MARKER = "dsmt_complete.json"
 LATEST = "latest_complete"
+PARTIAL = ".partial-"  # a save in progress, renamed to its tag when complete
 
 
 def tag_for(step: int) -> str:
@@ -43,33 +50,122 @@ def tag_for(step: int) -> str:
 def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | None = None, layout: dict | None = None,
          layout_free=None) -> None:
     """Collective. `layout`: `reshard.layout_record` of this run (kept in the marker); `layout_free`: a
-    `reshard.LayoutFreeState` that writes the copy other layouts resume from (None: plain HF models)."""
+    `reshard.LayoutFreeState` that writes the copy other layouts resume from (None: plain HF models).
+
+    Everything is written into `.partial-<tag>/` first; rank 0 adds the manifest and the completion marker, then
+    renames it to `<tag>/`: a kill or a full disk at any point leaves no `<tag>/` a later save or resume trips on,
+    and the leftover is removed before the next save (and at resume)."""
     import torch.distributed as dist
 
-    tag = tag_for(step)
-    rank = dist.get_rank()
-    marker = Path(checkpoint_dir) / tag / COMPLETE_MARKER
-    again = [marker.exists() if rank == 0 else None]
-    dist.broadcast_object_list(again, src=0)  # rank 0 looks for all: every rank takes the same branch
-    if again[0]:  # saving a step again (a script may): unmarked first, so a crash mid-way leaves it incomplete, then
-        if rank == 0:  # removed (megatron's dist_checkpointing writes into an empty layout-free directory only)
-            marker.unlink()
-            shutil.rmtree(Path(checkpoint_dir) / tag)
+    from toolkit.train.checkpoint import space
+
+    checkpoint_dir, tag, rank = Path(checkpoint_dir), tag_for(step), dist.get_rank()
+    partial = checkpoint_dir / f"{PARTIAL}{tag}"
+    refusal = [_prepare_save(checkpoint_dir, tag=tag) if rank == 0 else None]
+    dist.broadcast_object_list(refusal, src=0)  # rank 0 looks for all: every rank takes the same branch
+    if refusal[0]:
+        raise space.DiskFull(refusal[0])
+    try:
+        engine.save_checkpoint(str(checkpoint_dir), tag=partial.name, client_state={"dsmt_step": step},
+                               save_latest=False)
+        torch.save(rng_states(), partial / f"dsmt_rng_rank{rank}.pt")
+        if layout_free is not None:
+            layout_free.save(partial)
         dist.barrier()
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"dsmt_step": step}, save_latest=False)
-    torch.save(rng_states(), Path(checkpoint_dir) / tag / f"dsmt_rng_rank{rank}.pt")
-    if layout_free is not None:
-        layout_free.save(Path(checkpoint_dir) / tag)
-    dist.barrier()
+        write_manifest(partial)
+    except Exception as err:
+        full = space.as_disk_full(err, directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
+        if full is None:
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # give the space back; the other ranks fail on their own
+        raise full from err
     if rank == 0:
         record = {"step": step, "world_size": dist.get_world_size(), "layout": layout}
-        marker.write_text(json.dumps(record))
-        temp = Path(checkpoint_dir) / f".{LATEST}.tmp"
-        temp.write_text(tag)
-        os.replace(temp, Path(checkpoint_dir) / LATEST)
+        _write_synced(partial / COMPLETE_MARKER, json.dumps(record))
+        _publish(partial, checkpoint_dir / tag)
+        _write_synced(checkpoint_dir / f".{LATEST}.tmp", tag)
+        os.replace(checkpoint_dir / f".{LATEST}.tmp", checkpoint_dir / LATEST)
         if keep_checkpoints is not None:
             prune(checkpoint_dir, keep=keep_checkpoints)
     dist.barrier()
+
+
+def _prepare_save(checkpoint_dir: Path, *, tag: str) -> str | None:
+    """Rank 0, before a save: leftovers of interrupted saves removed, then the free-space check (None: go on)."""
+    from toolkit.train.checkpoint import space
+
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    for line in remove_leftovers(checkpoint_dir):
+        print(f"dsmt: {line}", flush=True)
+    return space.refusal(directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
+
+
+def _newest_bytes(checkpoint_dir: Path) -> int | None:
+    """The size of the newest complete checkpoint (what the next one will take, at the same layout)."""
+    from toolkit.train.checkpoint.manifest import tag_bytes
+
+    tags = complete_tags(checkpoint_dir)
+    return tag_bytes(Path(checkpoint_dir) / tags[-1]) if tags else None
+
+
+def write_manifest(partial: Path) -> None:
+    """Every file's size and digest into the manifest; each rank hashes its share of the bytes. Collective."""
+    import torch.distributed as dist
+
+    from toolkit.train.checkpoint import manifest
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    listing = [None]
+    if rank == 0:
+        files = manifest.list_files(partial)
+        listing = [(files, [(partial / name).stat().st_size for name in files])]
+    dist.broadcast_object_list(listing, src=0)
+    files, sizes = listing[0]
+    entries = manifest.entries_for(partial, manifest.share(files, sizes, rank=rank, world_size=world))
+    parts: list = [None] * world
+    dist.all_gather_object(parts, entries)
+    if rank == 0:
+        manifest.write_manifest(partial, {name: entry for part in parts for name, entry in part.items()})
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Rename the finished save to its tag; a tag saved again (a script may) is replaced, unmarked first."""
+    if final.exists():
+        aside = final.with_name(f"{PARTIAL}replaced-{final.name}")
+        (final / COMPLETE_MARKER).unlink(missing_ok=True)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    os.rename(partial, final)
+    _sync_directory(final.parent)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _sync_directory(directory: Path) -> None:
+    """The rename reaches the disk before the pointer does (a power loss cannot show a pointer to nothing)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(checkpoint_dir: Path) -> list[str]:
+    """Remove what interrupted saves left (`.partial-*` folders, and `step_*` folders without a completion marker
+    from before saves were renamed into place); one line per folder removed. One run writes a checkpoint folder
+    at a time (the run lock, toolkit/launch/run_lock.py), so nothing here is a save in progress."""
+    removed = []
+    for path in sorted(Path(checkpoint_dir).glob(f"{PARTIAL}*")) + sorted(Path(checkpoint_dir).glob("step_*")):
+        if path.is_dir() and not (path.name.startswith("step_") and (path / COMPLETE_MARKER).is_file()):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(f"removed {path}: an interrupted save (no completion marker)")
+    return removed
 
 
 def complete_tags(checkpoint_dir: Path) -> list[str]:
@@ -81,8 +177,8 @@ def complete_tags(checkpoint_dir: Path) -> list[str]:
 def prune(checkpoint_dir: Path, *, keep: int) -> list[str]:
     """Delete the oldest complete tags beyond the newest `keep`; returns the deleted tags.
 
-    Never deleted: the tag `latest_complete` names, any tag at or after the newest complete one, and incomplete
-    tags (one may be another save in progress; a crashed save is left for a person to look at)."""
+    Never deleted: the tag `latest_complete` names and any tag at or after the newest complete one. Incomplete
+    tags are not this function's: `remove_leftovers` takes them before each save and at resume."""
     from toolkit.errors import DsmtError
 
     if keep < 1:
@@ -152,15 +248,15 @@ class Resumed:
     resharded: str | None = None  # "from LAYOUT to LAYOUT" when the state came from the layout-free copy
 
 
-def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_free=None) -> Resumed:
-    """Load the newest complete checkpoint: through DeepSpeed at the layout that wrote it, else from its
-    layout-free copy (`layout_free`, see `save`). Every rank takes the same branch (they read the same marker)."""
+def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_free=None,
+           fallback: bool = True) -> Resumed:
+    """Load the newest intact complete checkpoint: through DeepSpeed at the layout that wrote it, else from its
+    layout-free copy (`layout_free`, see `save`). Each candidate's files are checked against its manifest first; a
+    damaged one is named and the next older one taken (`fallback=False`: the named error instead). Every rank takes
+    the same branch (they read the same marker and share the verdict)."""
     import torch.distributed as dist
 
-    from toolkit.errors import DsmtError
-    from toolkit.train.checkpoint.reshard import describe
-
-    tag = latest_complete(checkpoint_dir)
+    tag = intact_tag(checkpoint_dir, fallback=fallback)
     if tag is None:
         return Resumed(step=0)
     tag_dir = Path(checkpoint_dir) / tag
@@ -170,18 +266,9 @@ def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_f
     # DeepSpeed's module file keeps one EP rank's experts (toolkit/train/engine/moe.py): EP runs resume layout-free.
     experts_split = (saved_layout or {}).get("ep", 1) > 1
     if not same or experts_split:
-        if layout_free is None:
-            written = describe(saved_layout) if saved_layout else f"{marker['world_size']} ranks"
-            this_run = describe(layout) if layout else f"{dist.get_world_size()} ranks"
-            raise DsmtError(
-                f"checkpoint {tag} was written at {written}, this run is {this_run}; this model "
-                "trains as a plain HF model (no megatron-core adapter), whose checkpoints resume only at the layout "
-                "that wrote them: resume with that layout, or start a new output_dir from the exported final-hf")
-        record = layout_free.load(tag_dir)
-        if not same:
-            return Resumed(step=int(marker["step"]),
-                           resharded=f"from {describe(record['layout'])} to {describe(layout)}")
-        step = int(marker["step"])
+        step, resharded = _load_layout_free(tag_dir, marker=marker, layout=layout, layout_free=layout_free, same=same)
+        if resharded:
+            return Resumed(step=step, resharded=resharded)
     else:
         if layout_free is not None and (tag_dir / "dsmt_layout.json").is_file():
             layout_free.check(tag_dir)  # the same layout, another model: a named error before DeepSpeed's own
@@ -190,3 +277,50 @@ def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_f
     # The writer's ranks are this run's: their RNG streams carry over.
     restore_rng_states(torch.load(tag_dir / f"dsmt_rng_rank{dist.get_rank()}.pt"))
     return Resumed(step=step)
+
+
+def _load_layout_free(tag_dir: Path, *, marker: dict, layout: dict | None, layout_free, same: bool):
+    """(step, "from A to B" or None) after loading the layout-free copy."""
+    import torch.distributed as dist
+
+    from toolkit.errors import DsmtError
+    from toolkit.train.checkpoint.reshard import describe
+
+    saved_layout = marker.get("layout")
+    if layout_free is None:
+        written = describe(saved_layout) if saved_layout else f"{marker['world_size']} ranks"
+        this_run = describe(layout) if layout else f"{dist.get_world_size()} ranks"
+        raise DsmtError(
+            f"checkpoint {tag_dir.name} was written at {written}, this run is {this_run}; this model "
+            "trains as a plain HF model (no megatron-core adapter), whose checkpoints resume only at the layout "
+            "that wrote them: resume with that layout, or start a new output_dir from the exported final-hf")
+    record = layout_free.load(tag_dir)
+    resharded = None if same else f"from {describe(record['layout'])} to {describe(layout)}"
+    return int(marker["step"]), resharded
+
+
+def intact_tag(checkpoint_dir: Path, *, fallback: bool = True) -> str | None:
+    """The newest complete tag whose files match its manifest (a tag written before manifests is taken as it
+    is); None when there is no complete tag. Collective: the ranks share the hashing and the verdict."""
+    import torch.distributed as dist
+
+    from toolkit.train.checkpoint import integrity
+
+    if dist.get_rank() == 0:
+        for line in remove_leftovers(checkpoint_dir):
+            print(f"dsmt: {line}", flush=True)
+    dist.barrier()
+    newest = latest_complete(checkpoint_dir)
+    candidates = [t for t in reversed(complete_tags(checkpoint_dir)) if newest is None or _step(t) <= _step(newest)]
+    for index, tag in enumerate(candidates):
+        problems = integrity.problems_collectively(Path(checkpoint_dir) / tag)
+        if not problems:
+            return tag
+        older = candidates[index + 1] if index + 1 < len(candidates) else None
+        integrity.refuse_or_fall_back(tag=tag, problems=problems, older=older, fallback=fallback,
+                                   checkpoint_dir=Path(checkpoint_dir))
+    return None
+
+
+def _step(tag: str) -> int:
+    return int(tag[len("step_"):])

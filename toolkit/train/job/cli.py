@@ -24,6 +24,9 @@ def register(subparsers) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="check spec, model at this layout (meta device), DeepSpeed config, data and tokenizer; "
                              "exit 0, or 2 listing every problem; writes nothing")
+    parser.add_argument("--no-fallback", action="store_true",
+                        help="when the newest checkpoint does not match its manifest, stop (exit 2) instead of "
+                             "resuming from the newest intact one")
     parser.add_argument("--verbose", action="store_true", help="every rank's output and the libraries' warnings "
                         "on the console (default: rank 0 speaks; the others write OUTPUT/logs/rankN.log)")
     parser.set_defaults(func=run)
@@ -50,12 +53,14 @@ def run(args) -> int:
         report = dry_run(path, overrides=args.set, run_dir=args.run_dir)
         print(report.to_text())
         return 0 if report.ok else 2
-    launch_training(path=path, overrides=args.set, run_dir=args.run_dir)
+    launch_training(path=path, overrides=args.set, run_dir=args.run_dir, fallback=not args.no_fallback)
     return 0
 
 
-def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None) -> None:
-    """Check the spec at `path`, then run its ranks on this machine and wait (`dsmt train`, `toolkit.api.train`)."""
+def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None,
+                    fallback: bool = True) -> None:
+    """Check the spec at `path`, then run its ranks on this machine and wait (`dsmt train`, `toolkit.api.train`).
+    The output directory's run lock is held from before the first rank starts until the last one ended."""
     from toolkit.launch.local import launch_local_workers
     from toolkit.spec.checks import check_file
     from toolkit.spec.layout import world_size_of
@@ -78,10 +83,18 @@ def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), r
                         f"run `dsmt generate {path} --out run/` and launch run/launch_deepspeed.sh or job.sbatch")
     from toolkit.generate.env import environment
 
+    from toolkit.launch import run_lock
+
     sets = [f"--set={item}" for item in overrides]
     run_dir_args = ["--run-dir", str(Path(run_dir).expanduser().absolute())] if run_dir is not None else []
-    # The environment the generated scripts export (.deepspeed_env): NCCL presets and CUDA_DEVICE_MAX_CONNECTIONS=1
-    # on GPUs, DS_ACCELERATOR=cpu and one thread per rank on the CPU; the spec's communication.extra_env last.
-    launch_local_workers(module="toolkit.train", args=["--config", str(path), *run_dir_args, *sets],
-                         nprocs=world_size_of(spec), log_dir=Path(spec.training.output_dir) / "logs",
-                         timeout_s=None, env=environment(spec=spec))  # a training run takes as long as it takes
+    flags = [] if fallback else ["--no-fallback"]
+    with run_lock.acquire(output_dir=Path(spec.training.output_dir), command=f"dsmt train {path}") as lock:
+        if lock.took_over:
+            print(lock.takeover_line(), flush=True)
+        # The environment the generated scripts export (.deepspeed_env): NCCL presets and
+        # CUDA_DEVICE_MAX_CONNECTIONS=1 on GPUs, DS_ACCELERATOR=cpu and one thread per rank on the CPU; the spec's
+        # communication.extra_env last; the lock's path, so the ranks do not take it again.
+        launch_local_workers(module="toolkit.train", args=["--config", str(path), *run_dir_args, *sets, *flags],
+                             nprocs=world_size_of(spec), log_dir=Path(spec.training.output_dir) / "logs",
+                             timeout_s=None,  # a training run takes as long as it takes
+                             env={**environment(spec=spec), run_lock.LOCK_ENV: str(lock.path)})

@@ -8,11 +8,8 @@ import os
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from toolkit.errors import DsmtError
-from toolkit.train.checkpoint import checkpoints
-from toolkit.train.job.report import RunLog
 
 
 def model_checkpoint(*, spec, output_dir: Path) -> Path:
@@ -65,11 +62,12 @@ def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
                         dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle and not spec.data.is_megatron)
 
 
-def train(*, spec, ds_config: dict | None = None) -> list[dict]:
+def train(*, spec, ds_config: dict | None = None, fallback: bool = True) -> list[dict]:
     """Run the spec's training on this rank; returns the per-step history (same on every rank).
 
     `ds_config`: the run directory's ds_config.json, already compared with the spec (`toolkit/train/job/run_files.py`);
-    None generates it from the spec."""
+    None generates it from the spec. `fallback`: resume from the newest intact checkpoint when the newest is
+    damaged (False: stop with the named error)."""
     from toolkit.generate.deepspeed_config import build_deepspeed_config
     from toolkit.train.plain import engine as plain
 
@@ -82,8 +80,10 @@ def train(*, spec, ds_config: dict | None = None) -> list[dict]:
     build = _plain_parts if plain.is_plain_model(hf_dir) else _hybrid_parts
     trainer, batches, export, notice = build(spec=spec, layout=layout, hf_dir=hf_dir,
                                              ds_config=ds_config, output_dir=output_dir)
-    return _run(trainer=trainer, batches=batches, export=export, notice=notice, spec=spec, layout=layout,
-                ds_config=ds_config, output_dir=output_dir, hf_dir=hf_dir)
+    from toolkit.train.job.loop import run_to_end
+
+    return run_to_end(trainer=trainer, batches=batches, export=export, notice=notice, spec=spec, layout=layout,
+                      ds_config=ds_config, output_dir=output_dir, hf_dir=hf_dir, fallback=fallback)
 
 
 def start_process_groups(*, spec):
@@ -95,10 +95,19 @@ def start_process_groups(*, spec):
 
     backend = backends.select(device=spec.cluster.device)
     layout = derive_layout(spec)
-    init_process_groups(layout=layout, dist_backend=backend.dist_backend)
+    init_process_groups(layout=layout, dist_backend=backend.dist_backend,
+                        timeout_s=collective_timeout_s(spec=spec, dist_backend=backend.dist_backend))
     backend.seed(spec.training.seed)
     name_wandb_run(spec=spec)
     return layout
+
+
+def collective_timeout_s(*, spec, dist_backend: str) -> float:
+    """training.collective_timeout_s, else 600 s under NCCL (its usual watchdog timeout) and 180 s on the CPU
+    backend, where a stalled rank should not keep a test or a demo silent for ten minutes."""
+    if spec.training.collective_timeout_s is not None:
+        return float(spec.training.collective_timeout_s)
+    return 600.0 if dist_backend == "nccl" else 180.0
 
 
 def name_wandb_run(*, spec) -> None:
@@ -237,82 +246,6 @@ def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pat
     return engine, batches, lambda: plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf"), notice
 
 
-def _run(*, trainer, batches, export, notice: str | None, spec, layout, ds_config: dict, output_dir: Path,
-         hf_dir: Path | None = None) -> list[dict]:
-    """Resume, train to train_steps with checkpoints and validation, export, report: the same for every kind of
-    trainer."""
-    import torch.distributed as dist
-
-    from toolkit.train.job.evaluate import build_validation
-
-    log = RunLog(output_dir=output_dir, is_writer=dist.get_rank() == 0, layout=layout, spec=spec, ds_config=ds_config)
-    if notice and dist.get_rank() == 0:
-        print(notice, flush=True)
-    validation = build_validation(spec=spec, layout=layout, trainer=trainer, hf_dir=hf_dir)
-    saving = checkpoint_settings(trainer=trainer, spec=spec, layout=layout)
-    resumed = resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", seed=spec.training.seed,
-                     saving=saving)
-    log.started(start_step=resumed.step, total_steps=spec.training.train_steps, validation=validation,
-                resharded=resumed.resharded)
-    _loop(trainer=trainer, batches=batches, spec=spec, log=log, start=resumed.step, output_dir=output_dir,
-          validation=validation, saving=saving)
-    export()
-    log.finished()
-    return log.history
-
-
-def resume(*, engine, checkpoint_dir: Path, seed: int, saving: dict) -> checkpoints.Resumed:
-    """The newest complete checkpoint under `checkpoint_dir` loaded (`saving`: `checkpoint_settings`). Resharded
-    from another layout, the RNGs are seeded anew: that layout's per-rank streams do not map onto this one's ranks."""
-    from toolkit import backend as backends
-
-    resumed = checkpoints.resume(engine=engine, checkpoint_dir=checkpoint_dir, **saving)
-    if resumed.resharded:
-        backends.current().seed(seed + resumed.step)
-    return resumed
-
-
-def checkpoint_settings(*, trainer, spec, layout) -> dict:
-    """This run's layout record, and for megatron-core models the layout-free state other layouts resume from."""
-    from toolkit.train.engine.hybrid import HybridEngine
-    from toolkit.train.checkpoint.reshard import LayoutFreeState, layout_record
-
-    record = layout_record(layout=layout, zero_stage=spec.parallel.zero_stage)
-    layout_free = None
-    if isinstance(trainer, HybridEngine):
-        layout_free = LayoutFreeState(engine=trainer.engine, chunks=trainer.chunks, layout=record,
-                                      global_batch_size=layout.global_batch_size)
-    return {"layout": record, "layout_free": layout_free}
-
-
-def _loop(*, trainer, batches, spec, log, start: int, output_dir: Path, validation=None, saving=None) -> None:
-    """Train steps start+1 .. train_steps. With validation: the validation loss before the first step (step 0),
-    after every eval_interval steps and after the last, measured before that step's checkpoint is saved, so a run
-    resumed from a checkpoint already has the validation loss of its step."""
-    import torch.distributed as dist
-
-    from toolkit.train.job.evaluate import eval_steps, evaluate
-
-    total = spec.training.train_steps
-    evaluated = set(eval_steps(eval_interval=spec.training.eval_interval, start=start, total=total)
-                    if validation is not None else ())
-    if start in evaluated:
-        log.validation(step=start, result=evaluate(trainer=trainer, validation=validation), engine=trainer.engine)
-    # Rank 0's bar, on a terminal only (disable=None): in a log file its redraws would be noise.
-    with tqdm(total=total, initial=start, desc="training", disable=True if dist.get_rank() != 0 else None,
-              leave=False) as bar:
-        for step in range(start, total):
-            stats = trainer.train_step(batches.batches_for_step(step))
-            log.step(step=step + 1, stats=stats, engine=trainer.engine)
-            bar.update(1)
-            if step + 1 in evaluated:
-                log.validation(step=step + 1, result=evaluate(trainer=trainer, validation=validation),
-                               engine=trainer.engine)
-            if (step + 1) % spec.training.checkpoint_interval == 0 or step + 1 == total:
-                checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1,
-                                 keep_checkpoints=spec.training.keep_checkpoints, **(saving or {}))
-
-
 def _export(*, hybrid, info, spec, output_dir: Path) -> None:
     export_trained(hybrid=hybrid, info=info, precision=spec.training.precision, lora=spec.training.lora,
                    mcore_dir=output_dir / "final-mcore", hf_dir=output_dir / "final-hf",
@@ -367,6 +300,8 @@ def main(argv=None) -> int:
     parser.add_argument("--run-dir", type=Path, help="the `dsmt generate` directory: its ds_config.json is what "
                         "DeepSpeed receives, checked against the spec first (toolkit/train/job/run_files.py)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
+    parser.add_argument("--no-fallback", action="store_true", help="stop when the newest checkpoint is damaged "
+                        "instead of resuming from the newest intact one")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = parser.parse_args(argv)
     from toolkit.parallel.groups import adopt_mpi_ranks
@@ -379,9 +314,11 @@ def main(argv=None) -> int:
     spec, report = check_file(config, overrides=args.set)
     if spec is None or not report.ok:
         raise DsmtError(f"job spec {config} does not pass `dsmt check`:\n{report.to_text()}")
-    from toolkit.launch.rank_output import quiet_other_ranks
+    from toolkit.launch.rank_output import LOG_DIR_ENV, quiet_other_ranks
 
-    quiet_other_ranks(log_dir=Path(spec.training.output_dir) / "logs")  # rank 0 speaks (toolkit/launch/rank_output.py)
+    log_dir = Path(spec.training.output_dir) / "logs"
+    quiet_other_ranks(log_dir=log_dir)  # rank 0 speaks (toolkit/launch/rank_output.py)
+    watch_this_rank(log_dir=Path(os.environ.get(LOG_DIR_ENV) or log_dir))
     ds_config = None
     if args.run_dir is not None:  # before any process group, model or output file: a contradiction stops here
         from toolkit.train.job.run_files import compare_run_files
@@ -390,5 +327,33 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":  # the launcher's rank; one copy of the report
             print("\n".join(run_files.start_lines()), flush=True)
         ds_config = run_files.ds_config
-    train(spec=spec, ds_config=ds_config)  # a run resumed after its last step has nothing to do, and succeeds
+    with run_lock_of_job(spec=spec):
+        train(spec=spec, ds_config=ds_config, fallback=not args.no_fallback)  # after its last step: nothing to do
     return 0
+
+
+def watch_this_rank(*, log_dir: Path) -> None:
+    """This rank stops when its launcher dies (toolkit/launch/watchdog.py) and beats its heartbeat into `log_dir`
+    (toolkit/launch/heartbeat.py), so that the rank that fails first is the one named."""
+    from toolkit.launch import heartbeat, watchdog
+    from toolkit.launch.rank_output import this_rank
+
+    watchdog.die_with_parent(what=f"rank {this_rank()}")
+    heartbeat.start(log_dir=log_dir, rank=this_rank())
+
+
+def run_lock_of_job(*, spec):
+    """The output directory's run lock: held by `dsmt train` for its ranks (nothing to do here); under a cluster
+    launcher rank 0 takes it before any process group exists, and a second run's rank 0 stops (exit 2)."""
+    import contextlib
+
+    from toolkit.launch import run_lock
+    from toolkit.launch.rank_output import this_rank
+
+    output_dir = Path(spec.training.output_dir)
+    if this_rank() != 0 or run_lock.held_by_launcher(output_dir=output_dir):
+        return contextlib.nullcontext()
+    lock = run_lock.acquire(output_dir=output_dir, command="python -m toolkit.train (rank 0)")
+    if lock.took_over:
+        print(lock.takeover_line(), flush=True)
+    return lock

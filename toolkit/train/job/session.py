@@ -138,21 +138,23 @@ class TrainingRun:
                          keep_checkpoints=self.spec.training.keep_checkpoints, **self._checkpoint_settings())
         return checkpoint_dir / checkpoints.tag_for(self.step)
 
-    def load_checkpoint(self, checkpoint_dir: str | Path) -> int:
+    def load_checkpoint(self, checkpoint_dir: str | Path, *, fallback: bool = True) -> int:
         """Resume from the newest complete checkpoint under `checkpoint_dir` (written at this layout or any other,
         by `save_checkpoint` or by `dsmt train` in OUTPUT_DIR/checkpoints); returns the step it holds. A directory
-        with no complete checkpoint loads nothing and returns the run's own step (0 at the start). Collective."""
-        from toolkit.train.job.run import resume
+        with no complete checkpoint loads nothing and returns the run's own step (0 at the start). A checkpoint
+        whose files do not match its manifest is named and the next older one taken (`fallback=False`: the
+        named error instead). Collective."""
+        from toolkit.train.job.loop import resume
 
         if checkpoints.latest_complete(Path(checkpoint_dir)) is None:  # the same answer on every rank (shared files)
             return self.step
         resumed = resume(engine=self.engine, checkpoint_dir=Path(checkpoint_dir), seed=self.spec.training.seed,
-                         saving=self._checkpoint_settings())
+                         saving=self._checkpoint_settings(), fallback=fallback)
         self.step = resumed.step
         return resumed.step
 
     def _checkpoint_settings(self) -> dict:
-        from toolkit.train.job.run import checkpoint_settings
+        from toolkit.train.job.loop import checkpoint_settings
 
         return checkpoint_settings(trainer=self.hybrid, spec=self.spec, layout=self.layout)
 

@@ -1,0 +1,234 @@
+"""The fault handling's parts alone, without training: saves interrupted at each point, damaged manifests and the
+fallback, the non-finite guard, the disk-full errors, the launcher's choice of the first failing rank, heartbeats,
+the parent watchdog and the collective timeout."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit import backend
+from train_helpers import FakeEngine
+from toolkit.launch import heartbeat, rank_output
+from toolkit.launch.local import single_process_group
+from toolkit.train.checkpoint import checkpoints, space
+from toolkit.train.checkpoint.integrity import CheckpointDamaged
+from toolkit.train.job.guard import StepGuard, TrainingDiverged
+from toolkit.train.engine.hybrid import StepStats
+
+
+class CrashingCopy:
+    """A layout-free state that writes part of its files, then fails (a kill at that point of a save)."""
+
+    def __init__(self, *, files_before_crash: int):
+        self.files_before_crash = files_before_crash
+
+    def save(self, tag_dir):
+        (tag_dir / "layout-free").mkdir()
+        for index in range(self.files_before_crash):
+            (tag_dir / "layout-free" / f"__{index}_0.distcp").write_bytes(b"x" * 100)
+        raise RuntimeError("killed here")
+
+
+@pytest.fixture
+def process_group():
+    from toolkit.parallel.groups import Layout, init_process_groups
+
+    with single_process_group(dist_backend=backend.current().dist_backend):
+        init_process_groups(layout=Layout(), dist_backend=backend.current().dist_backend)
+        yield
+
+
+@pytest.mark.parametrize("files_before_crash", [0, 1, 3])
+def test_a_save_interrupted_anywhere_never_blocks_the_next_or_a_resume(process_group, tmp_path, files_before_crash):
+    engine = FakeEngine()
+    checkpoints.save(engine=engine, checkpoint_dir=tmp_path, step=4)
+    with pytest.raises(RuntimeError, match="killed here"):
+        checkpoints.save(engine=engine, checkpoint_dir=tmp_path, step=8,
+                         layout_free=CrashingCopy(files_before_crash=files_before_crash))
+    assert (tmp_path / ".partial-step_000008").is_dir() and not (tmp_path / "step_000008").exists()
+    assert checkpoints.latest_complete(tmp_path) == "step_000004"
+    assert checkpoints.resume(engine=engine, checkpoint_dir=tmp_path).step == 4
+    assert not (tmp_path / ".partial-step_000008").exists()  # removed at resume
+    (tmp_path / "step_000008" / "layout-free").mkdir(parents=True)  # an older dsmt's interrupted save
+    checkpoints.save(engine=engine, checkpoint_dir=tmp_path, step=8)
+    assert checkpoints.complete_tags(tmp_path) == ["step_000004", "step_000008"]
+    assert json.loads((tmp_path / "step_000008" / "dsmt_manifest.json").read_text())["files"]
+
+
+def test_saving_a_step_again_replaces_it(process_group, tmp_path):
+    checkpoints.save(engine=FakeEngine(), checkpoint_dir=tmp_path, step=4)
+    checkpoints.save(engine=FakeEngine(), checkpoint_dir=tmp_path, step=4)
+    assert checkpoints.complete_tags(tmp_path) == ["step_000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest_complete", "step_000004"]
+
+
+def test_damaged_checkpoint_falls_back_or_stops(process_group, tmp_path, capsys):
+    engine = FakeEngine()
+    for step in (4, 8):
+        checkpoints.save(engine=engine, checkpoint_dir=tmp_path, step=step)
+    (tmp_path / "step_000008" / "client.json").write_text('{"dsmt_step": 9}')  # same size, other bytes
+    with pytest.raises(CheckpointDamaged, match=r"(?s)checkpoint_damaged.*step_000008.*client.json: digest"):
+        checkpoints.resume(engine=engine, checkpoint_dir=tmp_path, fallback=False)
+    assert checkpoints.resume(engine=engine, checkpoint_dir=tmp_path).step == 4
+    assert "falling back to step_000004" in capsys.readouterr().out
+    (tmp_path / "step_000004" / "dsmt_manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointDamaged, match="no older complete checkpoint"):
+        checkpoints.resume(engine=engine, checkpoint_dir=tmp_path)
+
+
+def test_free_space_is_checked_before_a_save(process_group, tmp_path, monkeypatch):
+    checkpoints.save(engine=FakeEngine(), checkpoint_dir=tmp_path, step=4)
+    monkeypatch.setattr(space, "free_bytes", lambda directory: 10)
+    with pytest.raises(space.DiskFull, match=r"\[disk_full\] checkpoint step_000008 needs about .* 0.0 MB free"):
+        checkpoints.save(engine=FakeEngine(), checkpoint_dir=tmp_path, step=8)
+    assert not (tmp_path / ".partial-step_000008").exists()
+
+
+def test_disk_full_is_recognised_in_a_chain_and_nothing_else_is(tmp_path):
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("dist_checkpointing failed") from inner
+    except RuntimeError as err:
+        chained = err
+    full = space.as_disk_full(chained, directory=tmp_path, tag="step_000002", needed=4_400_000)
+    assert full is not None and "4.4 MB" in str(full) and "fix:" in str(full)
+    assert space.as_disk_full(ValueError("a bug"), directory=tmp_path, tag="step_000002", needed=None) is None
+
+
+def _stats(loss, norm=1.0):
+    return StepStats(loss=loss, grad_norm=norm, lr=1e-3, step_time_s=0.1)
+
+
+def test_non_finite_stops_bf16_and_fp32(process_group):
+    guard = StepGuard(precision="bf16", max_skipped_steps=3, last_checkpoint="step_000004", engine=object())
+    guard.check(step=5, stats=_stats(5.0), engine=None)
+    with pytest.raises(TrainingDiverged, match=r"non_finite_loss\] step 6: loss 5.0, grad norm inf .*step_000004"):
+        guard.check(step=6, stats=_stats(5.0, float("inf")), engine=None)
+    assert TrainingDiverged.exit_code == 3
+
+
+def test_fp16_skips_are_normal_until_too_many_in_a_row():
+    class Engine:
+        skipped_steps = 0
+
+    engine = Engine()
+    guard = StepGuard(precision="fp16", max_skipped_steps=3, last_checkpoint=None, engine=engine)
+    for step, skipped in enumerate([1, 1, 0, 1, 1], start=1):  # two in a row, a good step, two in a row
+        engine.skipped_steps += skipped
+        guard.check(step=step, stats=_stats(float("nan")), engine=engine)
+    engine.skipped_steps += 1
+    with pytest.raises(TrainingDiverged, match=r"too_many_skipped_steps\] step 6: .* 3 steps in a row"):
+        guard.check(step=6, stats=_stats(float("nan")), engine=engine)
+
+
+def _report(log_dir, **fields):
+    record = {"host": "node1", "command": "dsmt train", "traceback": "", "exit_code": 1, "time": time.time(),
+              "consequence": False, "suspects": [], **fields}
+    (log_dir / f"rank{record['rank']}.error.json").write_text(json.dumps(record))
+
+
+def test_the_launcher_names_the_rank_that_failed_first(tmp_path):
+    (tmp_path / "launcher.log").write_text("Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n"
+                                           "  exitcode  : -9\n")
+    _report(tmp_path, rank=0, message="RuntimeError: Connection reset by peer\n  rank 1 failed first: gone",
+            consequence=True, suspects=[1])
+    error = rank_output.launched_failure(log_dir=tmp_path, nprocs=2, returncode=1)
+    assert str(error).startswith("rank 1 of 2 failed first (killed by SIGKILL)"), str(error)
+    assert "rank 0 on node1 then saw: RuntimeError: Connection reset by peer" in str(error)
+    # A rank's own error (a cause) outranks an earlier consequence on another rank.
+    _report(tmp_path, rank=2, message="[disk_full] no space", time=time.time() + 5)
+    assert str(rank_output.launched_failure(log_dir=tmp_path, nprocs=3, returncode=1)).startswith("rank 2 of 3")
+    (tmp_path / "rank3.error.json").write_text("")  # a report cut short by a full disk
+    assert "rank3.error.json is unreadable" in str(rank_output.launched_failure(log_dir=tmp_path, nprocs=4,
+                                                                                returncode=1))
+
+
+def test_heartbeats_tell_stopped_killed_and_silent_ranks(tmp_path):
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        sleeper.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        mine = {"pid": sleeper.pid, "host": os.uname().nodename, "boot_id": heartbeat._boot_id(), "phase": "step 3",
+                "time": time.time()}
+        assert "stopped" in heartbeat.why_silent(mine, now=time.time())
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert "exited or was killed" in heartbeat.why_silent(mine, now=time.time())
+    remote = {**mine, "host": "elsewhere", "time": time.time() - 60}
+    assert "heartbeat stopped 60 s ago" in heartbeat.why_silent(remote, now=time.time())
+    assert heartbeat.why_silent({**remote, "time": time.time()}, now=time.time()) is None
+
+
+def test_a_report_survives_a_full_disk(tmp_path, monkeypatch):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN)")
+    try:
+        monkeypatch.setattr(rank_output, "_log_dir", disk)
+        monkeypatch.setenv("RANK", "1")
+        rank_output._reserve_report()
+        with pytest.raises(OSError):  # fill the disk
+            (disk / "filler").write_bytes(b"x" * (2 << 20))
+        rank_output._write_report({"rank": 1, "message": "[disk_full] ...", "traceback": "t" * 200_000})
+        report = json.loads((disk / "rank1.error.json").read_text())
+        assert report["message"] == "[disk_full] ..." and not (disk / "rank1.error.reserve").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+WATCHED = """
+import subprocess, sys, time
+from toolkit.launch.watchdog import die_with_parent
+helper = subprocess.Popen(["sleep", "300"])
+print(helper.pid, flush=True)
+die_with_parent(what="rank 0")
+time.sleep(300)
+"""
+
+
+def test_a_rank_whose_launcher_dies_stops_with_its_helpers(tmp_path):
+    import psutil
+
+    middle = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; p = subprocess.Popen([sys.executable, "
+                               f"'-c', {WATCHED!r}], stdout=subprocess.PIPE, text=True); print(p.pid, "
+                               f"p.stdout.readline().strip(), flush=True); p.wait()"],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    rank_pid, helper_pid = map(int, middle.stdout.readline().split())
+    middle.kill()  # the launcher dies; the rank is re-parented
+    middle.wait()
+    gone = psutil.wait_procs([psutil.Process(rank_pid), psutil.Process(helper_pid)], timeout=10)[1]
+    assert not [p for p in gone if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_every_process_group_gets_the_collective_timeout(monkeypatch):
+    from megatron.core import parallel_state
+
+    from toolkit.parallel import groups
+    from toolkit.parallel.groups import Layout
+    from toolkit.spec.schema import TrainingSpec
+    from toolkit.train.job.run import collective_timeout_s
+
+    seen = {}
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda **kwargs: seen.update(kwargs))
+    with single_process_group(dist_backend="gloo"):
+        groups.init_process_groups(layout=Layout(), dist_backend="gloo", timeout_s=90.0)
+    assert seen["distributed_timeout_minutes"] == pytest.approx(1.5)
+    assert torch.distributed.is_available()
+    def spec(**training):
+        return type("Spec", (), {"training": TrainingSpec(**training)})
+
+    assert collective_timeout_s(spec=spec(collective_timeout_s=7), dist_backend="gloo") == 7.0
+    assert collective_timeout_s(spec=spec(), dist_backend="nccl") == 600.0
+    assert collective_timeout_s(spec=spec(), dist_backend="gloo") == 180.0

@@ -1,0 +1,69 @@
+"""A job dies together: a rank whose launcher is gone stops, with every helper process it started.
+
+torchrun, the deepspeed launcher, mpirun's daemon and srun's step daemon each start the ranks as their children.
+When that parent is killed (SIGKILL, an OOM kill, a node agent restart) the ranks are re-parented and would train
+on to the end with no one to report to, writing checkpoints into a directory the next run uses. A thread in each
+rank watches its parent: once the parent is gone the rank kills its own descendants (multiprocessing's resource
+tracker, dist_checkpointing's writers) and itself. `dsmt train` also asks the kernel to SIGTERM torchrun when
+`dsmt train` dies (`parent_death_signal`), and torchrun stops its workers on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+POLL_S = 0.5
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(*, what: str) -> None:
+    """Start the watch on this process's current parent (`what`: how the rank names itself in its last line)."""
+    parent = os.getppid()
+    if parent == 1:  # started by init (a container's entry point): nothing to watch
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(POLL_S)
+        print(f"dsmt: {what}: its launcher (pid {parent}) is gone; stopping this rank and its helper processes",
+              file=sys.stderr, flush=True)
+        kill_descendants()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="dsmt-watchdog", daemon=True).start()
+
+
+def kill_descendants() -> None:
+    """SIGKILL every process this one started, children of children included."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
+def parent_death_signal(sig: int = signal.SIGTERM):
+    """A `preexec_fn` for subprocess: the child gets `sig` when the process that started it dies (Linux; no-op
+    elsewhere). The parent may already be gone by the time the child runs this: then it signals itself now."""
+    parent = os.getpid()
+
+    def arm() -> None:
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        except OSError:
+            return
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return arm if sys.platform.startswith("linux") else None

@@ -1,0 +1,85 @@
+"""`dsmt checkpoint verify DIR [--json]`: check every checkpoint tag under DIR (a run's output directory, its
+checkpoints/ directory or one step_NNNNNN tag) against its manifest (toolkit/train/checkpoint/manifest.py), before a
+resume, after a copy between machines, or when a run's disk had trouble.
+
+Exit 0 when every complete tag is intact (or predates manifests), 1 when one is damaged, 2 for a path that holds no
+checkpoints. Cheap to import: no torch (the manifest module reads files only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+SHOWN_PROBLEMS = 10  # per tag; a tag copied from the wrong run would otherwise print every file
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("checkpoint", help="inspect training checkpoints (verify their checksums)")
+    commands = parser.add_subparsers(dest="checkpoint_command", required=True, metavar="ACTION")
+    verify = commands.add_parser("verify", help="check every tag under DIR against its manifest; exit 1 when one "
+                                 "is damaged")
+    verify.add_argument("dir", type=Path, metavar="DIR",
+                        help="a run's output directory, its checkpoints/ directory, or one tag (step_NNNNNN)")
+    verify.add_argument("--json", action="store_true", help="print the verdicts as JSON (every problem listed)")
+    verify.set_defaults(func=run_verify)
+
+
+def run_verify(args) -> int:
+    from toolkit.train.checkpoint.manifest import verify_run
+
+    verdicts = verify_run(args.dir)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(verdict) for verdict in verdicts], indent=2))
+    else:
+        print(report(verdicts, path=args.dir))
+    return 1 if any(verdict.status == "damaged" for verdict in verdicts) else 0
+
+
+def tag_lines(verdict, *, width: int) -> list[str]:
+    """One line per tag; a damaged tag's further problems on the lines below, indented under the first."""
+    name = verdict.tag.ljust(width)
+    if verdict.status == "intact":
+        size = f"{verdict.total_bytes / 1e6:.1f} MB"
+        return [f"{name}  intact   {size}  ({verdict.files} files, {verdict.seconds:.2f} s)"]
+    if verdict.status == "no_manifest":
+        return [f"{name}  no manifest (written before dsmt checksummed its checkpoints): not verified"]
+    if verdict.status == "incomplete":
+        if verdict.tag.startswith("step_"):
+            return [f"{name}  incomplete (no dsmt_complete.json: an interrupted save; never resumed from, removed "
+                    f"at the next save or resume)"]
+        return [f"{name}  incomplete (an interrupted save; removed at the next save or resume)"]
+    lines = [problem.line() for problem in verdict.problems[:SHOWN_PROBLEMS]]
+    if len(verdict.problems) > SHOWN_PROBLEMS:
+        lines.append(f"and {len(verdict.problems) - SHOWN_PROBLEMS} more problems (--json lists every one)")
+    return [f"{name}  DAMAGED  {lines[0]}", *(f"{' ' * width}           {line}" for line in lines[1:])]
+
+
+def resume_tag(verdicts) -> str | None:
+    """The newest complete tag that is not damaged: intact, or without a manifest (nothing says it is wrong)."""
+    usable = [verdict.tag for verdict in verdicts if verdict.status in ("intact", "no_manifest")]
+    return usable[-1] if usable else None
+
+
+def summary(verdicts) -> str:
+    damaged = [verdict.tag for verdict in verdicts if verdict.status == "damaged"]
+    newest = resume_tag(verdicts)
+    unverified = {verdict.tag for verdict in verdicts if verdict.status == "no_manifest"}
+    if newest is None:
+        line = "no intact checkpoint: a resume would start from step 0"
+    elif newest in unverified:
+        line = f"newest usable: {newest} (not verified: no manifest), the tag a resume would take"
+    else:
+        line = f"newest intact: {newest}, the tag a resume would take"
+    if damaged:
+        line += (f"; damaged: {', '.join(damaged)}: copy each again from its source, or delete it so that nothing "
+                 f"can load it")
+    return line
+
+
+def report(verdicts, *, path: Path) -> str:
+    if not verdicts:
+        return f"no checkpoint tags under {path}: a resume would start from step 0"
+    width = max(len(verdict.tag) for verdict in verdicts)
+    lines = [line for verdict in verdicts for line in tag_lines(verdict, width=width)]
+    return "\n".join([*lines, summary(verdicts)])

@@ -1,0 +1,253 @@
+"""Checksummed checkpoints: a manifest of every file of a tag (size and xxh3_128 digest), written before the
+completion marker, so a tag that was truncated, overwritten or bit-rotted after its save is found before a resume
+loads it (DeepSpeed and torch.load notice some of this, late and unnamed; a flipped bit in a tensor, never).
+
+    <tag>/dsmt_manifest.json   {"format": 1, "digest": "xxh3_128", "files": {relpath: {"size", "xxh3_128"}},
+                                "total_bytes": N}
+    <tag>/dsmt_complete.json   written after the manifest (toolkit/train/checkpoint/checkpoints.py)
+
+xxh3_128 rather than a cryptographic hash: the threat is a damaged disk or an interrupted copy, not an adversary,
+and it hashes at memory speed (benchmarks/manifest_cost.py compares it to zlib.crc32). Each rank hashes one
+`share` of the files, balanced by bytes, and rank 0 writes the union.
+
+Pure file functions: no torch, no process group (the CLI imports this module)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import xxhash
+
+from toolkit.errors import DsmtError
+
+MANIFEST = "dsmt_manifest.json"
+COMPLETE_MARKER = "dsmt_complete.json"  # checkpoints.COMPLETE_MARKER (that module imports torch)
+PARTIAL_PREFIX = ".partial-"  # an interrupted save's directory in the checkpoints dir
+FORMAT = 1
+CHUNK_BYTES = 8 * 2**20  # large enough that the per-call overhead vanishes, small enough to keep memory flat
+TAG = re.compile(r"step_(\d+)")
+
+
+def digest_file(path: Path) -> str:
+    """The xxh3_128 hex digest of a file, read in 8 MiB chunks (a checkpoint file may exceed memory) into one
+    reused buffer: a fresh 8 MiB bytes per chunk page-faults its memory in each time, which made hashing a
+    torch.save file from the page cache ~5x slower (benchmarks/manifest_cost.py)."""
+    hasher = xxhash.xxh3_128()
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as reader:
+        while count := reader.readinto(buffer):
+            hasher.update(view[:count])
+    return hasher.hexdigest()
+
+
+def list_files(tag_dir: Path) -> list[str]:
+    """Every regular file under `tag_dir` as a sorted relative POSIX path, except the manifest (it cannot list
+    itself), a manifest temp file a crash left, and the completion marker (written after the manifest)."""
+    tag_dir = Path(tag_dir)
+    names = (path.relative_to(tag_dir).as_posix() for path in tag_dir.rglob("*") if path.is_file())
+    return sorted(name for name in names
+                  if name not in (MANIFEST, COMPLETE_MARKER) and not name.startswith(f".{MANIFEST}"))
+
+
+def share(files: list[str], sizes: list[int], *, rank: int, world_size: int) -> list[str]:
+    """The files `rank` hashes: largest first to the least-loaded rank (ties: the lower rank), so every rank reads
+    about the same bytes and the slowest rank sets the manifest's cost. The same on every rank whatever the order
+    of `files` (sorted by size, then name); every file in exactly one share."""
+    if len(files) != len(sizes):
+        raise DsmtError(f"share: {len(files)} files but {len(sizes)} sizes; give one size per file")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise DsmtError(f"share: rank={rank}, world_size={world_size}; need world_size >= 1 and "
+                        f"0 <= rank < world_size")
+    loads = [0] * world_size
+    mine = []
+    for size, name in sorted(zip(sizes, files, strict=True), key=lambda item: (-item[0], item[1])):
+        target = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[target] += size
+        if target == rank:
+            mine.append(name)
+    return sorted(mine)
+
+
+def entries_for(tag_dir: Path, files: list[str]) -> dict[str, dict]:
+    """{relpath: {"size": bytes, "xxh3_128": hex}} for `files` (relative to `tag_dir`)."""
+    tag_dir = Path(tag_dir)
+    return {name: {"size": (tag_dir / name).stat().st_size, "xxh3_128": digest_file(tag_dir / name)}
+            for name in files}
+
+
+def write_manifest(tag_dir: Path, entries: dict) -> None:
+    """Write the manifest through a temp file and os.replace, fsynced with its directory: a crash leaves the old
+    manifest or the new one, never half of one, and the completion marker written next finds it on disk."""
+    tag_dir = Path(tag_dir)
+    record = {"format": FORMAT, "digest": "xxh3_128", "files": dict(sorted(entries.items())),
+              "total_bytes": sum(int(entry["size"]) for entry in entries.values())}
+    temp = tag_dir / f".{MANIFEST}.tmp-{os.getpid()}"
+    with open(temp, "w") as writer:
+        json.dump(record, writer, indent=1)
+        writer.flush()
+        os.fsync(writer.fileno())
+    os.replace(temp, tag_dir / MANIFEST)
+    directory = os.open(tag_dir, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself
+    finally:
+        os.close(directory)
+
+
+def read_manifest(tag_dir: Path) -> dict | None:
+    """The manifest of `tag_dir`, None when it has none (written before dsmt checksummed its checkpoints)."""
+    path = Path(tag_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DsmtError(f"{path} is not readable JSON ({err}): the manifest itself is damaged; the tag cannot be "
+                        f"verified: copy the tag again from its source, or delete it") from err
+    if not isinstance(record, dict) or record.get("format") != FORMAT or not isinstance(record.get("files"), dict):
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise DsmtError(f"{path}: format {found!r}, this dsmt reads format {FORMAT} (a dict with 'files'); "
+                        f"verify it with the dsmt that wrote it")
+    return record
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    file: str
+    kind: str  # missing | size | digest | unlisted | unreadable (the manifest itself)
+    expected: int | str | None  # the manifest's size or digest
+    found: int | str | None  # what is on disk
+
+    def line(self) -> str:
+        if self.kind == "digest":
+            return f"{self.file}: digest {self.expected[:8]}..(manifest) != {self.found[:8]}..(on disk)"
+        if self.kind == "size":
+            how = "truncated or overwritten" if self.found < self.expected else "written to after the save"
+            return f"{self.file}: {self.found} bytes on disk, {self.expected} in the manifest ({how})"
+        if self.kind == "missing":
+            return f"{self.file}: missing ({self.expected} bytes in the manifest)"
+        if self.kind == "unlisted":
+            return f"{self.file}: on disk ({self.found} bytes), not in the manifest (added after the save)"
+        return f"{self.file}: {self.found}"
+
+
+def check_entries(tag_dir: Path, entries: dict) -> list[Problem]:
+    """The listed files that are missing, of another size, or of another digest. Sizes first: a size mismatch
+    is conclusive without reading the file."""
+    tag_dir = Path(tag_dir)
+    problems = []
+    for name, entry in sorted(entries.items()):
+        path = tag_dir / name
+        if not path.is_file():
+            problems.append(Problem(file=name, kind="missing", expected=entry["size"], found=None))
+            continue
+        size = path.stat().st_size
+        if size != entry["size"]:
+            problems.append(Problem(file=name, kind="size", expected=entry["size"], found=size))
+            continue
+        digest = digest_file(path)
+        if digest != entry["xxh3_128"]:
+            problems.append(Problem(file=name, kind="digest", expected=entry["xxh3_128"], found=digest))
+    return problems
+
+
+def unlisted(tag_dir: Path, entries: dict) -> list[Problem]:
+    """Files on disk the manifest does not list: written into the tag after its save (a resume would load a
+    stray `mp_rank_*` file DeepSpeed finds by glob)."""
+    tag_dir = Path(tag_dir)
+    return [Problem(file=name, kind="unlisted", expected=None, found=(tag_dir / name).stat().st_size)
+            for name in list_files(tag_dir) if name not in entries]
+
+
+@dataclasses.dataclass
+class TagVerdict:
+    tag: str
+    status: str  # intact | damaged | no_manifest | incomplete
+    problems: list[Problem]
+    total_bytes: int
+    seconds: float
+    files: int = 0
+
+
+def _disk_bytes(tag_dir: Path) -> tuple[int, int]:
+    """(file count, bytes) of the files `list_files` sees."""
+    files = list_files(tag_dir)
+    return len(files), sum((Path(tag_dir) / name).stat().st_size for name in files)
+
+
+def verify_tag(tag_dir: Path) -> TagVerdict:
+    """Check one tag against its manifest. `incomplete`: no completion marker, or a `.partial-*` directory (the save
+    did not finish; nothing to verify); `no_manifest`: complete, written before manifests existed."""
+    tag_dir = Path(tag_dir)
+    started = time.perf_counter()
+    problems = []
+    if not (tag_dir / COMPLETE_MARKER).is_file() or tag_dir.name.startswith(PARTIAL_PREFIX):
+        status, manifest = "incomplete", None
+    else:
+        try:
+            manifest = read_manifest(tag_dir)
+            status = "no_manifest" if manifest is None else None
+        except DsmtError as err:  # a damaged manifest is a damaged tag; one bad tag must not hide the others
+            manifest, status = None, "damaged"
+            problems = [Problem(file=MANIFEST, kind="unreadable", expected=None, found=str(err))]
+    if manifest is None:
+        count, size = _disk_bytes(tag_dir)
+    else:
+        entries = manifest["files"]
+        count, size = len(entries), int(manifest["total_bytes"])
+        problems = check_entries(tag_dir, entries) + unlisted(tag_dir, entries)
+        status = "damaged" if problems else "intact"
+    return TagVerdict(tag=tag_dir.name, status=status, problems=problems, total_bytes=size,
+                      seconds=time.perf_counter() - started, files=count)
+
+
+def _step(name: str) -> int:
+    return int(TAG.fullmatch(name).group(1))
+
+
+def checkpoints_dir_of(path: Path) -> Path | None:
+    """The checkpoints dir `path` names (a run's output dir or the checkpoints dir itself); None for a tag dir."""
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    if TAG.fullmatch(path.name) or path.name.startswith(PARTIAL_PREFIX):
+        return None
+    if any(child.is_dir() and (TAG.fullmatch(child.name) or child.name.startswith(PARTIAL_PREFIX))
+           for child in path.iterdir()):
+        return path
+    raise DsmtError(f"{path} holds no checkpoints: expected a run's output directory (with checkpoints/), a "
+                    f"checkpoints directory (with step_NNNNNN tags) or one tag directory (step_NNNNNN)")
+
+
+def verify_run(path: Path) -> list[TagVerdict]:
+    """Verify every tag under `path` (output dir, checkpoints dir or one tag dir), oldest step first, then the
+    `.partial-*` directories interrupted saves left (always `incomplete`: they never became a tag)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DsmtError(f"{path} is not a directory: give a run's output directory, its checkpoints/ directory or "
+                        f"one tag directory (step_NNNNNN)")
+    checkpoint_dir = checkpoints_dir_of(path)
+    if checkpoint_dir is None:
+        return [verify_tag(path)]
+    children = [child for child in checkpoint_dir.iterdir() if child.is_dir()]
+    tags = sorted((child for child in children if TAG.fullmatch(child.name)),
+                  key=lambda child: (_step(child.name), child.name))
+    partials = sorted(child for child in children if child.name.startswith(PARTIAL_PREFIX))
+    return [verify_tag(tag) for tag in tags] + [verify_tag(partial) for partial in partials]
+
+
+def tag_bytes(tag_dir: Path) -> int:
+    """The bytes a tag holds: the manifest's total, else the files' sizes (an estimate for the free-space check
+    before the next save: a damaged manifest must not stop a save, so it falls back too)."""
+    try:
+        manifest = read_manifest(tag_dir)
+    except DsmtError:
+        manifest = None
+    if manifest is not None:
+        return int(manifest["total_bytes"])
+    return _disk_bytes(tag_dir)[1]

@@ -1,0 +1,105 @@
+"""The run of `dsmt train` once its trainer is built: resume, train to train_steps with checkpoints and validation,
+stop on a diverged step, export, report. The same for every kind of trainer (megatron-core hybrid, plain HF)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm import tqdm
+
+from toolkit.launch import heartbeat
+from toolkit.train.checkpoint import checkpoints
+from toolkit.train.job.guard import StepGuard
+from toolkit.train.job.report import RunLog
+
+
+def run_to_end(*, trainer, batches, export, notice: str | None, spec, layout, ds_config: dict, output_dir: Path,
+               hf_dir: Path | None = None, fallback: bool = True) -> list[dict]:
+    """Every rank: the per-step history (the same on every rank)."""
+    import torch.distributed as dist
+
+    from toolkit.train.job.evaluate import build_validation
+
+    log = RunLog(output_dir=output_dir, is_writer=dist.get_rank() == 0, layout=layout, spec=spec, ds_config=ds_config)
+    if notice and dist.get_rank() == 0:
+        print(notice, flush=True)
+    validation = build_validation(spec=spec, layout=layout, trainer=trainer, hf_dir=hf_dir)
+    saving = checkpoint_settings(trainer=trainer, spec=spec, layout=layout)
+    heartbeat.set_phase("resume")
+    resumed = resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", seed=spec.training.seed,
+                     saving=saving, fallback=fallback)
+    log.started(start_step=resumed.step, total_steps=spec.training.train_steps, validation=validation,
+                resharded=resumed.resharded)
+    guard = StepGuard(precision=spec.training.precision, max_skipped_steps=spec.training.max_skipped_steps,
+                      last_checkpoint=checkpoints.tag_for(resumed.step) if resumed.step else None,
+                      engine=trainer.engine)
+    train_steps(trainer=trainer, batches=batches, spec=spec, log=log, start=resumed.step, output_dir=output_dir,
+                validation=validation, saving=saving, guard=guard)
+    if resumed.step == spec.training.train_steps and dist.get_rank() == 0:
+        print(f"dsmt train: {output_dir} holds a checkpoint of step {resumed.step}, the last "
+              "(training.train_steps): nothing left to train; exporting it again", flush=True)
+    heartbeat.set_phase("export")
+    export()
+    log.finished()
+    return log.history
+
+
+def resume(*, engine, checkpoint_dir: Path, seed: int, saving: dict, fallback: bool = True) -> checkpoints.Resumed:
+    """The newest intact complete checkpoint under `checkpoint_dir` loaded (`saving`: `checkpoint_settings`).
+    Resharded from another layout, the RNGs are seeded anew: that layout's per-rank streams do not map onto this
+    one's ranks."""
+    from toolkit import backend as backends
+
+    resumed = checkpoints.resume(engine=engine, checkpoint_dir=checkpoint_dir, fallback=fallback, **saving)
+    if resumed.resharded:
+        backends.current().seed(seed + resumed.step)
+    return resumed
+
+
+def checkpoint_settings(*, trainer, spec, layout) -> dict:
+    """This run's layout record, and for megatron-core models the layout-free state other layouts resume from."""
+    from toolkit.train.checkpoint.reshard import LayoutFreeState, layout_record
+    from toolkit.train.engine.hybrid import HybridEngine
+
+    record = layout_record(layout=layout, zero_stage=spec.parallel.zero_stage)
+    layout_free = None
+    if isinstance(trainer, HybridEngine):
+        layout_free = LayoutFreeState(engine=trainer.engine, chunks=trainer.chunks, layout=record,
+                                      global_batch_size=layout.global_batch_size)
+    return {"layout": record, "layout_free": layout_free}
+
+
+def train_steps(*, trainer, batches, spec, log, start: int, output_dir: Path, validation=None, saving=None,
+                guard: StepGuard | None = None) -> None:
+    """Train steps start+1 .. train_steps. With validation: the validation loss before the first step (step 0),
+    after every eval_interval steps and after the last, measured before that step's checkpoint is saved, so a run
+    resumed from a checkpoint already has the validation loss of its step. `guard` stops the run at a step whose
+    loss or gradient norm is not finite, before anything of that step is saved."""
+    import torch.distributed as dist
+
+    from toolkit.train.job.evaluate import eval_steps, evaluate
+
+    total = spec.training.train_steps
+    evaluated = set(eval_steps(eval_interval=spec.training.eval_interval, start=start, total=total)
+                    if validation is not None else ())
+    if start in evaluated:
+        log.validation(step=start, result=evaluate(trainer=trainer, validation=validation), engine=trainer.engine)
+    # Rank 0's bar, on a terminal only (disable=None): in a log file its redraws would be noise.
+    with tqdm(total=total, initial=start, desc="training", disable=True if dist.get_rank() != 0 else None,
+              leave=False) as bar:
+        for step in range(start, total):
+            heartbeat.set_phase(f"step {step + 1}")
+            stats = trainer.train_step(batches.batches_for_step(step))
+            log.step(step=step + 1, stats=stats, engine=trainer.engine)
+            if guard is not None:
+                guard.check(step=step + 1, stats=stats, engine=trainer.engine)
+            bar.update(1)
+            if step + 1 in evaluated:
+                log.validation(step=step + 1, result=evaluate(trainer=trainer, validation=validation),
+                               engine=trainer.engine)
+            if (step + 1) % spec.training.checkpoint_interval == 0 or step + 1 == total:
+                heartbeat.set_phase(f"saving {checkpoints.tag_for(step + 1)}")
+                checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1,
+                                 keep_checkpoints=spec.training.keep_checkpoints, **(saving or {}))
+                if guard is not None:
+                    guard.saved(checkpoints.tag_for(step + 1))
