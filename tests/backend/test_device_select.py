@@ -248,6 +248,8 @@ def test_dsmt_train_launches_with_the_generated_scripts_environment(fake_cuda, c
     clean_env.setattr(toolkit.launch.local, "launch_local_workers", lambda **kw: launched.update(kw))
     train_cli.launch_training(path=str(path))
     expected = environment(spec=JobSpec.model_validate(spec_fields))
-    assert launched["env"] == expected
+    from toolkit.launch.run_lock import LOCK_ENV, lock_path
+
+    assert launched["env"] == {**expected, LOCK_ENV: str(lock_path(tmp_path / "out"))}  # and the run lock's path
     assert expected["NCCL_DEBUG"] and expected["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert expected.get("CUDA_DEVICE_MAX_CONNECTIONS") == ("1" if tp > 1 else None)

@@ -126,6 +126,46 @@ def test_another_hosts_lock_is_refused_and_names_the_file(tmp_path):
     assert holder(tmp_path)["host"] == "node-elsewhere-7"
 
 
+def test_a_requeued_slurm_job_takes_its_own_lock_from_another_node(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    _write_lock(tmp_path, host="node-before-requeue", pid=_dead_pid(), slurm_step="4242.0")
+    lock = acquire(output_dir=tmp_path, command="python -m toolkit.train (rank 0)")
+    assert lock.took_over["host"] == "node-before-requeue" and _lock_record(tmp_path)["slurm_step"] == "4242.0"
+    lock.release()
+    _write_lock(tmp_path, host="node-before-requeue", pid=_dead_pid(), slurm_step="4243.0")  # another job: live
+    with pytest.raises(RunLocked):
+        acquire(output_dir=tmp_path, command="python -m toolkit.train (rank 0)")
+
+
+def test_another_hosts_lease_decides(tmp_path):
+    """A holder renews its lock (Lock.keep_renewed); another host's lock not renewed within the lease is stale."""
+    _write_lock(tmp_path, host="node-elsewhere-7", pid=_dead_pid(), renewed=time.time() - run_lock.LEASE_S - 1)
+    lock = acquire(output_dir=tmp_path, command="dsmt train job.yaml")
+    assert lock.took_over["host"] == "node-elsewhere-7"
+    lock.release()
+    _write_lock(tmp_path, host="node-elsewhere-7", pid=_dead_pid(), renewed=time.time())
+    with pytest.raises(RunLocked):
+        acquire(output_dir=tmp_path, command="dsmt train job.yaml")
+
+
+def test_a_pid_in_another_container_is_not_judged_from_here(tmp_path):
+    """Same hostname (host networking), another PID namespace: its pid cannot be looked up here."""
+    _write_lock(tmp_path, pid=_dead_pid(), pidns=-1, renewed=time.time())
+    with pytest.raises(RunLocked):
+        acquire(output_dir=tmp_path, command="dsmt train job.yaml")
+
+
+def test_other_ranks_refuse_another_launchs_run(tmp_path, sleeper, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with acquire(output_dir=tmp_path, command="python -m toolkit.train (rank 0)", pid=sleeper.pid):
+        run_lock.refuse_another_launch(output_dir=tmp_path)  # this launch's own rank 0 holds it
+        monkeypatch.setenv("MASTER_PORT", "29501")
+        with pytest.raises(RunLocked, match=f"pid {sleeper.pid}"):
+            run_lock.refuse_another_launch(output_dir=tmp_path)
+
+
 @pytest.mark.parametrize("text, why", [
     ("", "(empty)"), ("{not json", "(not JSON: Expecting property name"), ("[1, 2]", "(a JSON list, not an object)"),
     ('{"host": "h", "pid": "12"}', "missing or mistyped pid, started, time, command")])

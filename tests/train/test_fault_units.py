@@ -16,7 +16,7 @@ import torch
 
 from toolkit import backend
 from train_helpers import FakeEngine
-from toolkit.launch import heartbeat, rank_output
+from toolkit.launch import heartbeat, identity, rank_output
 from toolkit.launch.local import single_process_group
 from toolkit.train.checkpoint import checkpoints, space
 from toolkit.train.checkpoint.integrity import CheckpointDamaged
@@ -56,7 +56,9 @@ def test_a_save_interrupted_anywhere_never_blocks_the_next_or_a_resume(process_g
     assert (tmp_path / ".partial-step_000008").is_dir() and not (tmp_path / "step_000008").exists()
     assert checkpoints.latest_complete(tmp_path) == "step_000004"
     assert checkpoints.resume(engine=engine, checkpoint_dir=tmp_path).step == 4
-    assert not (tmp_path / ".partial-step_000008").exists()  # removed at resume
+    assert (tmp_path / ".partial-step_000008").exists()  # a reader that does not hold the run lock changes nothing
+    assert checkpoints.resume(engine=engine, checkpoint_dir=tmp_path, owner=True).step == 4
+    assert not (tmp_path / ".partial-step_000008").exists()  # removed by the run that owns the directory
     (tmp_path / "step_000008" / "layout-free").mkdir(parents=True)  # an older dsmt's interrupted save
     checkpoints.save(engine=engine, checkpoint_dir=tmp_path, step=8)
     assert checkpoints.complete_tags(tmp_path) == ["step_000004", "step_000008"]
@@ -77,10 +79,12 @@ def test_damaged_checkpoint_falls_back_or_stops(process_group, tmp_path, capsys)
     (tmp_path / "step_000008" / "client.json").write_text('{"dsmt_step": 9}')  # same size, other bytes
     with pytest.raises(CheckpointDamaged, match=r"(?s)checkpoint_damaged.*step_000008.*client.json: digest"):
         checkpoints.resume(engine=engine, checkpoint_dir=tmp_path, fallback=False)
-    assert checkpoints.resume(engine=engine, checkpoint_dir=tmp_path).step == 4
-    assert "falling back to step_000004" in capsys.readouterr().out
-    (tmp_path / "step_000004" / "dsmt_manifest.json").write_text("{not json")
-    with pytest.raises(CheckpointDamaged, match="no older complete checkpoint"):
+    assert checkpoints.resume(engine=engine, checkpoint_dir=tmp_path, owner=True).step == 4
+    said = capsys.readouterr().out
+    assert "falling back to step_000004" in said and ".damaged-step_000008" in said
+    assert (tmp_path / ".damaged-step_000008").is_dir() and checkpoints.complete_tags(tmp_path) == ["step_000004"]
+    (tmp_path / "step_000004" / "dsmt_manifest.json").unlink()  # the marker says one was written
+    with pytest.raises(CheckpointDamaged, match="(?s)dsmt_manifest.json: missing.*no older complete checkpoint"):
         checkpoints.resume(engine=engine, checkpoint_dir=tmp_path)
 
 
@@ -117,7 +121,7 @@ def test_non_finite_stops_bf16_and_fp32(process_group):
     assert TrainingDiverged.exit_code == 3
 
 
-def test_fp16_skips_are_normal_until_too_many_in_a_row():
+def test_fp16_skips_are_normal_until_too_many_in_a_row(process_group):
     class Engine:
         skipped_steps = 0
 
@@ -158,8 +162,7 @@ def test_heartbeats_tell_stopped_killed_and_silent_ranks(tmp_path):
     try:
         sleeper.send_signal(signal.SIGSTOP)
         time.sleep(0.2)
-        mine = {"pid": sleeper.pid, "host": os.uname().nodename, "boot_id": heartbeat._boot_id(), "phase": "step 3",
-                "time": time.time()}
+        mine = {"pid": sleeper.pid, **identity.here(), "phase": "step 3", "time": time.time()}
         assert "stopped" in heartbeat.why_silent(mine, now=time.time())
     finally:
         sleeper.kill()
@@ -168,6 +171,22 @@ def test_heartbeats_tell_stopped_killed_and_silent_ranks(tmp_path):
     remote = {**mine, "host": "elsewhere", "time": time.time() - 60}
     assert "heartbeat stopped 60 s ago" in heartbeat.why_silent(remote, now=time.time())
     assert heartbeat.why_silent({**remote, "time": time.time()}, now=time.time()) is None
+    other_container = {**mine, "pidns": -1, "time": time.time()}  # the same hostname, another PID namespace
+    assert heartbeat.why_silent(other_container, now=time.time()) is None  # its pid means nothing here
+
+
+def test_the_rank_that_stopped_beating_first_is_named_without_any_report(tmp_path):
+    """NCCL's watchdog aborts every rank from C++ after the collective timeout: no report, only heartbeats."""
+    now = time.time()
+    for rank, last in ((0, now - 1), (1, now - 31), (2, now - 1.5)):
+        (tmp_path / f"rank{rank}.heartbeat.json").write_text(json.dumps(
+            {"rank": rank, "pid": 10 + rank, "host": "node", "time": last, "phase": "step 9", "launch": "a:1/x",
+             "interval_s": 1.0}))
+    (tmp_path / "launcher.log").write_text("Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+                                           "  exitcode  : -6\n")
+    error = str(rank_output.launched_failure(log_dir=tmp_path, nprocs=3, returncode=1))
+    assert error.startswith("rank 1 of 3 stalled first: its heartbeat stopped 30 s before"), error
+    assert "rank 0 killed by SIGABRT" in error
 
 
 def test_a_report_survives_a_full_disk(tmp_path, monkeypatch):
@@ -192,8 +211,8 @@ WATCHED = """
 import subprocess, sys, time
 from toolkit.launch.watchdog import die_with_parent
 helper = subprocess.Popen(["sleep", "300"])
-print(helper.pid, flush=True)
 die_with_parent(what="rank 0")
+print(helper.pid, flush=True)  # after the watch started: the test kills the launcher once it reads this
 time.sleep(300)
 """
 
@@ -204,12 +223,20 @@ def test_a_rank_whose_launcher_dies_stops_with_its_helpers(tmp_path):
     middle = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; p = subprocess.Popen([sys.executable, "
                                f"'-c', {WATCHED!r}], stdout=subprocess.PIPE, text=True); print(p.pid, "
                                f"p.stdout.readline().strip(), flush=True); p.wait()"],
-                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+                              env={**os.environ, "TORCHELASTIC_RUN_ID": "none"})  # as under torchrun
     rank_pid, helper_pid = map(int, middle.stdout.readline().split())
     middle.kill()  # the launcher dies; the rank is re-parented
     middle.wait()
     gone = psutil.wait_procs([psutil.Process(rank_pid), psutil.Process(helper_pid)], timeout=10)[1]
     assert not [p for p in gone if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_only_a_launchers_child_is_watched():
+    from toolkit.launch.watchdog import started_by_launcher
+
+    assert started_by_launcher({"TORCHELASTIC_RUN_ID": "none"}) and started_by_launcher({"SLURM_STEP_ID": "0"})
+    assert not started_by_launcher({"RANK": "0", "WORLD_SIZE": "1"})  # by hand from a shell (nohup ... &)
 
 
 def test_every_process_group_gets_the_collective_timeout(monkeypatch):

@@ -93,4 +93,5 @@ def test_disk_full_is_one_named_error(tiny_llama, tmp_path, small_disk, expected
     output = output_of(launcher, spec)
     assert "[disk_full]" in output and expected in output and "MB free" in output, output[-3000:]
     assert "Traceback" not in output and "JSONDecodeError" not in output, output[-3000:]
-    assert not list((small_disk / "run" / "checkpoints").glob(".partial-*"))
+    partials = list((small_disk / "run" / "checkpoints").glob(".partial-*"))
+    assert len(partials) <= 1 and (not partials or "is removed at the next start" in output), output[-3000:]

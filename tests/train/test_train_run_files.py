@@ -157,15 +157,16 @@ def test_trainer_main_passes_the_files_config_and_stops_on_a_contradiction(tmp_p
 
     run = generate(tmp_path)
     seen = []
-    monkeypatch.setattr(trainer, "train", lambda *, spec, ds_config=None: seen.append(ds_config))
-    edit(run / "ds_config.json", lambda c: c["zero_optimization"].update(reduce_bucket_size=1234567))
-    assert trainer.main(["--run-dir", str(run)]) == 0  # the spec defaults to the run dir's job.resolved.yaml
-    assert seen[0]["zero_optimization"]["reduce_bucket_size"] == 1234567
-    assert "zero_optimization.reduce_bucket_size: file 1234567" in capsys.readouterr().out
+    monkeypatch.setattr(trainer, "train", lambda *, spec, ds_config=None, fallback=True: seen.append(ds_config))
     edit(run / "ds_config.json", lambda c: c.update(train_batch_size=8))
     with pytest.raises(RunFilesError, match="train_batch_size: file 8, spec 4"):
         trainer.main(["--config", str(run / "job.resolved.yaml"), "--run-dir", str(run)])
-    assert len(seen) == 1 and not (tmp_path / "out").exists()
+    assert seen == [] and not (tmp_path / "out").exists()  # stopped before the run wrote anything
+    edit(run / "ds_config.json", lambda c: (c.update(train_batch_size=4),
+                                            c["zero_optimization"].update(reduce_bucket_size=1234567)))
+    assert trainer.main(["--run-dir", str(run)]) == 0  # the spec defaults to the run dir's job.resolved.yaml
+    assert seen[0]["zero_optimization"]["reduce_bucket_size"] == 1234567
+    assert "zero_optimization.reduce_bucket_size: file 1234567" in capsys.readouterr().out
     assert trainer.main(["--config", str(run / "job.resolved.yaml")]) == 0 and seen[1] is None  # no run dir
 
 

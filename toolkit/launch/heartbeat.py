@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
 
-INTERVAL_S = 1.0
-STALE_AFTER_S = 5 * INTERVAL_S  # a beat this late means the rank is not running (another host: no /proc to ask)
+from toolkit.launch import identity
+
+INTERVAL_S = 1.0  # under dsmt's own launcher (one machine, its local disk)
+SHARED_INTERVAL_S = 10.0  # under a cluster launcher: hundreds of ranks write to a shared filesystem
+STALE_BEATS = 5  # a heartbeat this many beats late means the rank is not running (another host: no /proc to ask)
 _phase = "starting"
-_started: float | None = None  # when this rank started beating: older heartbeats are another launch's
 
 
 def heartbeat_file(log_dir: Path, rank: int) -> Path:
@@ -35,10 +36,14 @@ def set_phase(text: str) -> None:
 
 def start(*, log_dir: Path, rank: int) -> None:
     """Beat from a daemon thread until the process ends (it needs no stopping)."""
-    global _started
-    _started = time.time()
     path = heartbeat_file(log_dir, rank)
-    record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "boot_id": _boot_id()}
+    interval_s = INTERVAL_S if os.environ.get("DSMT_LOG_DIR") else SHARED_INTERVAL_S
+    record = {"rank": rank, "pid": os.getpid(), **identity.here(), "launch": identity.launch_id(),
+              "interval_s": interval_s}
+    try:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass
 
     def beat() -> None:
         while True:
@@ -48,16 +53,9 @@ def start(*, log_dir: Path, rank: int) -> None:
                 os.replace(temp, path)
             except OSError:  # a full disk or a vanished log dir must not kill the rank
                 pass
-            time.sleep(INTERVAL_S)
+            time.sleep(interval_s)
 
     threading.Thread(target=beat, name="dsmt-heartbeat", daemon=True).start()
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 def read_all(log_dir: Path) -> dict[int, dict]:
@@ -84,21 +82,45 @@ def why_silent(record: dict, *, now: float) -> str | None:
     """How the rank of this heartbeat went wrong (None: it looks alive)."""
     late = now - float(record["time"])
     where = f"pid {record['pid']} on {record['host']}, last seen at {record['phase']}"
-    if record.get("host") == socket.gethostname() and record.get("boot_id") == _boot_id():
+    if identity.same_machine(record):
         state = process_state(int(record["pid"]))
         if state in (None, "Z", "X"):
             return f"its process exited or was killed ({where})"
         if state in ("T", "t"):
             return f"its process is stopped (SIGSTOP or a debugger; {where})"
-    if late > STALE_AFTER_S:
+    if late > STALE_BEATS * float(record.get("interval_s", INTERVAL_S)):
         return f"its heartbeat stopped {late:.0f} s ago ({where})"
     return None
 
 
+def live_on_this_machine(log_dir: Path) -> list[tuple[int, int]]:
+    """(rank, pid) of every rank whose heartbeat is in `log_dir` and whose process still runs here (a previous
+    launch's ranks that have not finished dying)."""
+    return [(rank, int(r["pid"])) for rank, r in sorted(read_all(log_dir).items())
+            if identity.same_machine(r) and process_state(int(r["pid"])) not in (None, "Z", "X")]
+
+
+def earliest_silent(log_dir: Path) -> tuple[int, float] | None:
+    """(rank, seconds) when one rank's last beat is older than every other rank's by more than STALE_BEATS of
+    its beats: the rank that stopped first, read after the job ended (NCCL's watchdog aborts the ranks from C++,
+    so no rank reports; the stalled one stopped beating a whole collective timeout before the others)."""
+    beats = sorted((float(r["time"]), rank, float(r.get("interval_s", INTERVAL_S)))
+                   for rank, r in read_all(log_dir).items() if r.get("launch", "") == _launch_of(log_dir))
+    if len(beats) < 2:
+        return None
+    (first, rank, interval), (second, _, _) = beats[0], beats[1]
+    return (rank, second - first) if second - first > STALE_BEATS * interval else None
+
+
+def _launch_of(log_dir: Path) -> str:
+    """The launch of the newest heartbeat in `log_dir` (the launcher reads its own ranks' files)."""
+    beats = read_all(log_dir).values()
+    return max(beats, key=lambda r: float(r["time"])).get("launch", "") if beats else ""
+
+
 def suspects(log_dir: Path, *, me: int) -> list[tuple[int, str]]:
     """(rank, how) of every other rank that went silent, the longest-silent first."""
-    now, beats = time.time(), read_all(log_dir)
-    since = (_started or now) - 2 * STALE_AFTER_S  # ranks start within seconds of each other
+    now, beats, launch = time.time(), read_all(log_dir), identity.launch_id()
     found = [(float(r["time"]), rank, why_silent(r, now=now)) for rank, r in beats.items()
-             if rank != me and float(r["time"]) >= since]
+             if rank != me and r.get("launch", launch) == launch]  # this launch's ranks only
     return [(rank, why) for _, rank, why in sorted(found) if why is not None]

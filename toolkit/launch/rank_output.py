@@ -198,40 +198,64 @@ class RankFailure(DsmtError):
 
 
 def launched_failure(*, log_dir: Path, nprocs: int, returncode: int) -> RankFailure:
-    """The error the launcher raises when its ranks failed: the earliest rank report in `log_dir`, else what
-    torchrun recorded (a rank killed by a signal writes no report)."""
+    """The error the launcher raises when its ranks failed, naming the rank that failed FIRST: the earliest rank
+    whose own error caused it; else the rank the others' reports blame (their peer dropped or a collective timed
+    out: toolkit/launch/heartbeat.py); else the rank whose heartbeat stopped long before the others' (NCCL aborts
+    from C++, no report); else what torchrun recorded (a rank killed by a signal writes no report)."""
     reports, unreadable = _read_reports(log_dir)
     launcher_log = log_dir / "launcher.log"
     logs = (f"every rank's output: {log_dir}/rank*.log; torchrun's: {launcher_log}" if launcher_log.is_file()
             else "every rank's output is above (--verbose)")
     logs += "".join(f"; {path} is unreadable ({why})" for path, why in unreadable)
+    causes = [r for r in reports if not r.get("consequence")]
+    if causes:
+        return _own_error(min(causes, key=lambda r: r["time"]), nprocs=nprocs, others=len(reports) - 1, logs=logs)
     root = _torchrun_exits(launcher_log, root_cause_only=True)
-    if not reports and root:  # killed before any rank could report (the launcher stopped the others)
+    blamed = sorted({s for r in reports for s in r.get("suspects", [])})
+    if blamed:  # every report is a consequence of a rank that left none (killed, stopped)
+        first, exits = min(reports, key=lambda r: r["time"]), _torchrun_exits(launcher_log)
+        how = f" ({exits[blamed[0]]})" if blamed[0] in exits else ""
+        return RankFailure(f"rank {blamed[0]} of {nprocs} failed first{how}, without an error of its own (its "
+                           f"output: {rank_log(log_dir, blamed[0])}); rank {first['rank']} on {first['host']} then "
+                           f"saw: {first['message']}\n({logs})", exit_code=1)
+    stalled = _stalled_first(log_dir)
+    if stalled is not None:
+        rank, silent_s = stalled
+        return RankFailure(f"rank {rank} of {nprocs} stalled first: its heartbeat stopped {silent_s:.0f} s before "
+                           f"the other ranks' (its output: {rank_log(log_dir, rank)}); the others then failed "
+                           f"waiting for it ({_first_line(reports, root)})\n({logs})", exit_code=1)
+    if reports:
+        return _own_error(min(reports, key=lambda r: r["time"]), nprocs=nprocs, others=len(reports) - 1, logs=logs)
+    if root:  # killed before any rank could report (the launcher stopped the others)
         rank, how = next(iter(root.items()))
         return RankFailure(f"rank {rank} of {nprocs} failed first ({how}), without an error of its own (its "
                            f"output: {rank_log(log_dir, rank)}); the other ranks were stopped\n({logs})",
                            exit_code=1)
-    if not reports and returncode < 0:  # torchrun itself was killed; its ranks stop on their own (watchdog.py)
+    if returncode < 0:  # torchrun itself was killed; its ranks stop on their own (watchdog.py)
         return RankFailure(f"torchrun, the launcher of the {nprocs} ranks, was {_exit_words(returncode)}; its ranks "
                            f"stop when they see it gone\n({logs})", exit_code=1)
-    if not reports:
-        return RankFailure(f"{nprocs} ranks failed (torchrun exit {returncode}) before reporting an error: "
-                           f"{_torchrun_root_cause(log_dir / 'launcher.log')}\n({logs})", exit_code=1)
-    causes = [r for r in reports if not r.get("consequence")]
-    blamed = sorted({s for r in reports for s in r.get("suspects", [])} - {r["rank"] for r in causes})
-    if not causes and blamed:  # every report is a consequence of a rank that left none (killed, stopped)
-        first = min(reports, key=lambda r: r["time"])
-        exits = _torchrun_exits(launcher_log)
-        how = "".join(f" ({exits[rank]})" for rank in blamed[:1] if rank in exits)
-        return RankFailure(f"rank {blamed[0]} of {nprocs} failed first{how}, without an error of its own (its "
-                           f"output: {rank_log(log_dir, blamed[0])}); rank {first['rank']} on {first['host']} then "
-                           f"saw: {first['message']}\n({logs})", exit_code=1)
-    first = min(causes or reports, key=lambda r: r["time"])
-    others = len(reports) - 1
+    return RankFailure(f"{nprocs} ranks failed (torchrun exit {returncode}) before reporting an error: "
+                       f"{_torchrun_root_cause(launcher_log)}\n({logs})", exit_code=1)
+
+
+def _own_error(first: dict, *, nprocs: int, others: int, logs: str) -> RankFailure:
     also = f"; {others} other rank(s) failed too" if others else ""
     trace = f"\n{first['traceback'].rstrip()}" if first["traceback"] else ""  # a bug, not a dsmt error: where
     return RankFailure(f"rank {first['rank']} of {nprocs} on {first['host']}: {first['message']}{trace}"
                        f"\n({logs}{also})", exit_code=int(first["exit_code"]) or 1)
+
+
+def _stalled_first(log_dir: Path) -> tuple[int, float] | None:
+    from toolkit.launch import heartbeat
+
+    return heartbeat.earliest_silent(log_dir)
+
+
+def _first_line(reports: list[dict], root: dict[int, str]) -> str:
+    if reports:
+        first = min(reports, key=lambda r: r["time"])
+        return f"rank {first['rank']}: {first['message'].splitlines()[0]}"
+    return ", ".join(f"rank {rank} {how}" for rank, how in root.items()) or "no rank reported"
 
 
 def _read_reports(log_dir: Path) -> tuple[list[dict], list[tuple[Path, str]]]:

@@ -13,17 +13,19 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 from toolkit.errors import DsmtError
+from toolkit.launch import identity
 
 LOCK_NAME = ".dsmt-run.lock"
 LOCK_ENV = "DSMT_RUN_LOCK"  # set by the launcher that holds the lock: its ranks must not take it again
 _FIELDS = {"host": str, "pid": int, "started": (int, float), "time": str, "command": str}
 _GUARD_WAIT_S = 5.0  # a takeover holds its guard for milliseconds; longer means its taker is stopped
+LEASE_RENEW_S = 30.0  # a holder rewrites `renewed` this often (`Lock.keep_renewed`)
+LEASE_S = 300.0  # another host's lock not renewed for this long is stale (generous: clocks and NFS caches differ)
 
 
 class RunLocked(DsmtError):
@@ -46,9 +48,19 @@ def process_start_time(pid: int) -> float | None:
     return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22
 
 
+def _slurm_step() -> str | None:
+    """This process's SLURM job step ("JOB.STEP"); None outside SLURM."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{job}.{os.environ.get('SLURM_STEP_ID', '')}" if job else None
+
+
 def _is_live(record: dict) -> bool:
-    if record["host"] != socket.gethostname():
-        return True
+    if not identity.same_machine(record):  # another host, or another container's PID namespace
+        # A lock of this very SLURM job step: the job was requeued (or its step restarted) onto other nodes, so
+        # its holder is gone. Otherwise the holder's lease says: it renews the lock every LEASE_RENEW_S.
+        if record.get("slurm_step") and record.get("slurm_step") == _slurm_step():
+            return False
+        return "renewed" not in record or time.time() - float(record["renewed"]) < LEASE_S
     started = process_start_time(record["pid"])
     return _hidden_process(record["pid"]) if started is None else started == record["started"]
 
@@ -151,6 +163,27 @@ class Lock:
         if current is not None and _same_holder(current, self.record):
             self.path.unlink(missing_ok=True)
 
+    def keep_renewed(self) -> Lock:
+        """Rewrite the lock's `renewed` time every LEASE_RENEW_S from a daemon thread while this process lives, so
+        that other hosts (which cannot see its pid) know it is held; a holder killed without releasing it leaves
+        a lock that goes stale after LEASE_S."""
+        import threading
+
+        def renew() -> None:
+            while True:
+                time.sleep(LEASE_RENEW_S)
+                current = _read_or_none(self.path)
+                if current is None or not _same_holder(current, self.record):
+                    return
+                try:
+                    self.record = {**self.record, "renewed": time.time()}
+                    os.replace(_temp_with(self.path.parent, self.record), self.path)
+                except OSError:  # a full or vanished disk: the lease lapses, the run goes on
+                    pass
+
+        threading.Thread(target=renew, name="dsmt-run-lock", daemon=True).start()
+        return self
+
     def __enter__(self) -> Lock:
         return self
 
@@ -165,8 +198,9 @@ def acquire(*, output_dir: Path, command: str, pid: int | None = None) -> Lock:
     started = process_start_time(pid)
     if started is None:
         raise ValueError(f"pid {pid} is not a running process: a run lock needs a live holder")
-    record = {"host": socket.gethostname(), "pid": pid, "started": started,
-              "time": datetime.datetime.now().isoformat(timespec="seconds"), "command": command}
+    record = {**identity.here(), "pid": pid, "started": started,
+              "time": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,
+              "slurm_step": _slurm_step(), "launch": identity.launch_id(), "renewed": time.time()}
     output_dir.mkdir(parents=True, exist_ok=True)
     temp = _temp_with(output_dir, record)
     try:
@@ -238,7 +272,15 @@ def held_by_launcher(*, output_dir: Path, environ: dict | None = None) -> bool:
     if not named or Path(named).resolve() != path.resolve():
         return False
     record = _read_or_none(path)
-    return record is not None and record["host"] == socket.gethostname() and _is_live(record)
+    return record is not None and identity.same_machine(record) and _is_live(record)
+
+
+def refuse_another_launch(*, output_dir: Path) -> None:
+    """For a rank other than 0 under a cluster launcher, before it writes anything into OUTPUT_DIR: RunLocked when
+    a live run of ANOTHER launch holds it (this launch's rank 0 may hold it already, or take it next)."""
+    record = holder(output_dir)
+    if record is not None and record.get("launch") != identity.launch_id():
+        raise _held_error(Path(output_dir), record)
 
 
 def holder(output_dir: Path) -> dict | None:

@@ -21,10 +21,23 @@ POLL_S = 0.5
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+# What each launcher exports to the processes it starts: torchrun, dsmt's own (and its warm ranks), the deepspeed
+# launcher's launch.py, mpirun, srun, MPICH / Intel MPI. A process started by hand from a shell is not watched: a
+# `nohup python -m toolkit.train ... &` must outlive its shell.
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "DSMT_LOG_DIR", "CROSS_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_STEP_ID",
+                "PMI_RANK")
+
+
+def started_by_launcher(environ=None) -> bool:
+    environ = os.environ if environ is None else environ
+    return any(name in environ for name in LAUNCHER_ENV)
+
+
 def die_with_parent(*, what: str) -> None:
-    """Start the watch on this process's current parent (`what`: how the rank names itself in its last line)."""
+    """Start the watch on this process's current parent (`what`: how the rank names itself in its last line), when
+    that parent is a launcher (`LAUNCHER_ENV`)."""
     parent = os.getppid()
-    if parent == 1:  # started by init (a container's entry point): nothing to watch
+    if parent == 1 or not started_by_launcher():  # init (a container's entry point), or a shell: not watched
         return
 
     def watch() -> None:
@@ -56,14 +69,17 @@ def kill_descendants() -> None:
 def parent_death_signal(sig: int = signal.SIGTERM):
     """A `preexec_fn` for subprocess: the child gets `sig` when the process that started it dies (Linux; no-op
     elsewhere). The parent may already be gone by the time the child runs this: then it signals itself now."""
+    if not sys.platform.startswith("linux"):
+        return None
     parent = os.getpid()
+    try:  # loaded here, in the parent: a forked child should call, not load
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:
+        return None
 
     def arm() -> None:
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        except OSError:
-            return
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         if os.getppid() != parent:
             os.kill(os.getpid(), sig)
 
-    return arm if sys.platform.startswith("linux") else None
+    return arm

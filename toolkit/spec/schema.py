@@ -320,8 +320,8 @@ class TrainingSpec(Section):
     # skipped steps in a row the run stops (the scale cannot recover). bf16 / fp32 stop at the first non-finite
     # loss or gradient norm.
     max_skipped_steps: int = Field(10, ge=1)
-    # How long a rank waits in a collective (every process group: the world and megatron's) before it fails and
-    # names the rank that stalled. null: 600 s on GPUs (NCCL), 180 s on the CPU backend.
+    # How long a rank waits in a collective (the world group and megatron's groups; DeepSpeed's own keep torch's
+    # default) before it fails and names the rank that stalled. null: 600 s on GPUs (NCCL), 180 s on the CPU.
     collective_timeout_s: float | None = Field(None, gt=0)
     seed: int = Field(1234, ge=0)
     output_dir: str = "runs/dsmt"

@@ -33,14 +33,16 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-COMPLETE_MARKER = "dsmt_complete.json"
+from toolkit.train.checkpoint.folders import (COMPLETE_MARKER, PARTIAL, on_rank0, publish, remove_leftovers,
+                                              set_aside_damaged, write_synced)
+
 LATEST = "latest_complete"
-PARTIAL = ".partial-"  # a save in progress, renamed to its tag when complete
 
 
 def tag_for(step: int) -> str:
@@ -61,10 +63,10 @@ def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | Non
 
     checkpoint_dir, tag, rank = Path(checkpoint_dir), tag_for(step), dist.get_rank()
     partial = checkpoint_dir / f"{PARTIAL}{tag}"
-    refusal = [_prepare_save(checkpoint_dir, tag=tag) if rank == 0 else None]
-    dist.broadcast_object_list(refusal, src=0)  # rank 0 looks for all: every rank takes the same branch
-    if refusal[0]:
-        raise space.DiskFull(refusal[0])
+    refusal = on_rank0(lambda: _prepare_save(checkpoint_dir, tag=tag), what=f"preparing to save {tag}")
+    if refusal:  # every rank takes the same branch
+        raise space.DiskFull(refusal)
+    started = time.perf_counter()
     try:
         engine.save_checkpoint(str(checkpoint_dir), tag=partial.name, client_state={"dsmt_step": step},
                                save_latest=False)
@@ -72,22 +74,21 @@ def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | Non
         if layout_free is not None:
             layout_free.save(partial)
         dist.barrier()
-        write_manifest(partial)
+        written = time.perf_counter()
+        total_bytes = write_manifest(partial)
+        hashed = time.perf_counter()
     except Exception as err:
+        # The partial folder stays (the other ranks may still write into it): the next start removes it.
         full = space.as_disk_full(err, directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
         if full is None:
             raise
-        shutil.rmtree(partial, ignore_errors=True)  # give the space back; the other ranks fail on their own
         raise full from err
+    record = {"step": step, "world_size": dist.get_world_size(), "layout": layout, "manifest": True}
+    on_rank0(lambda: _finish_save(partial, tag=tag, record=record, keep_checkpoints=keep_checkpoints),
+             what=f"completing {tag}")
     if rank == 0:
-        record = {"step": step, "world_size": dist.get_world_size(), "layout": layout}
-        _write_synced(partial / COMPLETE_MARKER, json.dumps(record))
-        _publish(partial, checkpoint_dir / tag)
-        _write_synced(checkpoint_dir / f".{LATEST}.tmp", tag)
-        os.replace(checkpoint_dir / f".{LATEST}.tmp", checkpoint_dir / LATEST)
-        if keep_checkpoints is not None:
-            prune(checkpoint_dir, keep=keep_checkpoints)
-    dist.barrier()
+        print(f"dsmt: checkpoint {tag}: {total_bytes / 1e6:,.1f} MB in {time.perf_counter() - started:.2f} s "
+              f"(the manifest {hashed - written:.2f} s of it)", flush=True)
 
 
 def _prepare_save(checkpoint_dir: Path, *, tag: str) -> str | None:
@@ -100,6 +101,17 @@ def _prepare_save(checkpoint_dir: Path, *, tag: str) -> str | None:
     return space.refusal(directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
 
 
+def _finish_save(partial: Path, *, tag: str, record: dict, keep_checkpoints: int | None) -> None:
+    """Rank 0, once every file and the manifest are written: the marker, the rename, the pointer, the pruning."""
+    checkpoint_dir = partial.parent
+    write_synced(partial / COMPLETE_MARKER, json.dumps(record))
+    publish(partial, checkpoint_dir / tag)
+    write_synced(checkpoint_dir / f".{LATEST}.tmp", tag)
+    os.replace(checkpoint_dir / f".{LATEST}.tmp", checkpoint_dir / LATEST)
+    if keep_checkpoints is not None:
+        prune(checkpoint_dir, keep=keep_checkpoints)
+
+
 def _newest_bytes(checkpoint_dir: Path) -> int | None:
     """The size of the newest complete checkpoint (what the next one will take, at the same layout)."""
     from toolkit.train.checkpoint.manifest import tag_bytes
@@ -108,64 +120,25 @@ def _newest_bytes(checkpoint_dir: Path) -> int | None:
     return tag_bytes(Path(checkpoint_dir) / tags[-1]) if tags else None
 
 
-def write_manifest(partial: Path) -> None:
-    """Every file's size and digest into the manifest; each rank hashes its share of the bytes. Collective."""
+def write_manifest(partial: Path) -> int:
+    """Every file's size and digest into the manifest; each rank hashes its share of the bytes; returns the
+    checkpoint's bytes. Every rank lists the folder (the union counts: on NFS one node's directory cache may not
+    show another node's new files yet); rank 0 sizes the files by name. Collective."""
     import torch.distributed as dist
 
     from toolkit.train.checkpoint import manifest
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    listing = [None]
-    if rank == 0:
-        files = manifest.list_files(partial)
-        listing = [(files, [(partial / name).stat().st_size for name in files])]
-    dist.broadcast_object_list(listing, src=0)
-    files, sizes = listing[0]
+    seen: list = [None] * world
+    dist.all_gather_object(seen, manifest.list_files(partial))
+    files = sorted(set().union(*seen))
+    sizes = on_rank0(lambda: [(partial / name).stat().st_size for name in files], what=f"sizing {partial}")
     entries = manifest.entries_for(partial, manifest.share(files, sizes, rank=rank, world_size=world))
     parts: list = [None] * world
     dist.all_gather_object(parts, entries)
-    if rank == 0:
-        manifest.write_manifest(partial, {name: entry for part in parts for name, entry in part.items()})
-
-
-def _publish(partial: Path, final: Path) -> None:
-    """Rename the finished save to its tag; a tag saved again (a script may) is replaced, unmarked first."""
-    if final.exists():
-        aside = final.with_name(f"{PARTIAL}replaced-{final.name}")
-        (final / COMPLETE_MARKER).unlink(missing_ok=True)
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-    os.rename(partial, final)
-    _sync_directory(final.parent)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _sync_directory(directory: Path) -> None:
-    """The rename reaches the disk before the pointer does (a power loss cannot show a pointer to nothing)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove_leftovers(checkpoint_dir: Path) -> list[str]:
-    """Remove what interrupted saves left (`.partial-*` folders, and `step_*` folders without a completion marker
-    from before saves were renamed into place); one line per folder removed. One run writes a checkpoint folder
-    at a time (the run lock, toolkit/launch/run_lock.py), so nothing here is a save in progress."""
-    removed = []
-    for path in sorted(Path(checkpoint_dir).glob(f"{PARTIAL}*")) + sorted(Path(checkpoint_dir).glob("step_*")):
-        if path.is_dir() and not (path.name.startswith("step_") and (path / COMPLETE_MARKER).is_file()):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(f"removed {path}: an interrupted save (no completion marker)")
-    return removed
+    on_rank0(lambda: manifest.write_manifest(partial, {name: entry for part in parts for name, entry in part.items()}),
+             what=f"writing the manifest of {partial}")
+    return sum(sizes)
 
 
 def complete_tags(checkpoint_dir: Path) -> list[str]:
@@ -189,7 +162,9 @@ def prune(checkpoint_dir: Path, *, keep: int) -> list[str]:
     doomed = [t for t in tags[:-keep] if t not in protected]
     for tag in doomed:
         (checkpoint_dir / tag / COMPLETE_MARKER).unlink()  # first: a crash mid-delete leaves an incomplete tag
-        shutil.rmtree(checkpoint_dir / tag)
+        # ignore_errors: a reader on another NFS client leaves .nfs* files behind; the folder, now incomplete, is
+        # removed with the leftovers before the next save
+        shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)
     return doomed
 
 
@@ -249,14 +224,16 @@ class Resumed:
 
 
 def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_free=None,
-           fallback: bool = True) -> Resumed:
+           fallback: bool = True, owner: bool = False) -> Resumed:
     """Load the newest intact complete checkpoint: through DeepSpeed at the layout that wrote it, else from its
     layout-free copy (`layout_free`, see `save`). Each candidate's files are checked against its manifest first; a
-    damaged one is named and the next older one taken (`fallback=False`: the named error instead). Every rank takes
-    the same branch (they read the same marker and share the verdict)."""
+    damaged one is named and the next older one taken (`fallback=False`: the named error instead). `owner`: this
+    run holds the directory's run lock, so it removes interrupted saves and sets damaged checkpoints aside (a
+    script reading another run's checkpoints changes nothing). Every rank takes the same branch (rank 0 chooses the
+    tag for all and they share the verdict)."""
     import torch.distributed as dist
 
-    tag = intact_tag(checkpoint_dir, fallback=fallback)
+    tag = intact_tag(checkpoint_dir, fallback=fallback, owner=owner)
     if tag is None:
         return Resumed(step=0)
     tag_dir = Path(checkpoint_dir) / tag
@@ -299,27 +276,51 @@ def _load_layout_free(tag_dir: Path, *, marker: dict, layout: dict | None, layou
     return int(marker["step"]), resharded
 
 
-def intact_tag(checkpoint_dir: Path, *, fallback: bool = True) -> str | None:
-    """The newest complete tag whose files match its manifest (a tag written before manifests is taken as it
-    is); None when there is no complete tag. Collective: the ranks share the hashing and the verdict."""
-    import torch.distributed as dist
-
+def intact_tag(checkpoint_dir: Path, *, fallback: bool = True, owner: bool = False) -> str | None:
+    """The newest complete tag whose files match its manifest; None when there is no complete tag. Rank 0 lists the
+    candidates for every rank (on NFS two nodes' directory caches may differ); the ranks share the hashing and the
+    verdict. Collective."""
     from toolkit.train.checkpoint import integrity
 
-    if dist.get_rank() == 0:
-        for line in remove_leftovers(checkpoint_dir):
-            print(f"dsmt: {line}", flush=True)
-    dist.barrier()
-    newest = latest_complete(checkpoint_dir)
-    candidates = [t for t in reversed(complete_tags(checkpoint_dir)) if newest is None or _step(t) <= _step(newest)]
+    candidates = on_rank0(lambda: _candidates(Path(checkpoint_dir), owner=owner),
+                          what=f"listing the checkpoints in {checkpoint_dir}")
     for index, tag in enumerate(candidates):
+        started = time.perf_counter()
         problems = integrity.problems_collectively(Path(checkpoint_dir) / tag)
         if not problems:
+            _say_verified(Path(checkpoint_dir) / tag, seconds=time.perf_counter() - started)
             return tag
         older = candidates[index + 1] if index + 1 < len(candidates) else None
         integrity.refuse_or_fall_back(tag=tag, problems=problems, older=older, fallback=fallback,
-                                   checkpoint_dir=Path(checkpoint_dir))
+                                      checkpoint_dir=Path(checkpoint_dir))
+        if owner:
+            on_rank0(lambda: _say_set_aside(set_aside_damaged(Path(checkpoint_dir), tag)), what=f"setting {tag} aside")
     return None
+
+
+def _candidates(checkpoint_dir: Path, *, owner: bool) -> list[str]:
+    """Complete tags, newest first, from the `latest_complete` pointer's down (the owner first removes what
+    interrupted saves left)."""
+    if owner:
+        for line in remove_leftovers(checkpoint_dir):
+            print(f"dsmt: {line}", flush=True)
+    newest = latest_complete(checkpoint_dir)
+    return [t for t in reversed(complete_tags(checkpoint_dir)) if newest is None or _step(t) <= _step(newest)]
+
+
+def _say_verified(tag_dir: Path, *, seconds: float) -> None:
+    import torch.distributed as dist
+
+    from toolkit.train.checkpoint.manifest import MANIFEST, tag_bytes
+
+    if dist.get_rank() == 0 and (tag_dir / MANIFEST).is_file():
+        print(f"dsmt train: {tag_dir.name} matches its manifest ({tag_bytes(tag_dir) / 1e6:,.1f} MB checked in "
+              f"{seconds:.2f} s)", flush=True)
+
+
+def _say_set_aside(aside: Path) -> None:
+    print(f"dsmt train: set the damaged checkpoint aside as {aside} (not resumed from, not pruned; delete it once "
+          "inspected)", flush=True)
 
 
 def _step(tag: str) -> int:

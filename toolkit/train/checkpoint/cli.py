@@ -65,8 +65,11 @@ def summary(verdicts) -> str:
     damaged = [verdict.tag for verdict in verdicts if verdict.status == "damaged"]
     newest = resume_tag(verdicts)
     unverified = {verdict.tag for verdict in verdicts if verdict.status == "no_manifest"}
-    if newest is None:
-        line = "no intact checkpoint: a resume would start from step 0"
+    if newest is None and damaged:
+        line = ("no intact checkpoint: a resume stops with checkpoint_damaged (restore the files, or move the "
+                "checkpoints aside to start from the model)")
+    elif newest is None:
+        line = "no complete checkpoint: a resume would start from step 0"
     elif newest in unverified:
         line = f"newest usable: {newest} (not verified: no manifest), the tag a resume would take"
     else:

@@ -130,6 +130,8 @@ class Problem:
         if self.kind == "size":
             how = "truncated or overwritten" if self.found < self.expected else "written to after the save"
             return f"{self.file}: {self.found} bytes on disk, {self.expected} in the manifest ({how})"
+        if self.kind == "missing" and self.file == MANIFEST:
+            return f"{self.file}: missing, though the completion marker says it was written"
         if self.kind == "missing":
             return f"{self.file}: missing ({self.expected} bytes in the manifest)"
         if self.kind == "unlisted":
@@ -147,22 +149,29 @@ def check_entries(tag_dir: Path, entries: dict) -> list[Problem]:
         if not path.is_file():
             problems.append(Problem(file=name, kind="missing", expected=entry["size"], found=None))
             continue
-        size = path.stat().st_size
+        try:  # EIO from a damaged disk is a verdict on this file, not a crash of the check
+            size = path.stat().st_size
+            digest = digest_file(path) if size == entry["size"] else None
+        except OSError as err:
+            problems.append(Problem(file=name, kind="unreadable", expected=None,
+                                    found=f"unreadable ({type(err).__name__}: {err})"))
+            continue
         if size != entry["size"]:
             problems.append(Problem(file=name, kind="size", expected=entry["size"], found=size))
             continue
-        digest = digest_file(path)
         if digest != entry["xxh3_128"]:
             problems.append(Problem(file=name, kind="digest", expected=entry["xxh3_128"], found=digest))
     return problems
 
 
 def unlisted(tag_dir: Path, entries: dict) -> list[Problem]:
-    """Files on disk the manifest does not list: written into the tag after its save (a resume would load a
-    stray `mp_rank_*` file DeepSpeed finds by glob)."""
+    """Files on disk the manifest does not list, where a resume would read them: DeepSpeed globs `*.pt` (a stray
+    `*_optim_states.pt` changes what it loads) and dist_checkpointing reads its whole folder. Other files (a
+    user's `zero_to_fp32` output beside them) are no damage."""
     tag_dir = Path(tag_dir)
     return [Problem(file=name, kind="unlisted", expected=None, found=(tag_dir / name).stat().st_size)
-            for name in list_files(tag_dir) if name not in entries]
+            for name in list_files(tag_dir)
+            if name not in entries and (name.endswith((".pt", ".distcp")) or name.startswith("layout-free/"))]
 
 
 @dataclasses.dataclass
@@ -193,6 +202,9 @@ def verify_tag(tag_dir: Path) -> TagVerdict:
         try:
             manifest = read_manifest(tag_dir)
             status = "no_manifest" if manifest is None else None
+            if manifest is None and json.loads((tag_dir / COMPLETE_MARKER).read_text()).get("manifest"):
+                status = "damaged"  # the marker says one was written: it was deleted, or not copied
+                problems = [Problem(file=MANIFEST, kind="missing", expected="written", found=None)]
         except DsmtError as err:  # a damaged manifest is a damaged tag; one bad tag must not hide the others
             manifest, status = None, "damaged"
             problems = [Problem(file=MANIFEST, kind="unreadable", expected=None, found=str(err))]

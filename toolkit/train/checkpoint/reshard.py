@@ -71,7 +71,7 @@ class LayoutFreeState:
                 sharded[f"{name}/{key}"] = make_sharded_optimizer_tensor(item, held_for_save(value, item), name)
         record = self._record(shards)
         if dist.get_rank() == 0:
-            (tag_dir / LAYOUT_FREE).mkdir()
+            (tag_dir / LAYOUT_FREE).mkdir(exist_ok=True)  # a fresh .partial- folder: nothing of another save
         dist.barrier()
         dist_checkpointing.save(sharded, str(tag_dir / LAYOUT_FREE))
         if dist.get_rank() == 0:

@@ -51,7 +51,7 @@ def as_disk_full(err: BaseException, *, directory: Path, tag: str, needed: int |
     said = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
     return DiskFull(f"[disk_full] the disk filled while saving checkpoint {tag} into {directory} "
                     f"({free / 1e6:,.1f} MB free now; the checkpoint needs about {_size(needed)}); the incomplete "
-                    f"save was removed{kept} (the library said: "
+                    f"save is removed at the next start{kept} (the library said: "
                     f"{type(err).__name__}: {said})\n{_fix(directory)}")
 
 

@@ -88,13 +88,32 @@ def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), r
     sets = [f"--set={item}" for item in overrides]
     run_dir_args = ["--run-dir", str(Path(run_dir).expanduser().absolute())] if run_dir is not None else []
     flags = [] if fallback else ["--no-fallback"]
-    with run_lock.acquire(output_dir=Path(spec.training.output_dir), command=f"dsmt train {path}") as lock:
+    output_dir = Path(spec.training.output_dir)
+    with run_lock.acquire(output_dir=output_dir, command=f"dsmt train {path}").keep_renewed() as lock:
         if lock.took_over:
             print(lock.takeover_line(), flush=True)
+            wait_for_gone_ranks(log_dir=output_dir / "logs")
         # The environment the generated scripts export (.deepspeed_env): NCCL presets and
         # CUDA_DEVICE_MAX_CONNECTIONS=1 on GPUs, DS_ACCELERATOR=cpu and one thread per rank on the CPU; the spec's
         # communication.extra_env last; the lock's path, so the ranks do not take it again.
         launch_local_workers(module="toolkit.train", args=["--config", str(path), *run_dir_args, *sets, *flags],
-                             nprocs=world_size_of(spec), log_dir=Path(spec.training.output_dir) / "logs",
+                             nprocs=world_size_of(spec), log_dir=output_dir / "logs",
                              timeout_s=None,  # a training run takes as long as it takes
                              env={**environment(spec=spec), run_lock.LOCK_ENV: str(lock.path)})
+
+
+def wait_for_gone_ranks(*, log_dir: Path, timeout_s: float = 60.0) -> None:
+    """After taking over a dead launcher's lock: its ranks may take a few seconds more to die (torchrun gives them
+    30 s after SIGTERM); wait for them, and refuse rather than write beside one that lives on."""
+    import time
+
+    from toolkit.launch import heartbeat
+
+    deadline = time.monotonic() + timeout_s
+    while (alive := heartbeat.live_on_this_machine(log_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if alive:
+        listed = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in alive)
+        raise DsmtError(f"[one_run_per_output_dir] the previous run's launcher is gone but {listed} still run "
+                        f"after {timeout_s:.0f} s; nothing was started\nfix: stop them (kill PID), then run the same "
+                        "command again")

@@ -52,7 +52,7 @@ class StepGuard:
         skipped = total > self._skipped_total
         self._skipped_total = total
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
-        if self.skipped_in_a_row >= self.max_skipped_steps:
+        if _any_rank(self.skipped_in_a_row >= self.max_skipped_steps):  # every rank stops, or none
             raise TrainingDiverged(
                 f"[too_many_skipped_steps] step {step}: fp16's loss scale overflowed on {self.skipped_in_a_row} "
                 f"steps in a row (training.max_skipped_steps={self.max_skipped_steps}; loss {stats.loss}); the "

@@ -27,7 +27,7 @@ def run_to_end(*, trainer, batches, export, notice: str | None, spec, layout, ds
     saving = checkpoint_settings(trainer=trainer, spec=spec, layout=layout)
     heartbeat.set_phase("resume")
     resumed = resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", seed=spec.training.seed,
-                     saving=saving, fallback=fallback)
+                     saving=saving, fallback=fallback, owner=True)
     log.started(start_step=resumed.step, total_steps=spec.training.train_steps, validation=validation,
                 resharded=resumed.resharded)
     guard = StepGuard(precision=spec.training.precision, max_skipped_steps=spec.training.max_skipped_steps,
@@ -44,13 +44,15 @@ def run_to_end(*, trainer, batches, export, notice: str | None, spec, layout, ds
     return log.history
 
 
-def resume(*, engine, checkpoint_dir: Path, seed: int, saving: dict, fallback: bool = True) -> checkpoints.Resumed:
-    """The newest intact complete checkpoint under `checkpoint_dir` loaded (`saving`: `checkpoint_settings`).
-    Resharded from another layout, the RNGs are seeded anew: that layout's per-rank streams do not map onto this
-    one's ranks."""
+def resume(*, engine, checkpoint_dir: Path, seed: int, saving: dict, fallback: bool = True,
+           owner: bool = False) -> checkpoints.Resumed:
+    """The newest intact complete checkpoint under `checkpoint_dir` loaded (`saving`: `checkpoint_settings`;
+    `owner`: this run holds the directory's lock, see `checkpoints.resume`). Resharded from another layout, the
+    RNGs are seeded anew: that layout's per-rank streams do not map onto this one's ranks."""
     from toolkit import backend as backends
 
-    resumed = checkpoints.resume(engine=engine, checkpoint_dir=checkpoint_dir, fallback=fallback, **saving)
+    resumed = checkpoints.resume(engine=engine, checkpoint_dir=checkpoint_dir, fallback=fallback, owner=owner,
+                                 **saving)
     if resumed.resharded:
         backends.current().seed(seed + resumed.step)
     return resumed

@@ -314,11 +314,6 @@ def main(argv=None) -> int:
     spec, report = check_file(config, overrides=args.set)
     if spec is None or not report.ok:
         raise DsmtError(f"job spec {config} does not pass `dsmt check`:\n{report.to_text()}")
-    from toolkit.launch.rank_output import LOG_DIR_ENV, quiet_other_ranks
-
-    log_dir = Path(spec.training.output_dir) / "logs"
-    quiet_other_ranks(log_dir=log_dir)  # rank 0 speaks (toolkit/launch/rank_output.py)
-    watch_this_rank(log_dir=Path(os.environ.get(LOG_DIR_ENV) or log_dir))
     ds_config = None
     if args.run_dir is not None:  # before any process group, model or output file: a contradiction stops here
         from toolkit.train.job.run_files import compare_run_files
@@ -327,7 +322,14 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":  # the launcher's rank; one copy of the report
             print("\n".join(run_files.start_lines()), flush=True)
         ds_config = run_files.ds_config
-    with run_lock_of_job(spec=spec):
+    from toolkit import backend as backends
+    from toolkit.launch.rank_output import LOG_DIR_ENV, quiet_other_ranks
+
+    backends.select(device=spec.cluster.device)  # CUDA asked for but broken: exit 2 before the run writes anything
+    with claim_output_dir(spec=spec):  # before this run writes anything there (its logs included)
+        log_dir = Path(spec.training.output_dir) / "logs"
+        quiet_other_ranks(log_dir=log_dir)  # rank 0 speaks (toolkit/launch/rank_output.py)
+        watch_this_rank(log_dir=Path(os.environ.get(LOG_DIR_ENV) or log_dir))
         train(spec=spec, ds_config=ds_config, fallback=not args.no_fallback)  # after its last step: nothing to do
     return 0
 
@@ -342,18 +344,22 @@ def watch_this_rank(*, log_dir: Path) -> None:
     heartbeat.start(log_dir=log_dir, rank=this_rank())
 
 
-def run_lock_of_job(*, spec):
-    """The output directory's run lock: held by `dsmt train` for its ranks (nothing to do here); under a cluster
-    launcher rank 0 takes it before any process group exists, and a second run's rank 0 stops (exit 2)."""
+def claim_output_dir(*, spec):
+    """The output directory's run lock: held by `dsmt train` for its ranks (nothing to do here). Under a cluster
+    launcher rank 0 takes it (and renews its lease) before any process group exists, and every other rank stops
+    first if another launch's live run holds it: a second run exits 2 without touching the first one's files."""
     import contextlib
 
     from toolkit.launch import run_lock
     from toolkit.launch.rank_output import this_rank
 
     output_dir = Path(spec.training.output_dir)
-    if this_rank() != 0 or run_lock.held_by_launcher(output_dir=output_dir):
+    if run_lock.held_by_launcher(output_dir=output_dir):
         return contextlib.nullcontext()
-    lock = run_lock.acquire(output_dir=output_dir, command="python -m toolkit.train (rank 0)")
+    if this_rank() != 0:
+        run_lock.refuse_another_launch(output_dir=output_dir)
+        return contextlib.nullcontext()
+    lock = run_lock.acquire(output_dir=output_dir, command="python -m toolkit.train (rank 0)").keep_renewed()
     if lock.took_over:
         print(lock.takeover_line(), flush=True)
     return lock

@@ -144,9 +144,11 @@ class TrainingRun:
         with no complete checkpoint loads nothing and returns the run's own step (0 at the start). A checkpoint
         whose files do not match its manifest is named and the next older one taken (`fallback=False`: the
         named error instead). Collective."""
+        from toolkit.train.checkpoint.folders import on_rank0
         from toolkit.train.job.loop import resume
 
-        if checkpoints.latest_complete(Path(checkpoint_dir)) is None:  # the same answer on every rank (shared files)
+        newest = on_rank0(lambda: checkpoints.latest_complete(Path(checkpoint_dir)), what=f"reading {checkpoint_dir}")
+        if newest is None:  # rank 0's answer for every rank (NFS directory caches may differ between nodes)
             return self.step
         resumed = resume(engine=self.engine, checkpoint_dir=Path(checkpoint_dir), seed=self.spec.training.seed,
                          saving=self._checkpoint_settings(), fallback=fallback)

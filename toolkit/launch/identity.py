@@ -1,0 +1,42 @@
+"""Who and where a process is, as the run lock and the heartbeats record it: a pid means something only on the
+same host, in the same PID namespace (containers with the host's network share its hostname, not its pids) and
+since the same boot; and which launch of a job a rank belongs to (its ranks share the rendezvous address)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+
+def pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def here() -> dict:
+    """This process's place: the fields `same_machine` compares."""
+    return {"host": socket.gethostname(), "pidns": pid_namespace(), "boot_id": boot_id()}
+
+
+def same_machine(record: dict) -> bool:
+    """Whether `record`'s pid can be looked up in this /proc (fields a record lacks are not held against it)."""
+    mine = here()
+    return all(record.get(key, mine[key]) == mine[key] for key in mine)
+
+
+def launch_id(environ=None) -> str:
+    """The same on every rank of one launch, different for another launch: the rendezvous address and the
+    launcher's job id (torchrun's run id, SLURM's job id)."""
+    environ = os.environ if environ is None else environ
+    job = environ.get("TORCHELASTIC_RUN_ID") or environ.get("SLURM_JOB_ID") or ""
+    return f"{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}/{job}"

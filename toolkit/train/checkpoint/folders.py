@@ -1,0 +1,99 @@
+"""The folders of a checkpoint directory, as rank 0 changes them: a finished save renamed into place, what an
+interrupted save left removed, a damaged checkpoint set aside; and `on_rank0`, which runs such a change on rank 0
+and gives every rank its outcome (an error on a shared filesystem must not leave the other ranks waiting in a
+collective until the timeout)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from toolkit.errors import DsmtError
+
+COMPLETE_MARKER = "dsmt_complete.json"
+PARTIAL = ".partial-"  # a save in progress, renamed to its tag when complete
+DAMAGED = ".damaged-"  # a checkpoint whose files did not match its manifest, set aside by a resume
+
+
+class CheckpointIOError(DsmtError):
+    """The filesystem refused a change to the checkpoint directory (rule `checkpoint_io`)."""
+
+
+def on_rank0(task, *, what: str):
+    """`task()` on rank 0; every rank returns its value, or raises the same error: rank 0's DsmtError as it was,
+    an OSError as `checkpoint_io` naming `what`. Collective."""
+    import torch.distributed as dist
+
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [(True, task())]
+        except DsmtError as err:
+            outcome = [(False, err)]
+        except OSError as err:
+            outcome = [(False, CheckpointIOError(
+                f"[checkpoint_io] {what}: {type(err).__name__}: {err}\nfix: check the filesystem of the output "
+                "directory (mounted, writable, not full); then run the same command again to resume"))]
+    dist.broadcast_object_list(outcome, src=0)
+    done, value = outcome[0]
+    if not done:
+        raise value
+    return value
+
+
+def publish(partial: Path, final: Path) -> None:
+    """Rename the finished save to its tag. A tag saved again (a script may) is renamed aside first and removed
+    only after the new one is in place: a crash in between leaves the new one complete under either name."""
+    aside = final.with_name(f"{PARTIAL}replaced-{final.name}")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.rename(partial, final)
+    sync_directory(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def sync_directory(directory: Path) -> None:
+    """The rename reaches the disk before the pointer does (a power loss cannot show a pointer to nothing)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(checkpoint_dir: Path) -> list[str]:
+    """Remove what interrupted saves left (`.partial-*` folders, and `step_*` folders without a completion marker
+    from before saves were renamed into place); one line per folder. Only the run that holds the directory's lock
+    calls this (toolkit/launch/run_lock.py), so nothing here is a save in progress. A folder that will not go (files
+    held open on NFS) is renamed aside, so that the next save of its step starts from an empty folder."""
+    lines = []
+    for path in sorted(Path(checkpoint_dir).glob(f"{PARTIAL}*")) + sorted(Path(checkpoint_dir).glob("step_*")):
+        if not path.is_dir() or (path.name.startswith("step_") and (path / COMPLETE_MARKER).exists()):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if path.exists() and path.name.startswith("step_"):
+            stuck = path.with_name(f"{PARTIAL}stuck-{path.name}")
+            os.replace(path, stuck)
+            lines.append(f"moved {path} aside to {stuck.name}: an interrupted save that could not be removed")
+        elif path.exists():
+            lines.append(f"could not remove {path} (an interrupted save); remove it by hand")
+        else:
+            lines.append(f"removed {path}: an interrupted save (no completion marker)")
+    return lines
+
+
+def set_aside_damaged(checkpoint_dir: Path, tag: str) -> Path:
+    """Rename a damaged tag to `.damaged-<tag>` (kept for a person to inspect; no resume or prune counts it)."""
+    aside = Path(checkpoint_dir) / f"{DAMAGED}{tag}"
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(Path(checkpoint_dir) / tag, aside)
+    return aside
