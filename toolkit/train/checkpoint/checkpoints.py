@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from toolkit.train.checkpoint.folders import (COMPLETE_MARKER, PARTIAL, on_rank0, publish, remove_leftovers,
-                                              set_aside_damaged, write_synced)
+                                              set_aside_damaged, write_small)
 
 LATEST = "latest_complete"
 
@@ -104,9 +104,9 @@ def _prepare_save(checkpoint_dir: Path, *, tag: str) -> str | None:
 def _finish_save(partial: Path, *, tag: str, record: dict, keep_checkpoints: int | None) -> None:
     """Rank 0, once every file and the manifest are written: the marker, the rename, the pointer, the pruning."""
     checkpoint_dir = partial.parent
-    write_synced(partial / COMPLETE_MARKER, json.dumps(record))
+    write_small(partial / COMPLETE_MARKER, json.dumps(record))
     publish(partial, checkpoint_dir / tag)
-    write_synced(checkpoint_dir / f".{LATEST}.tmp", tag)
+    write_small(checkpoint_dir / f".{LATEST}.tmp", tag)
     os.replace(checkpoint_dir / f".{LATEST}.tmp", checkpoint_dir / LATEST)
     if keep_checkpoints is not None:
         prune(checkpoint_dir, keep=keep_checkpoints)
