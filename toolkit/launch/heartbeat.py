@@ -71,11 +71,8 @@ def read_all(log_dir: Path) -> dict[int, dict]:
 
 def process_state(pid: int) -> str | None:
     """This host's /proc state letter of `pid` (R, S, T stopped, Z exited, ...), None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]
+    fields = identity.proc_stat_fields(pid)
+    return None if fields is None else fields[0]
 
 
 def why_silent(record: dict, *, now: float) -> str | None:

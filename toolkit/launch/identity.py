@@ -40,3 +40,13 @@ def launch_id(environ=None) -> str:
     environ = os.environ if environ is None else environ
     job = environ.get("TORCHELASTIC_RUN_ID") or environ.get("SLURM_JOB_ID") or ""
     return f"{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}/{job}"
+
+
+def proc_stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat from field 3 (the state) on, None when there is no such process here. The command name
+    (field 2) may hold spaces and parentheses, so the fields start after its last ')'."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()

@@ -38,12 +38,8 @@ def lock_path(output_dir: Path) -> Path:
 
 def process_start_time(pid: int) -> float | None:
     """Seconds after boot that `pid` started; None when it does not exist or is a zombie (exited, unreaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the command name (field 2) may hold spaces and parentheses
-    if fields[0] in ("Z", "X"):  # field 3, the state
+    fields = identity.proc_stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):  # field 3, the state
         return None
     return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22
 

@@ -96,8 +96,7 @@ def _prepare_save(checkpoint_dir: Path, *, tag: str) -> str | None:
     from toolkit.train.checkpoint import space
 
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    for line in remove_leftovers(checkpoint_dir):
-        print(f"dsmt: {line}", flush=True)
+    _clear_leftovers(checkpoint_dir)
     return space.refusal(directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
 
 
@@ -110,6 +109,12 @@ def _finish_save(partial: Path, *, tag: str, record: dict, keep_checkpoints: int
     os.replace(checkpoint_dir / f".{LATEST}.tmp", checkpoint_dir / LATEST)
     if keep_checkpoints is not None:
         prune(checkpoint_dir, keep=keep_checkpoints)
+
+
+def _clear_leftovers(checkpoint_dir: Path) -> None:
+    """Rank 0 of the run that holds the directory's lock: what interrupted saves left goes, one line each."""
+    for line in remove_leftovers(checkpoint_dir):
+        print(f"dsmt: {line}", flush=True)
 
 
 def _newest_bytes(checkpoint_dir: Path) -> int | None:
@@ -144,7 +149,7 @@ def write_manifest(partial: Path) -> int:
 def complete_tags(checkpoint_dir: Path) -> list[str]:
     """Tags with a completion marker, oldest first (by step number, not by name)."""
     tags = [p.parent.name for p in Path(checkpoint_dir).glob(f"step_*/{COMPLETE_MARKER}")]
-    return sorted((t for t in tags if t[len("step_"):].isdigit()), key=lambda t: int(t[len("step_"):]))
+    return sorted((t for t in tags if t[len("step_"):].isdigit()), key=_step)
 
 
 def prune(checkpoint_dir: Path, *, keep: int) -> list[str]:
@@ -302,8 +307,7 @@ def _candidates(checkpoint_dir: Path, *, owner: bool) -> list[str]:
     """Complete tags, newest first, from the `latest_complete` pointer's down (the owner first removes what
     interrupted saves left)."""
     if owner:
-        for line in remove_leftovers(checkpoint_dir):
-            print(f"dsmt: {line}", flush=True)
+        _clear_leftovers(checkpoint_dir)
     newest = latest_complete(checkpoint_dir)
     return [t for t in reversed(complete_tags(checkpoint_dir)) if newest is None or _step(t) <= _step(newest)]
 

@@ -26,35 +26,20 @@ def problems_collectively(tag_dir: Path) -> list[str]:
     shared = [None]
     if rank == 0:  # a manifest that cannot be read is a damaged checkpoint, on every rank (never a hang)
         try:
-            shared = [_manifest_of(tag_dir)]
+            entries, problems = manifest.expected(tag_dir)
+            shared = [(entries, [p.line() for p in problems])]
         except (DsmtError, OSError, KeyError, TypeError, ValueError) as err:
             shared = [({}, [f"{manifest.MANIFEST}: unreadable ({type(err).__name__}: {err})"])]
     dist.broadcast_object_list(shared, src=0)
     entries, extra = shared[0]
-    if entries is None:
-        return []
+    if entries is None:  # no manifest: written before dsmt wrote them (no lines), or one deleted (a line)
+        return extra
     names = sorted(entries)
     mine = manifest.share(names, [entries[n]["size"] for n in names], rank=rank, world_size=world)
     found = [p.line() for p in manifest.check_entries(tag_dir, {n: entries[n] for n in mine})]
     parts: list = [None] * world
     dist.all_gather_object(parts, found)
     return sorted(line for part in parts for line in part) + extra
-
-
-def _manifest_of(tag_dir: Path) -> tuple[dict | None, list[str]]:
-    """(the manifest's entries, or None for a checkpoint written before manifests; lines for files that should not
-    be there, `manifest.unlisted`). A marker that says a manifest was written makes a missing one damage."""
-    import json
-
-    from toolkit.train.checkpoint import manifest
-
-    read = manifest.read_manifest(tag_dir)
-    if read is None:
-        marker = json.loads((tag_dir / manifest.COMPLETE_MARKER).read_text())
-        return ({}, [f"{manifest.MANIFEST}: missing, though the completion marker says it was written"]
-                if marker.get("manifest") else (None, []))
-    entries = {str(name): {"size": int(e["size"]), "xxh3_128": str(e["xxh3_128"])} for name, e in read["files"].items()}
-    return entries, [p.line() for p in manifest.unlisted(tag_dir, entries)]
 
 
 def refuse_or_fall_back(*, tag: str, problems: list[str], older: str | None, fallback: bool,

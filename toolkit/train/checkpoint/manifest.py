@@ -184,31 +184,42 @@ def _disk_bytes(tag_dir: Path) -> tuple[int, int]:
     return len(files), sum((Path(tag_dir) / name).stat().st_size for name in files)
 
 
+def expected(tag_dir: Path) -> tuple[dict | None, list[Problem]]:
+    """(the manifest's entries, what is wrong before any file is hashed) of a complete tag. Entries None: no
+    manifest, which is damage (one problem) when the completion marker says one was written, else a checkpoint from
+    before dsmt wrote manifests (no problem). With entries, the problems are the unlisted files a resume would
+    read. A manifest that cannot be read or has malformed entries: DsmtError naming it."""
+    tag_dir = Path(tag_dir)
+    manifest = read_manifest(tag_dir)
+    if manifest is None:
+        promised = json.loads((tag_dir / COMPLETE_MARKER).read_text()).get("manifest")  # deleted, or not copied
+        return None, [Problem(file=MANIFEST, kind="missing", expected="written", found=None)] if promised else []
+    try:
+        entries = {str(name): {"size": int(entry["size"]), "xxh3_128": str(entry["xxh3_128"])}
+                   for name, entry in manifest["files"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise DsmtError(f"{tag_dir / MANIFEST}: malformed entries ({type(err).__name__}: {err})") from None
+    return entries, unlisted(tag_dir, entries)
+
+
 def verify_tag(tag_dir: Path) -> TagVerdict:
     """Check one tag against its manifest. `incomplete`: no completion marker, or a `.partial-*` directory (the save
     did not finish; nothing to verify); `no_manifest`: complete, written before manifests existed."""
     tag_dir = Path(tag_dir)
     started = time.perf_counter()
-    problems = []
-    if not (tag_dir / COMPLETE_MARKER).is_file() or tag_dir.name.startswith(PARTIAL_PREFIX):
-        status, manifest = "incomplete", None
-    else:
+    entries, problems, status = None, [], "incomplete"
+    if (tag_dir / COMPLETE_MARKER).is_file() and not tag_dir.name.startswith(PARTIAL_PREFIX):
         try:
-            manifest = read_manifest(tag_dir)
-            status = "no_manifest" if manifest is None else None
-            if manifest is None and json.loads((tag_dir / COMPLETE_MARKER).read_text()).get("manifest"):
-                status = "damaged"  # the marker says one was written: it was deleted, or not copied
-                problems = [Problem(file=MANIFEST, kind="missing", expected="written", found=None)]
+            entries, problems = expected(tag_dir)
+            status = "damaged" if problems and entries is None else "no_manifest"
         except DsmtError as err:  # a damaged manifest is a damaged tag; one bad tag must not hide the others
-            manifest, status = None, "damaged"
-            problems = [Problem(file=MANIFEST, kind="unreadable", expected=None, found=str(err))]
-    if manifest is None:
+            problems, status = [Problem(file=MANIFEST, kind="unreadable", expected=None, found=str(err))], "damaged"
+    if entries is None:
         count, size = _disk_bytes(tag_dir)
     else:
-        entries = manifest["files"]
-        count, size = len(entries), int(manifest["total_bytes"])
-        problems = check_entries(tag_dir, entries) + unlisted(tag_dir, entries)
+        problems = check_entries(tag_dir, entries) + problems
         status = "damaged" if problems else "intact"
+        count, size = len(entries), sum(entry["size"] for entry in entries.values())
     return TagVerdict(tag=tag_dir.name, status=status, problems=problems, total_bytes=size,
                       seconds=time.perf_counter() - started, files=count)
 
