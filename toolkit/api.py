@@ -61,20 +61,28 @@ def generate(spec: JobSpec, *, out_dir: Path, overwrite: bool = False,
 
 
 def train(spec: JobSpec, *, spec_file: Path | None = None) -> list[dict]:
-    """`dsmt train`: check the spec, start its ranks on this machine and wait; returns the per-step metrics
-    (the training lines of training.output_dir/metrics.jsonl: `validation_history` has the evaluations). The spec
-    is written to `spec_file` (default OUTPUT_DIR/job.yaml) for the ranks to read."""
-    from toolkit.spec.load import dump_spec
-    from toolkit.train.job.cli import launch_training
+    """`dsmt train`: check the spec (everything `dsmt train --dry-run` checks; SpecError with nothing written),
+    start its ranks on this machine and wait; returns the per-step metrics (the training lines of
+    training.output_dir/metrics.jsonl: `validation_history` has the evaluations). The spec, its relative paths
+    taken against the working directory, is written to `spec_file` (default OUTPUT_DIR/job.yaml) for the ranks."""
+    import tempfile
 
-    report = check(spec)
-    if not report.ok:
-        raise SpecError(report)
+    from toolkit.launch.rank_output import quiet_library_warnings
+    from toolkit.spec.load import absolutize_paths, dump_spec
+    from toolkit.train.job.cli import launch_training
+    from toolkit.train.job.prelaunch import checked_before_launch
+
+    quiet_library_warnings()
+    spec = absolutize_paths(spec, base_dir=Path.cwd())  # the file below must not depend on its own folder
+    with tempfile.TemporaryDirectory(prefix="dsmt-spec-") as staging:  # checked before anything is written
+        staged = Path(staging) / "job.yaml"
+        staged.write_text(dump_spec(spec))
+        checked_before_launch(path=str(staged), overrides=(), run_dir=None)
     output_dir = Path(spec.training.output_dir)
     spec_file = Path(spec_file) if spec_file is not None else output_dir / "job.yaml"
     spec_file.parent.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(dump_spec(spec))
-    launch_training(path=str(spec_file))
+    launch_training(path=str(spec_file), checked=True)
     return [record for record in _metrics(output_dir) if "loss" in record]
 
 

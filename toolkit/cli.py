@@ -10,10 +10,9 @@ import argparse
 import importlib
 import os
 import sys
-import warnings
 
 from toolkit.errors import DsmtError
-from toolkit.launch.rank_output import VERBOSE_ENV, verbose
+from toolkit.launch.rank_output import VERBOSE_ENV, quiet_library_warnings, verbose
 
 # Each module defines `register(subparsers)`, which adds its sub-command(s) and sets `func` on the parser
 # (`func(args) -> int`, the exit code).
@@ -75,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):  # every rank speaks, libraries included (toolkit/launch/rank_output.py)
         os.environ[VERBOSE_ENV] = "1"
-    if not (os.environ.get("DSMT_SHOW_WARNINGS") or verbose()):  # megatron/torch fallback and deprecation noise
-        warnings.filterwarnings("ignore", category=UserWarning)
-        warnings.filterwarnings("ignore", category=FutureWarning)
+    quiet_library_warnings()  # megatron/torch fallback and deprecation noise
+    if not (os.environ.get("DSMT_SHOW_WARNINGS") or verbose()):
         _hide_hf_progress_bars()
     try:
         return int(args.func(args) or 0)

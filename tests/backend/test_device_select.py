@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 def cuda_spec(output_dir: Path) -> dict:
     """A valid one-GPU spec of a tiny inline model (what a GPU node would run)."""
     return {
-        "model": {"config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "model": {"config": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
                              "hidden_act": "silu", "max_position_embeddings": 128}},
         "cluster": {"gpus_per_node": 1, "gpu": "h100-80gb", "device": "cuda"},
@@ -246,6 +246,12 @@ def test_dsmt_train_launches_with_the_generated_scripts_environment(fake_cuda, c
     path.write_text(yaml.safe_dump(spec_fields))
     launched = {}
     clean_env.setattr(toolkit.launch.local, "launch_local_workers", lambda **kw: launched.update(kw))
+    # The pre-launch pass builds the model on a fake process group, which this test's mocked dist cannot serve
+    # (tests/spec/test_prelaunch.py runs it); the spec as the pass would hand it on.
+    from toolkit.spec.load import load_spec
+    from toolkit.train.job import prelaunch
+
+    clean_env.setattr(prelaunch, "checked_before_launch", lambda *, path, overrides, run_dir: load_spec(path))
     train_cli.launch_training(path=str(path))
     expected = environment(spec=JobSpec.model_validate(spec_fields))
     from toolkit.launch.run_lock import LOCK_ENV, lock_path

@@ -87,8 +87,8 @@ def test_bad_records_are_named_with_their_line(command, tmp_path, tiny_checkpoin
                                                                "type": "sharegpt"})
     assert dsmt([*command, str(job)]) == 2
     out = capsys.readouterr().out
-    assert "[record_unknown_role]" in out and "record 1 (line 3 of" in out and "'tool'" in out, out
-    assert "[record_missing_field]" in out and "record 2 (line 4 of" in out and "conversations" in out, out
+    assert "[record_unknown_role]" in out and "record 2 (line 3 of" in out and "'tool'" in out, out
+    assert "[record_missing_field]" in out and "record 3 (line 4 of" in out and "conversations" in out, out
     assert not (tmp_path / "out").exists()  # nothing trained, nothing written
 
 
@@ -98,4 +98,4 @@ def test_alpaca_record_without_output_is_named(tmp_path, tiny_checkpoint, capsys
                                                                "type": "alpaca"})
     assert dsmt(["check", str(job)]) == 2
     out = capsys.readouterr().out
-    assert "record 1 (line 2 of" in out and "'output'" in out, out
+    assert "record 2 (line 2 of" in out and "'output'" in out, out

@@ -127,11 +127,11 @@ def test_regression_targets_are_floats_and_names_map_through_label2id(tmp_path):
 
 @pytest.mark.parametrize("rows, data, error, expected", [
     ([{"text": "the cat"}], {}, LabelFieldMissingError,
-     ["record 0", "no field 'label'", "fields found: text", "data.label_field"]),
+     ["record 1", "no field 'label'", "fields found: text", "data.label_field"]),
     ([{"text": "the cat", "label": 1}, {"text": "a dog"}], {}, LabelFieldMissingError,
-     ["record 1", "'label'", "fields found: text, label"]),
+     ["record 2", "'label'", "fields found: text, label"]),
     ([{"text": "the cat", "label": 1.5}, {"text": "a dog", "label": 0.5}], {}, LabelTypeError,
-     ["record 0", "label=1.5 is float", "int class id"]),
+     ["record 1", "label=1.5 is float", "int class id"]),
     ([{"text": "the cat", "label": "pos"}], {}, LabelTypeError, ["'pos' is str", "label2id"]),
     ([{"text": "the cat", "label": 4}, {"text": "a dog", "label": 0}], {}, NumLabelsMismatchError,
      ["{0, 4}", "num_labels=3", "num_labels=5"]),

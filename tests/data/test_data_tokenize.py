@@ -35,7 +35,7 @@ def test_text_of_only_eos_has_no_label(write_jsonl, cache_dir, tokenizer):
 
 
 def test_non_string_text_names_the_record(write_jsonl, cache_dir, tokenizer):
-    with pytest.raises(DsmtError, match=r"record 1: field 'text' is NoneType"):
+    with pytest.raises(DsmtError, match=r"record 2: field 'text' is NoneType"):
         _examples(write_jsonl, cache_dir, tokenizer, [{"text": "ab"}, {"text": None}], seq_length=2)
 
 
@@ -92,7 +92,7 @@ def test_chat_without_template_uses_role_lines_and_eos(write_jsonl, cache_dir, t
 
 def test_chat_bad_messages_name_the_record(write_jsonl, cache_dir, tokenizer):
     rows = [{"messages": CHAT[:2]}, {"messages": [{"role": "user", "content": None}]}]
-    with pytest.raises(DsmtError, match=r"record 1: turn 0 of 'messages' has no 'content'"):
+    with pytest.raises(DsmtError, match=r"record 2: turn 0 of 'messages' has no 'content'"):
         _examples(write_jsonl, cache_dir, tokenizer, rows, seq_length=30, messages_field="messages")
 
 

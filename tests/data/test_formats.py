@@ -87,16 +87,16 @@ def test_messages_keep_role_and_content_only():
 
 @pytest.mark.parametrize("record_type, fields, record, message", [
     ("text", DEFAULTS, {"body": "x", "id": 1},
-     f"record 0: no field 'text' (fields present: body, id); set data.text_field to the field that holds it, or set "
+     f"record 1: no field 'text' (fields present: body, id); set data.text_field to the field that holds it, or set "
      f"data.type to the records' type ({TYPES})"),
     ("completion", RecordFields(prompt_field="q", completion_field="a"), {"q": "x", "answer": "y"},
-     f"record 0: no field 'a' (fields present: q, answer); set data.completion_field to the field that holds it, "
+     f"record 1: no field 'a' (fields present: q, answer); set data.completion_field to the field that holds it, "
      f"or set data.type to the records' type ({TYPES})"),
     ("alpaca", DEFAULTS, {"instruction": "x", "response": "y"},
-     f"record 0: no field 'output' (fields present: instruction, response); set data.type to the records' type "
+     f"record 1: no field 'output' (fields present: instruction, response); set data.type to the records' type "
      f"({TYPES})"),
     ("sharegpt", DEFAULTS, {"messages": []},
-     f"record 0: no field 'conversations' (fields present: messages); set data.messages_field to the field that "
+     f"record 1: no field 'conversations' (fields present: messages); set data.messages_field to the field that "
      f"holds it, or set data.type to the records' type ({TYPES})"),
 ])
 def test_missing_field_names_the_field_the_fields_present_and_the_option(record_type, fields, record, message):
@@ -107,29 +107,29 @@ def test_missing_field_names_the_field_the_fields_present_and_the_option(record_
 def test_null_field_is_missing_and_keeps_the_type_name():
     error = _error({"text": None, "body": "x"}, "text", index=4)
     assert error.rule == "record_missing_field"
-    assert str(error).startswith("record 4: field 'text' is NoneType: null or absent (fields present: body); ")
+    assert str(error).startswith("record 5: field 'text' is NoneType: null or absent (fields present: body); ")
 
 
 def test_wrong_type_names_the_type_found_and_expected():
     error = _error({"text": ["a", "b"]}, "text", index=2)
     assert (error.rule, error.index) == ("record_field_type", 2)
-    assert str(error) == (f"record 2: field 'text' is list (['a', 'b']), expected str; make 'text' a str in every "
+    assert str(error) == (f"record 3: field 'text' is list (['a', 'b']), expected str; make 'text' a str in every "
                           f"record; or set data.text_field to the field that holds it, or set data.type to the "
                           f"records' type ({TYPES})")
     assert "field 'messages' is str ('hi'), expected list" in str(_error({"messages": "hi"}, "messages"))
     assert "field 'input' is int (3), expected str" in str(
         _error({"instruction": "x", "input": 3, "output": "y"}, "alpaca"))
     error = _error({"messages": [{"role": "user", "content": 7}]}, "messages", index=1)
-    assert (error.rule, str(error)) == ("record_field_type", "record 1: turn 0 of 'messages' has content int (7), "
+    assert (error.rule, str(error)) == ("record_field_type", "record 2: turn 0 of 'messages' has content int (7), "
                                                             "expected str; give every turn its text as a string")
-    assert str(_error(["x"], "text")).startswith("record 0: is list, expected an object of fields")
+    assert str(_error(["x"], "text")).startswith("record 1: is list, expected an object of fields")
 
 
 def test_unknown_role_names_the_role_the_turn_and_the_accepted_roles():
     turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "call"}, {"from": "tool", "value": "42"}]
     error = _error({"conversations": turns}, "sharegpt", index=3)
     assert (error.rule, error.index) == ("record_unknown_role", 3)
-    assert str(error) == ("record 3: turn 2 of 'conversations' has role 'tool'; accepted roles: system, human, "
+    assert str(error) == ("record 4: turn 2 of 'conversations' has role 'tool'; accepted roles: system, human, "
                           "user, gpt, assistant; map the turn to one of those roles, or drop it, before training")
     error = _error({"messages": [{"role": "human", "content": "q"}]}, "messages")
     assert "turn 0 of 'messages' has role 'human'; accepted roles: system, user, assistant" in str(error)
@@ -137,12 +137,12 @@ def test_unknown_role_names_the_role_the_turn_and_the_accepted_roles():
 
 def test_turn_without_role_or_content_and_empty_conversation():
     error = _error({"conversations": [{"value": "q"}]}, "sharegpt")
-    assert (error.rule, str(error)) == ("record_missing_field", "record 0: turn 0 of 'conversations' has no 'from' "
+    assert (error.rule, str(error)) == ("record_missing_field", "record 1: turn 0 of 'conversations' has no 'from' "
                                         "or 'role' (keys present: value); give every turn a role and its text")
     error = _error({"messages": [{"role": "user", "content": None}]}, "messages")
     assert error.rule == "record_missing_field" and "turn 0 of 'messages' has no 'content'" in str(error)
     error = _error({"messages": []}, "messages", index=5)
-    assert (error.rule, str(error)) == ("record_empty", "record 5: field 'messages' is an empty list; give every "
+    assert (error.rule, str(error)) == ("record_empty", "record 6: field 'messages' is an empty list; give every "
                                                         "conversation at least one turn, or drop the record")
 
 
@@ -186,7 +186,7 @@ def test_check_records_gives_jsonl_lines_skipping_blank_ones(tmp_path):
     source = _write_lines(tmp_path / "data.jsonl", lines)
     check = check_records(rows, record_type="text", fields=DEFAULTS, source=source)
     assert [(e.index, e.line) for e in check.errors] == [(1, 3), (3, 7)] and check.num_bad == 2
-    assert str(check.errors[0]).startswith(f"record 1 (line 3 of {source}): no field 'text' (fields present: body)")
+    assert str(check.errors[0]).startswith(f"record 2 (line 3 of {source}): no field 'text' (fields present: body)")
     assert check.errors[1].rule == "record_field_type"
 
 
@@ -198,7 +198,7 @@ def test_line_numbers_only_for_json_lines(tmp_path):
     assert line_numbers(path=_write_lines(tmp_path / "c.csv", ["text", "a"]), indices=[0]) == {}
     assert line_numbers(path=str(tmp_path / "missing.jsonl"), indices=[0]) == {}
     check = check_records([{"text": "a"}, {"x": 1}], record_type="text", fields=DEFAULTS, source=listed)
-    assert check.errors[0].line is None and str(check.errors[0]).startswith("record 1: no field 'text'")
+    assert check.errors[0].line is None and str(check.errors[0]).startswith("record 2: no field 'text'")
 
 
 def test_check_records_over_a_loaded_dataset(tmp_path, cache_dir):
@@ -213,13 +213,13 @@ def test_check_records_over_a_loaded_dataset(tmp_path, cache_dir):
     check = check_records(records, record_type="messages", fields=RecordFields(messages_field="messages"),
                           source=source)
     assert (check.num_records, check.num_bad) == (2, 1)
-    assert str(check.errors[0]).startswith(f"record 1 (line 3 of {source}): turn 1 of 'messages' has role 'tool'")
+    assert str(check.errors[0]).startswith(f"record 2 (line 3 of {source}): turn 1 of 'messages' has role 'tool'")
 
 
 def test_record_error_pickles_with_its_attributes():
     error = RecordError(rule="record_empty", index=2, what="w", fix="f", line=9, source="d.jsonl")
     copy = pickle.loads(pickle.dumps(error))
-    assert (copy.rule, copy.index, copy.line, str(copy)) == ("record_empty", 2, 9, "record 2 (line 9 of d.jsonl): w; f")
+    assert (copy.rule, copy.index, copy.line, str(copy)) == ("record_empty", 2, 9, "record 3 (line 9 of d.jsonl): w; f")
 
 
 def test_line_numbers_look_through_gzip(tmp_path):

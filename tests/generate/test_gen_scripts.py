@@ -177,8 +177,11 @@ def test_generate_cli_writes_absolute_paths(tmp_path, monkeypatch, capsys):
     assert main(["generate", str(spec_path), "--out", "run", "--set", "training.train_steps=7"]) == 0
     resolved = yaml.safe_load((tmp_path / "run" / "job.resolved.yaml").read_text())
     assert resolved["training"]["train_steps"] == 7
-    assert resolved["training"]["output_dir"] == str(tmp_path / "runs" / "tiny-cpu")
+    assert resolved["training"]["output_dir"] == str(spec_path.parent / "runs" / "tiny-cpu")  # the file's folder
     assert main(["generate", str(spec_path), "--out", "run"]) == 2  # exists, no --overwrite
+    assert main(["generate", str(spec_path), "--out", "run2", "--set", "training.output_dir=mine"]) == 0
+    resolved = yaml.safe_load((tmp_path / "run2" / "job.resolved.yaml").read_text())
+    assert resolved["training"]["output_dir"] == str(tmp_path / "mine")  # --set: the working directory
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -126,6 +126,12 @@ def test_damaged_newest_checkpoint_falls_back_exactly(tiny_llama, reference, tmp
     assert _losses(copy, again) == _losses(reference, again)  # the steps after BEFORE_LAST trained again, exactly
     assert _problems(copy) == []  # the last step saved anew over the damaged one
 
+    done = run(spec)  # the same command once more: nothing left to train, and it says so
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"holds a checkpoint of step {STEPS}, the last (training.train_steps): nothing left to train" in (
+        done.stdout + done.stderr), done.stdout[-3000:]
+    assert _losses(copy, again) == _losses(reference, again)  # no step trained again
+
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_non_finite_loss_stops_before_saving_the_bad_step(tiny_llama, tmp_path, precision):

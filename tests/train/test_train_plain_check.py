@@ -77,7 +77,7 @@ CASES = {
     "sync batchnorm on cpu": ("resnet", lambda t: {"path": str(image_folder(t / "i"))}, {"sync_batchnorm": True},
                               ["sync_batchnorm_on_cpu", "GPU/XPU only"]),
     "label field missing": ("classifier", lambda t: {"path": jsonl(t / "d.jsonl", [{"text": "a", "y": 1}])}, {},
-                            ["label_field", "record 0", "fields found: text, y"]),
+                            ["label_field", "record 1", "fields found: text, y"]),
     "label of wrong type": ("classifier", lambda t: {"path": jsonl(t / "d.jsonl", [{"text": "a", "label": 0.5}])},
                             {}, ["label_type", "label=0.5 is float"]),
     "labels beyond num_labels": ("classifier", lambda t: {"path": jsonl(t / "d.jsonl", [

@@ -193,7 +193,8 @@ def test_dsmt_train_exits_2_naming_validation_records_of_another_kind(tiny_llama
     result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", "--config", job], capture_output=True,
                             text=True, cwd=REPO)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "validation_fields: data.validation_path=" in result.stderr + result.stdout
+    assert "[validation_fields] data.validation_path=" in result.stderr, result.stderr[-2000:]
+    assert "nothing was started" in result.stderr and not (tmp_path / "out").exists(), result.stderr[-2000:]
 
 
 def test_check_accepts_validation_for_a_model_without_an_adapter(tmp_path, capsys):

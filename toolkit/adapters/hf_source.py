@@ -106,6 +106,59 @@ class Fp8Weight:
     block_size: tuple[int, int]
 
 
+def shard_files(checkpoint_dir: Path) -> list[Path]:
+    """The safetensors files of `checkpoint_dir`: its index's shards (each present), else every *.safetensors."""
+    index = checkpoint_dir / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+            raise AdapterError(f"{index} is not a valid safetensors index ({err})") from err
+        files = sorted({checkpoint_dir / f for f in weight_map.values()})
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise AdapterError(f"{index} lists shard files that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        legacy = [p.name for p in checkpoint_dir.glob("*.bin")]
+        hint = (f" It has {', '.join(legacy)}: re-save with model.save_pretrained(dir, safe_serialization=True)."
+                if legacy else "")
+        raise AdapterError(f"no *.safetensors weights in {checkpoint_dir}.{hint}")
+    return files
+
+
+UNREADABLE_FIX = "re-download or re-save the checkpoint (model.save_pretrained(dir, safe_serialization=True))"
+
+
+def open_safetensors(path: Path):
+    """safetensors' handle of `path`, its header read and checked against the file's size (no tensor data read);
+    raises AdapterError naming the file."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+        handle.keys()
+    except (SafetensorError, OSError, ValueError) as err:
+        raise AdapterError(f"{path} is not a readable safetensors file ({err}); it may be truncated or corrupt: "
+                           f"{UNREADABLE_FIX}") from err
+    return handle
+
+
+def unreadable_weight_files(checkpoint_dir: Path) -> list[str]:
+    """Every problem with the safetensors files of `checkpoint_dir` (the index, missing shards, headers), each a
+    sentence; [] when every file's header reads. Cheap: headers only (what `dsmt check` can afford for 140 GB)."""
+    try:
+        files = shard_files(checkpoint_dir)
+    except AdapterError as err:
+        return [str(err)]
+    problems = []
+    for path in files:
+        try:
+            open_safetensors(path)
+        except AdapterError as err:
+            problems.append(str(err))
+    return problems
+
+
 class SafetensorsSource:
     """Tensor name -> (file, shape, dtype) for a checkpoint directory; `get(name)` reads one tensor.
 
@@ -118,7 +171,7 @@ class SafetensorsSource:
                                     dequantize_fp8=dequantize_fp8)
         self._handles: dict[Path, object] = {}
         self._file_of: dict[str, Path] = {}
-        for path in self._shard_files():
+        for path in shard_files(self.checkpoint_dir):
             handle = self._open(path)
             for name in handle.keys():
                 self._file_of[name] = path
@@ -126,36 +179,8 @@ class SafetensorsSource:
         consumed = {weight.scale_name for weight in self._fp8.values()}
         self._names = sorted(name for name in self._file_of if name not in consumed)
 
-    def _shard_files(self) -> list[Path]:
-        index = self.checkpoint_dir / INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
-                raise AdapterError(f"{index} is not a valid safetensors index ({err})") from err
-            files = sorted({self.checkpoint_dir / f for f in weight_map.values()})
-            missing = [str(f.name) for f in files if not f.is_file()]
-            if missing:
-                raise AdapterError(f"{index} lists shard files that are missing: {', '.join(missing)}")
-            return files
-        files = sorted(self.checkpoint_dir.glob("*.safetensors"))
-        if not files:
-            legacy = [p.name for p in self.checkpoint_dir.glob("*.bin")]
-            hint = (f" It has {', '.join(legacy)}: re-save with model.save_pretrained(dir, safe_serialization=True)."
-                    if legacy else "")
-            raise AdapterError(f"no *.safetensors weights in {self.checkpoint_dir}.{hint}")
-        return files
-
     def _open(self, path: Path):
-        try:
-            handle = safe_open(str(path), framework="pt")
-            handle.keys()
-        except (SafetensorError, OSError, ValueError) as err:
-            raise AdapterError(
-                f"{path} is not a readable safetensors file ({err}); it may be truncated or corrupt: "
-                "re-download or re-save the checkpoint"
-            ) from err
-        self._handles[path] = handle
+        self._handles[path] = handle = open_safetensors(path)
         return handle
 
     def _pair_fp8(self, block_size: tuple[int, int]) -> dict[str, Fp8Weight]:

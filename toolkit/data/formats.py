@@ -47,13 +47,13 @@ _TYPE_FIX = f"set data.type to the records' type ({', '.join(RECORD_TYPES)})"
 
 
 class RecordError(DsmtError):
-    """One record that its type's formatter cannot read: `record {index}{where}: {what}; {fix}`."""
+    """One record that its type's formatter cannot read: `record {index + 1}{where}: {what}; {fix}` (index from 0)."""
 
     def __init__(self, *, rule: str, index: int, what: str, fix: str, line: int | None = None,
                  source: str | None = None):
         self.rule, self.index, self.what, self.fix, self.line, self.source = rule, index, what, fix, line, source
         where = f" (line {line} of {source})" if line is not None else ""
-        super().__init__(f"record {index}{where}: {what}; {fix}")
+        super().__init__(f"record {index + 1}{where}: {what}; {fix}")  # 1-based, as editors count
 
     def located(self, *, line: int, source: str) -> RecordError:
         """The same error, naming the line of `source` the record is on."""
@@ -235,7 +235,7 @@ def check_records(records, *, record_type: str, fields: RecordFields, source: st
     """Format every record of `records` (dicts, or a `datasets.Dataset`), keeping the first `limit` errors.
     `source`: the file the records are, whole and in order; a JSON-lines file gives each error its line."""
     errors, num_bad, num_records = [], 0, 0
-    for index, record in enumerate(records):
+    for index, record in enumerate(_with_progress(records, source=source)):
         num_records += 1
         try:
             format_record(record, record_type=record_type, fields=fields, index=index)
@@ -246,3 +246,19 @@ def check_records(records, *, record_type: str, fields: RecordFields, source: st
     lines = line_numbers(path=source, indices=[e.index for e in errors]) if source and errors else {}
     located = tuple(e.located(line=lines[e.index], source=source) if e.index in lines else e for e in errors)
     return RecordCheck(errors=located, num_bad=num_bad, num_records=num_records)
+
+
+PROGRESS_MIN_RECORDS = 100_000  # below this a check takes about a second: no bar
+
+
+def _with_progress(records, *, source: str | None):
+    """`records`, with a progress bar on stderr when there are many (a large file takes minutes to check)."""
+    total = len(records) if hasattr(records, "__len__") else 0
+    if total < PROGRESS_MIN_RECORDS:
+        return records
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(records, total=total, desc=f"checking {source or 'records'}", unit=" records", file=sys.stderr,
+                mininterval=1.0)

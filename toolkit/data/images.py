@@ -173,8 +173,8 @@ def _label_ids(*, raw_labels: list, model_config, data) -> torch.Tensor:
         elif isinstance(label, int) and not isinstance(label, bool):
             ids.append(label)
         else:
-            raise LabelTypeError(f"record {index} of data.path={data.path!r}: label {label!r} is not a class id or a "
-                                 f"class name of config.label2id ({', '.join(names)}); fix the data or label2id")
+            raise LabelTypeError(f"record {index + 1} of data.path={data.path!r}: label {label!r} is not a class id "
+                                 f"or a class name of config.label2id ({', '.join(names)}); fix the data or label2id")
     check_num_labels(label_ids=ids, num_labels=int(model_config.num_labels), what=f"data.path={data.path!r}")
     return torch.tensor(ids, dtype=torch.int64)
 

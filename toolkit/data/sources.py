@@ -14,6 +14,8 @@ Accepted sources, decided in this order:
 
 from __future__ import annotations
 
+import functools
+
 import re
 from pathlib import Path
 
@@ -181,18 +183,30 @@ def _load_hub(*, name: str, data: RecordSource, cache_dir: str | None):
                         f"local file") from err
 
 
+class RecordsError(DsmtError):
+    """Records that cannot train as the data section says; `rule` names why (as `dsmt check` reports it)."""
+
+    def __init__(self, *, rule: str, message: str):
+        self.rule = rule
+        super().__init__(message)
+
+    def __reduce__(self):  # keyword-only __init__: pickle (worker processes) through the keywords
+        return functools.partial(RecordsError, rule=self.rule, message=str(self)), ()
+
+
 def _check_records(*, records, data: RecordSource) -> None:
     present = list(records.column_names)
     missing = [name for name in required_fields(data) if name not in present]
     if missing:
-        raise DsmtError(
-            f"record_missing_field: data.path={data.path!r} has no field {', '.join(repr(m) for m in missing)}, "
+        raise RecordsError(rule="record_missing_field", message=
+            f"data.path={data.path!r} has no field {', '.join(repr(m) for m in missing)}, "
             f"which data.type={record_type(data)} reads; fields present: {', '.join(present) or '(none)'}; set "
             f"data.type to the records' type (text, completion, alpaca, sharegpt, messages), or data.text_field, "
             f"data.prompt_field/completion_field or data.messages_field to one of the fields present"
         )
     if len(records) == 0:
-        raise DsmtError(f"data.path={data.path!r} (split {data.split!r}) has no records; give a non-empty dataset")
+        raise RecordsError(rule="data_empty", message=f"data.path={data.path!r} (split {data.split!r}) has no "
+                           "records; give a non-empty dataset")
 
 
 def source_identity(path_text: str) -> list:

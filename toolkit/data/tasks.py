@@ -181,7 +181,7 @@ def _encode(*, records, data, tokenizer, seq_length: int) -> dict[str, torch.Ten
     texts = list(records[data.text_field])
     for index, text in enumerate(texts):
         if not isinstance(text, str):
-            raise DsmtError(f"record {index} of data.path={data.path!r}: {data.text_field}={text!r} is "
+            raise DsmtError(f"record {index + 1} of data.path={data.path!r}: {data.text_field}={text!r} is "
                             f"{type(text).__name__}, not text; fix the record or set data.text_field")
     encoded = tokenizer(texts, truncation=True, max_length=seq_length, padding="max_length",
                         return_special_tokens_mask=True, return_tensors="pt")
@@ -225,12 +225,12 @@ def class_labels(*, values: list | None, model_config, data, fields) -> torch.Te
     num_labels == 1 (regression, MSE). Names map through config.label2id when the config names its classes."""
     if values is None:
         raise LabelFieldMissingError(
-            f"record 0 of data.path={data.path!r} has no field {data.label_field!r} (data.label_field); fields "
+            f"record 1 of data.path={data.path!r} has no field {data.label_field!r} (data.label_field); fields "
             f"found: {', '.join(fields)}; set data.label_field to the field holding the labels")
     missing = next((index for index, value in enumerate(values) if value is None), None)
     if missing is not None:
         raise LabelFieldMissingError(
-            f"record {missing} of data.path={data.path!r} has no value for {data.label_field!r} "
+            f"record {missing + 1} of data.path={data.path!r} has no value for {data.label_field!r} "
             f"(data.label_field); fields found: {', '.join(fields)}; give every record a label")
     num_labels = int(model_config.num_labels)
     if num_labels == 1:
@@ -245,7 +245,7 @@ def class_labels(*, values: list | None, model_config, data, fields) -> torch.Te
 def _regression_target(value, *, index: int, data) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LabelTypeError(
-            f"record {index} of data.path={data.path!r}: {data.label_field}={value!r} is {type(value).__name__}; "
+            f"record {index + 1} of data.path={data.path!r}: {data.label_field}={value!r} is {type(value).__name__}; "
             f"num_labels=1 is regression (MSE) and needs a number; fix the record, or re-save the model with "
             f"num_labels=N for classification")
     return float(value)
@@ -255,7 +255,7 @@ def _class_id(value, *, index: int, data, names: dict[str, int] | None) -> int:
     if isinstance(value, str) and names is not None:
         if value not in names:
             raise LabelTypeError(
-                f"record {index} of data.path={data.path!r}: {data.label_field}={value!r} is not a class name of "
+                f"record {index + 1} of data.path={data.path!r}: {data.label_field}={value!r} is not a class name of "
                 f"config.label2id ({', '.join(names)}); fix the record or the model's label2id")
         return names[value]
     if isinstance(value, int) and not isinstance(value, bool):
@@ -263,7 +263,7 @@ def _class_id(value, *, index: int, data, names: dict[str, int] | None) -> int:
     fix = ("name classes in config.json's label2id/id2label to use strings" if isinstance(value, str)
            else "classification needs int class ids (num_labels=1 is regression)")
     raise LabelTypeError(
-        f"record {index} of data.path={data.path!r}: {data.label_field}={value!r} is {type(value).__name__}, "
+        f"record {index + 1} of data.path={data.path!r}: {data.label_field}={value!r} is {type(value).__name__}, "
         f"not an int class id; {fix}")
 
 

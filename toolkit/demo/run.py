@@ -4,7 +4,8 @@ build an HF checkpoint -> convert to a layout-free megatron checkpoint -> verify
 the HF and the megatron checkpoint -> export back to HF and check the round trip is bit-exact -> the planner's
 memory and pipeline pictures of the training layout -> `dsmt generate` of the job -> fine-tune with `dsmt train` at
 PP2 x DP2 ZeRO-1 (4 processes) on examples/data/tiny_stories.jsonl -> generate a few tokens from the fine-tuned
-export with transformers -> summary.txt naming every file. A re-run replaces the directory (toolkit/demo/files.py)."""
+export with transformers -> summary.txt naming every file. A re-run replaces the demo's own files in the directory
+and keeps anything else there (toolkit/demo/files.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from toolkit.demo.files import DemoFiles, plan_pictures, replace_workdir
+from toolkit.demo.files import DemoFiles, plan_pictures, replace_workdir, this_dsmt
 
 DEFAULT_WORKDIR = Path("dsmt-demo")
 STORIES = Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_stories.jsonl"
@@ -23,7 +24,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="convert, verify, plan, fine-tune and export a tiny Llama on this "
                                    "machine, into ./dsmt-demo/")
     parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
-                        help="where the demo's files go (default ./dsmt-demo; an earlier demo there is replaced)")
+                        help="where the demo's files go (default ./dsmt-demo; an earlier demo's files there are "
+                        "replaced, anything else there is kept)")
     parser.add_argument("--tp", type=int, default=2, help="tensor parallel size of the logit check")
     parser.add_argument("--pp", type=int, default=2, help="pipeline parallel size of the logit check")
     parser.add_argument("--train-steps", type=int, default=40)
@@ -40,9 +42,9 @@ def run(args) -> int:
         print("dsmt demo runs on the CPU: CUDA_VISIBLE_DEVICES='' for this run", flush=True)
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed is told, instead of warning that it found no GPU
-    workdir = args.workdir.expanduser().absolute()
+    workdir, dsmt = args.workdir.expanduser().absolute(), this_dsmt()
     passed = replace_workdir(workdir=workdir, build=lambda: run_demo(workdir=workdir, tp=args.tp, pp=args.pp,
-                                                                     train_steps=args.train_steps))
+                                                                     train_steps=args.train_steps, dsmt=dsmt))
     return 0 if passed else 1
 
 
@@ -65,8 +67,9 @@ def demo_spec(*, model_dir: Path, output_dir: Path, train_steps: int) -> dict:
     }
 
 
-def run_demo(*, workdir: Path, tp: int, pp: int, train_steps: int = 40) -> bool:
-    """Every step into `workdir`; prints what each step found and, at the end, the files; True when all passed."""
+def run_demo(*, workdir: Path, tp: int, pp: int, train_steps: int = 40, dsmt: str = "dsmt") -> bool:
+    """Every step into `workdir`; prints what each step found and, at the end, the files and what to run next
+    (`dsmt`: the command that runs dsmt from the user's shell); True when all passed."""
     files = DemoFiles(workdir=workdir)
     start = _step(f"building a tiny random Llama (GQA 8/2 heads, vocab 250) in {files.hf}")
     from toolkit.demo.tiny import make_tiny_checkpoint
@@ -84,7 +87,7 @@ def run_demo(*, workdir: Path, tp: int, pp: int, train_steps: int = 40) -> bool:
     passed = exact and learned and verified
     files.add(files.workdir / "summary.txt", "this list")
     summary = files.summary(passed=passed, seconds=time.perf_counter() - start, sample=sample,
-                            spec=spec, losses=(history[0]["loss"], history[-1]["loss"]))
+                            spec=spec, losses=(history[0]["loss"], history[-1]["loss"]), dsmt=dsmt)
     (files.workdir / "summary.txt").write_text(summary)
     print("\n" + summary, end="")
     return passed

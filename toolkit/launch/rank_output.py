@@ -34,6 +34,18 @@ def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
 
 
+def quiet_library_warnings() -> None:
+    """megatron's and torch's fallback and deprecation warnings (pages of them per rank) hidden, as every dsmt
+    command and rank hides them, unless DSMT_SHOW_WARNINGS=1 or --verbose; also for processes started by other
+    launchers (the generated scripts' ranks: `python -m toolkit.train` calls this before its imports)."""
+    import warnings
+
+    if os.environ.get("DSMT_SHOW_WARNINGS") or verbose():
+        return
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
 def this_rank() -> int:
     for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         if name in os.environ:

@@ -230,6 +230,9 @@ def padded_vocab_size(vocab_size: int, *, multiple: int = VOCAB_PAD_MULTIPLE) ->
 def load_model_shape(ref: str | Path) -> ModelShape:
     """Shape of `ref`: a built-in name, an HF checkpoint directory, or a path to a config.json."""
     text = str(ref)
+    if text in BUILTIN_SHAPES and Path(text).exists():
+        raise ModelShapeError(f"model {text!r} names both the built-in shape {text} and the folder "
+                              f"{Path(text).resolve()}; write ./{text} for the folder")
     if text in BUILTIN_SHAPES:
         return BUILTIN_SHAPES[text]
     path = Path(ref)

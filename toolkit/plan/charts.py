@@ -87,13 +87,28 @@ def pipeline_chart(*, result: Plan, candidate: Candidate, out_dir: Path) -> list
     ax.set_yticks(range(lay.pp), [f"stage {s}" for s in range(lay.pp)], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("time (s)  -  light: forward, dark: backward" + ("; label F<mb>.<chunk>" if lay.vpp > 1 else ""))
-    shown = f"{drawn} of {m} micro-batches shown" if drawn < m else f"{m} micro-batches"
     busy = sum(op.end - op.start for op in ops) / (lay.pp * makespan)
-    ax.set_title(f"1F1B{' interleaved' if lay.vpp > 1 else ''} schedule, pp={lay.pp} vpp={lay.vpp}, {shown}; "
-                 f"bubble share of drawn part {1 - busy:.1%}", fontsize=10)
+    ax.set_title(pipeline_title(pp=lay.pp, vpp=lay.vpp, num_micro=m, drawn=drawn, bubble_fraction=t.bubble_fraction,
+                                drawn_idle_share=1 - busy), fontsize=10)
     ax.set_xlim(0, makespan)
     fig.tight_layout()
     return _save(fig, plt, out_dir / "pipeline")
+
+
+def pipeline_title(*, pp: int, vpp: int, num_micro: int, drawn: int, bubble_fraction: float,
+                   drawn_idle_share: float) -> str:
+    """The pipeline chart's title: the planner's bubble figure for the step, worded as plan.txt words it, and,
+    labelled apart, the idle share of the drawn timeline.
+
+    Both count the same idle time, (p-1)/v micro-batch slots per stage, but divide it by different things:
+    plan.txt's bubble (p-1)/(v*m) (Narayanan et al. 2021, section 2.2) divides it by the busy time m; the
+    drawing's idle share divides it by the whole drawn span, m + (p-1)/v, so it is (p-1)/(v*m + p-1) (the
+    demo's pp=2, m=2: 50% against 33.3%). When only some micro-batches are drawn, the same fill and drain is set
+    against fewer of them and the drawn share is larger than the step's."""
+    shown = f"{drawn} of {num_micro} micro-batches shown" if drawn < num_micro else f"{num_micro} micro-batches"
+    return (f"1F1B{' interleaved' if vpp > 1 else ''} schedule, pp={pp} vpp={vpp}, {shown}\n"
+            f"bubble (p-1)/(v*m) = {bubble_fraction:.1%} of the step's busy time (as plan.txt); "
+            f"drawn: stages idle {drawn_idle_share:.1%} of the timeline")
 
 
 def _save(fig, plt, stem: Path) -> list[Path]:

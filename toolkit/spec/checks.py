@@ -15,10 +15,12 @@ from toolkit.models.shapes import ModelShape, ModelShapeError
 from toolkit.parallel.rules import ModelFacts, RunFacts, layout_problems, run_problems
 from toolkit.spec.layout import (derive_layout, padded_vocab_size, parallel_layout, requested_global_batch,
                                  spec_attention, spec_model_type, world_size_of)
-from toolkit.spec.data_checks import check_data, megatron_rows_only_problems
+from toolkit.spec.data_checks import (ELSEWHERE, check_data, megatron_rows_only_problems,
+                                      validation_record_problems)
 from toolkit.spec.loopback import loopback_problems
-from toolkit.spec.model_checks import check_model_adapter
-from toolkit.spec.load import model_shape, read_spec_file, shape_problem, validate_spec, apply_overrides
+from toolkit.spec.model_checks import (check_model_adapter, check_model_family, check_model_files,
+                                       no_adapter_problems)
+from toolkit.spec.load import model_shape, read_spec, shape_problem, validate_spec
 from toolkit.spec.plain_checks import check_plain_model_data
 from toolkit.spec.report import Problem, Report, SpecError
 from toolkit.spec.schema import JobSpec
@@ -106,8 +108,8 @@ def check_lengths_and_intervals(*, spec: JobSpec, shape: ModelShape) -> list[Pro
 
 
 def check_validation_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    """data.validation_path present (an error where data.path is: the spec is meant for this machine); validation
-    needs real records. The held-out share's record counts need the records: `dsmt train --dry-run`."""
+    """data.validation_path present and its records readable as data.path's; validation needs real records. The
+    held-out share's record counts need the records: `dsmt train --dry-run`."""
     data = spec.data
     if data.validation_path is None and data.validation_fraction is None:
         return []
@@ -116,14 +118,13 @@ def check_validation_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
                         "data.validation_path / validation_fraction is set",
                         "unset data.validation_path and data.validation_fraction, or train on data.path")]
     path = data.validation_path
-    if path is None or Path(path).expanduser().exists():
+    if path is None:
         return []
-    data_here = data.path is not None and Path(data.path).expanduser().exists()
-    return [Problem("error" if data_here else "warning", "validation_path_missing",
-                    f"data.validation_path={path} does not exist on this machine"
-                    + (f" (data.path={data.path} does)" if data_here else ""),
+    if Path(path).expanduser().exists():  # plain models (shape None): their task's checks read the records
+        return validation_record_problems(data=data) if shape is not None and not data.is_megatron else []
+    return [Problem("error", "validation_path_missing", f"data.validation_path={path} does not exist on this machine",
                     "give a file of the same kind and fields as data.path, or data.validation_fraction to hold out "
-                    "a share of data.path" + ("" if data_here else "; fine if both exist on the cluster"))]
+                    f"a share of data.path; {ELSEWHERE}")]
 
 
 def check_builtin_tokenizer(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
@@ -272,9 +273,11 @@ def check_lora(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     name its modules; an init_adapter must exist (its shapes are compared when the run loads it)."""
     from toolkit.adapters.family import AdapterError
 
+    from toolkit.adapters.family import supported_model_types
+
     lora = spec.training.lora
-    if lora is None:
-        return []
+    if lora is None or (spec.model.path is not None and spec_model_type(spec) not in supported_model_types()):
+        return []  # no adapter family: check_model_family's lora_needs_adapter
     if spec.model.builtin is not None:
         return [Problem("error", "lora_needs_weights", f"training.lora with model.builtin={spec.model.builtin}: the "
                         "base weights would be megatron-core's random initialisation, frozen",
@@ -346,7 +349,8 @@ def check_wandb(*, spec: JobSpec, shape: ModelShape | None) -> list[Problem]:
 CHECKS: tuple[Check, ...] = (
     check_layout, check_vocab_padding, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node,
     check_lengths_and_intervals, check_data, check_validation_data, check_builtin_tokenizer, check_memory_fit,
-    check_encoder_model, check_sync_batchnorm, check_lora, check_packing, check_model_adapter, check_wandb,
+    check_encoder_model, check_sync_batchnorm, check_lora, check_packing, check_model_files, check_model_family,
+    check_model_adapter, check_wandb,
 )
 
 
@@ -356,19 +360,9 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
     model_type = spec_model_type(spec) if spec.model.path is not None else None
     if model_type is None:
         return None
-    problems = [Problem("info", "plain_model", f"model_type {model_type}: not a transformer LM shape; it trains with "
-                                               "DeepSpeed ZeRO data parallelism only (tp=1, pp=1)")]
-    parallel = spec.parallel
-    if parallel.tp > 1 or parallel.pp > 1 or parallel.cp > 1 or parallel.sequence_parallel:
-        problems.append(Problem("error", "plain_model_layout",
-                                f"tp={parallel.tp}, pp={parallel.pp}, cp={parallel.cp}, sequence_parallel="
-                                f"{parallel.sequence_parallel}: model_type {model_type} has no megatron-core adapter",
-                                "set parallel.tp: 1, pp: 1, cp: 1 and sequence_parallel: false"))
+    problems = no_adapter_problems(spec=spec, model_type=model_type)
     problems += run_problems(layout=parallel_layout(spec), run=spec_run_facts(spec))
-    if spec.training.lora is not None:
-        problems.append(Problem("error", "lora_needs_adapter", f"training.lora on model_type {model_type}: LoRA "
-                                "adapts the megatron-core linears of a transformer family", "remove training.lora "
-                                "(full fine-tuning of this model), or fine-tune a supported transformer family"))
+    problems += check_model_files(spec=spec, shape=None)
     problems += check_validation_data(spec=spec, shape=None)  # evaluated by PlainEngine.evaluate
     problems += check_wandb(spec=spec, shape=None)
     problems += check_plain_model_data(spec=spec, model_type=model_type)
@@ -390,9 +384,8 @@ def run_checks(*, spec: JobSpec, source: str = "job spec") -> Report:
 
 def check_file(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -> tuple[JobSpec | None, Report]:
     """Load, validate and check `path`: (spec or None when it does not validate, the report)."""
-    raw = apply_overrides(read_spec_file(path), overrides=overrides)
     try:
-        spec = validate_spec(raw, source=str(path))
+        spec = validate_spec(read_spec(path, overrides=overrides), source=str(path))
     except SpecError as err:
         return None, err.report
     return spec, run_checks(spec=spec, source=str(path))

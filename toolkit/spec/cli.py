@@ -14,6 +14,10 @@ def register(subparsers) -> None:
     check = subparsers.add_parser("check", help="pre-flight checks of job specs: every problem at once, with fixes")
     check.add_argument("specs", nargs="+", metavar="JOB", help="job spec files (YAML or JSON)")
     _add_set(check)
+    check.add_argument("--deep", action="store_true",
+                       help="also what `dsmt train` checks before it starts a rank (the same as `dsmt train "
+                            "--dry-run`): the model built at this layout on the meta device, DeepSpeed's parse of "
+                            "the config, the tokenizer against the vocabulary")
     check.add_argument("--json", action="store_true", help="print a machine-readable report")
     check.set_defaults(func=run_check)
 
@@ -36,7 +40,12 @@ def _add_set(parser: argparse.ArgumentParser) -> None:
 def run_check(args: argparse.Namespace) -> int:
     from toolkit.spec.checks import check_file
 
-    reports = [check_file(path, overrides=args.overrides)[1] for path in args.specs]
+    if args.deep:
+        from toolkit.train.job.dryrun import dry_run
+
+        reports = [dry_run(path, overrides=args.overrides) for path in args.specs]
+    else:
+        reports = [check_file(path, overrides=args.overrides)[1] for path in args.specs]
     if args.json:
         print(json.dumps([r.to_json() for r in reports], indent=2))
     else:

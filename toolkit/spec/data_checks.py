@@ -18,6 +18,9 @@ from toolkit.spec.data_schema import DATA_SOURCE_FIX, DataSpec, data_sources, me
 from toolkit.spec.report import Problem
 
 RECORD_ERRORS_SHOWN = 5  # bad records listed per source; the count of all is in the message
+# A spec names files of the machine it is checked on: the launcher, every rank and the dry run read them there.
+ELSEWHERE = ("relative paths are taken against the spec file's folder; a spec for another machine is checked "
+             "there (`dsmt check` reads what the ranks will read)")
 
 
 def check_data(*, spec, shape: ModelShape | None) -> list[Problem]:
@@ -44,9 +47,9 @@ def corpus_problems(*, label: str, data: DataSpec, vocab_size: int | None) -> li
     for _, prefix in megatron_corpora(data):
         missing = missing_corpus_files(prefix)
         if missing:
-            problems.append(Problem("warning", "megatron_corpus_missing", f"{label}: Megatron corpus {prefix} lacks "
-                                    f"{', '.join(missing)} on this machine", "fine if it exists on the cluster; "
-                                    "otherwise `dsmt data prepare INPUT --tokenizer DIR --output PREFIX`"))
+            problems.append(Problem("error", "megatron_corpus_missing", f"{label}: Megatron corpus {prefix} lacks "
+                                    f"{', '.join(missing)} on this machine", "`dsmt data prepare INPUT --tokenizer DIR "
+                                    f"--output PREFIX`, or fix the prefix; {ELSEWHERE}"))
             continue
         try:
             facts = read_sidecar(prefix)
@@ -69,23 +72,20 @@ def corpus_problems(*, label: str, data: DataSpec, vocab_size: int | None) -> li
 
 def record_problems(*, label: str, data: DataSpec) -> list[Problem]:
     """The records of `data` formatted by their type when they are on this machine (see the module docstring)."""
-    from toolkit.data.sources import cached_snapshot, hub_offline, looks_like_hub_id
-
-    local = Path(data.path).expanduser().exists()
-    if not local and not (hub_offline() and looks_like_hub_id(data.path) and cached_snapshot(data.path)):
-        return [Problem("warning", "data_path_missing", f"{label}.path={data.path} does not exist on this machine",
-                        "fine if it exists on the cluster; otherwise fix the path")]
+    if not source_here(data):
+        return [Problem("error", "data_path_missing", f"{label}.path={data.path} does not exist on this machine",
+                        f"fix the path; {ELSEWHERE}")]
     from toolkit.data.formats import check_records
     from toolkit.data.records import record_fields, record_type
     from toolkit.data.sources import load_records
     from toolkit.errors import DsmtError
 
     _quiet_datasets()
+    local = Path(data.path).expanduser().exists()
     try:
         records = load_records(data=data)
     except DsmtError as err:
-        return [Problem("error", getattr(err, "rule", "data_unreadable"), f"{label}: {err}",
-                        "fix the path, data.type or the field options")]
+        return [unreadable_problem(label=label, err=err)]
     source = str(Path(data.path).expanduser()) if local and Path(data.path).expanduser().is_file() else None
     checked = check_records(records, record_type=record_type(data), fields=record_fields(data), source=source,
                             limit=RECORD_ERRORS_SHOWN)
@@ -96,6 +96,52 @@ def record_problems(*, label: str, data: DataSpec) -> list[Problem]:
             if checked.num_bad > len(checked.errors) else "")
     return [Problem("error", err.rule, f"{label}: {data.path}: {err}{more if i == 0 else ''}", "")  # fix: in the text
             for i, err in enumerate(checked.errors)]
+
+
+def validation_record_problems(*, data: DataSpec) -> list[Problem]:
+    """The records of data.validation_path read as training reads them (toolkit/data/validation.py: the fields of
+    data.path's kind), then each formatted by its type, with its line."""
+    from toolkit.data.formats import check_records
+    from toolkit.data.records import record_fields, record_type
+    from toolkit.data.validation import load_validation_file
+    from toolkit.errors import DsmtError
+
+    _quiet_datasets()
+    try:
+        records = load_validation_file(data=data)
+    except DsmtError as err:
+        return [validation_load_problem(err)]
+    path = Path(data.validation_path).expanduser()
+    checked = check_records(records, record_type=record_type(data), fields=record_fields(data),
+                            source=str(path) if path.is_file() else None, limit=RECORD_ERRORS_SHOWN)
+    if not checked.errors:
+        return [Problem("info", "records", f"data.validation_path: {checked.num_records} {record_type(data)} "
+                        f"records in {data.validation_path}, all readable")]
+    more = (f" ({checked.num_bad} bad records in all, the first {len(checked.errors)} shown)"
+            if checked.num_bad > len(checked.errors) else "")
+    return [Problem("error", err.rule, f"data.validation_path: {data.validation_path}: {err}{more if i == 0 else ''}",
+                    "") for i, err in enumerate(checked.errors)]
+
+
+def validation_load_problem(err) -> Problem:
+    """The validation file refused by its loader, as `dsmt check` and the dry run both report it."""
+    rule = getattr(err, "rule", "validation_data")
+    return Problem("error", rule, str(err).removeprefix(f"{rule}: "), "fix data.validation_path / "
+                   "data.validation_fraction")
+
+
+def source_here(data: DataSpec) -> bool:
+    """data.path is on this machine: a file or folder, or a dataset name in the local HF cache while offline."""
+    from toolkit.data.sources import cached_snapshot, hub_offline, looks_like_hub_id
+
+    return Path(data.path).expanduser().exists() or bool(
+        hub_offline() and looks_like_hub_id(data.path) and cached_snapshot(data.path))
+
+
+def unreadable_problem(*, label: str, err) -> Problem:
+    """A source the loader refused, as `dsmt check` and the dry run both report it (the message names the fix:
+    the fields present, the types accepted)."""
+    return Problem("error", getattr(err, "rule", "data_unreadable"), f"{label}: {err}", "")
 
 
 def megatron_rows_only_problems(*, data: DataSpec, trainer: str, record_types: bool) -> list[Problem]:

@@ -1,7 +1,9 @@
 """Read a job spec (YAML or JSON), apply `--set a.b=value` overrides, validate it into a `JobSpec`.
 
-Every schema problem is reported at once; an unknown key comes with the nearest valid name. Paths are taken
-relative to the working directory; `absolutize_paths` pins them before a spec is copied into a run directory.
+Every schema problem is reported at once; an unknown key comes with the nearest valid name. A relative path
+written in the file is taken against the file's folder, one given with `--set` against the working directory
+(toolkit/spec/paths.py); `absolutize_paths` pins the defaults (output_dir) before a spec is copied into a run
+directory.
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ from toolkit.spec.schema import SCHEMA_RULES, JobSpec, ModelSpec
 
 def load_spec(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
     """The validated spec in `path` with `overrides` applied; raises SpecError listing every problem."""
-    raw = read_spec_file(path)
-    return validate_spec(apply_overrides(raw, overrides=overrides), source=str(path))
+    return validate_spec(read_spec(path, overrides=overrides), source=str(path))
+
+
+def read_spec(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The raw mapping of `path` with `overrides` applied and every relative path pinned: the file's against its
+    folder, the overrides' against the working directory. Raises SpecError (an ambiguous model.path)."""
+    from toolkit.spec.paths import pin_spec_paths
+
+    raw = pin_spec_paths(read_spec_file(path), base_dir=Path(path).expanduser().absolute().parent, source=str(path))
+    return pin_spec_paths(apply_overrides(raw, overrides=overrides), base_dir=Path.cwd(), source=str(path))
 
 
 def read_spec_file(path: str | Path) -> dict[str, Any]:
@@ -103,15 +113,12 @@ def shape_problem(err: ModelShapeError) -> Problem:
 
 
 def absolutize_paths(spec: JobSpec, *, base_dir: Path) -> JobSpec:
-    """The spec with model/data/output paths made absolute against `base_dir` (for a copy in a run directory)."""
-    def pin(value: str | None) -> str | None:
-        return None if value is None else str((base_dir / Path(value).expanduser()).resolve())
-    return spec.model_copy(update={
-        "model": spec.model.model_copy(update={"path": pin(spec.model.path)}),
-        "data": spec.data.model_copy(update={"path": pin(spec.data.path), "tokenizer": pin(spec.data.tokenizer),
-                                                  "cache_dir": pin(spec.data.cache_dir)}),
-        "training": spec.training.model_copy(update={"output_dir": pin(spec.training.output_dir)}),
-    })
+    """The spec with every relative path (defaults included: output_dir) made absolute against `base_dir`, for a
+    copy written elsewhere (a run directory, the spec `toolkit.api.train` hands its ranks)."""
+    from toolkit.spec.paths import pin_spec_paths
+
+    raw = pin_spec_paths(spec.model_dump(mode="json"), base_dir=base_dir, source="job spec")
+    return validate_spec(raw, source="job spec")
 
 
 def dump_spec(spec: JobSpec) -> str:

@@ -338,6 +338,16 @@ class TrainingSpec(Section):
     def _out_ok(cls, value):
         return _safe_path(value, what="training.output_dir")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_warmup(cls, data):
+        """Unset warmup_steps: 100, but never more than a tenth of train_steps (a 20-step smoke run warms up 2)."""
+        if isinstance(data, dict) and "warmup_steps" not in data:
+            steps = data.get("train_steps", cls.model_fields["train_steps"].default)
+            if isinstance(steps, int) and steps >= 1:
+                data = {**data, "warmup_steps": min(cls.model_fields["warmup_steps"].default, steps // 10)}
+        return data
+
     @model_validator(mode="after")
     def _self_consistent(self):
         if self.global_batch_size is not None and self.global_batch_tokens is not None:
@@ -357,8 +367,9 @@ class TrainingSpec(Section):
             raise PydanticCustomError("min_lr_above_lr", "min_lr={min_lr} exceeds lr={lr}", {"min_lr": self.min_lr, "lr": self.lr})
         if self.warmup_steps >= self.train_steps:
             raise PydanticCustomError(
-                "warmup_vs_steps", "warmup_steps={w} must be below train_steps={t}", {"w": self.warmup_steps, "t": self.train_steps}
-            )
+                "warmup_vs_steps", "warmup_steps={w} must be below train_steps={t}; set training.warmup_steps to "
+                "{tenth} (a tenth of the run) or 0 (none)",
+                {"w": self.warmup_steps, "t": self.train_steps, "tenth": self.train_steps // 10})
         return self
 
 

@@ -3,8 +3,10 @@ per rank (the generated scripts pass their run directory: toolkit/train/job/run_
 
 import sys
 
-from toolkit.launch.rank_output import run_rank
-from toolkit.train.job.run import main
+from toolkit.launch.rank_output import quiet_library_warnings, run_rank
+
+quiet_library_warnings()  # before megatron's imports warn (ranks of the generated scripts, of srun, of mpirun)
+from toolkit.train.job.run import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_rank(main, command="dsmt train"))

@@ -58,20 +58,17 @@ def run(args) -> int:
 
 
 def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None,
-                    fallback: bool = True) -> None:
-    """Check the spec at `path`, then run its ranks on this machine and wait (`dsmt train`, `toolkit.api.train`).
-    The output directory's run lock is held from before the first rank starts until the last one ended."""
+                    fallback: bool = True, checked: bool = False) -> None:
+    """Check the spec at `path` (unless the caller just did: `checked`), then run its ranks on this machine and
+    wait (`dsmt train`, `toolkit.api.train`). The output directory's run lock is held from before the first rank
+    starts until the last one ended."""
     from toolkit.launch.local import launch_local_workers
-    from toolkit.spec.checks import check_file
     from toolkit.spec.layout import world_size_of
+    from toolkit.spec.load import load_spec
+    from toolkit.train.job import prelaunch
 
-    spec, report = check_file(path, overrides=overrides)
-    if spec is None or not report.ok:  # before any process group starts
-        raise DsmtError(f"job spec {path} does not pass `dsmt check`:\n{report.to_text()}")
-    if run_dir is not None:  # a contradiction stops here, once; rank 0 of the workers lists the overrides
-        from toolkit.train.job.run_files import compare_run_files
-
-        compare_run_files(run_dir=run_dir, spec=spec).require_agreement(spec_ref=path)
+    spec = (load_spec(path, overrides=overrides) if checked else
+            prelaunch.checked_before_launch(path=path, overrides=overrides, run_dir=run_dir))
     from toolkit.train.job.run import require_weights
 
     require_weights(spec)

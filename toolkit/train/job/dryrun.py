@@ -27,16 +27,23 @@ LAYOUT_RULES = MODEL_RULES | {"world_size"}
 
 
 def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None) -> Report:
+    return prelaunch(path, overrides=overrides, run_dir=run_dir)[1]
+
+
+def prelaunch(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (),
+              run_dir: Path | None = None) -> tuple[object, Report]:
+    """(the spec or None, the report): the one pass `dsmt check --deep`, `dsmt train --dry-run` and `dsmt train`
+    (before any rank starts) run."""
     from toolkit.spec.checks import check_file
 
     spec, report = check_file(path, overrides=overrides)
     source = f"{path} (dsmt train --dry-run)"
     if spec is None:  # the schema refused it: nothing further can be read from it
-        return Report(source=source, problems=report.problems)
-    problems = list(report.problems) + trainer_problems(spec=spec)
-    settings, model_found = model_settings_of(spec=spec)
-    said = {(p.rule, p.message) for p in report.problems}  # dsmt check's check_model_adapter reads the config too
-    problems += [p for p in model_found if (p.rule, p.message) not in said]
+        return None, Report(source=source, problems=report.problems)
+    problems = trainer_problems(spec=spec)
+    # the weights unreadable (dsmt check's checkpoint_unreadable): nothing more to read from them
+    settings, model_found = (None, []) if "checkpoint_unreadable" in report.rules() else model_settings_of(spec=spec)
+    problems += model_found
     if settings is not None:
         from toolkit.train.lora.export import init_adapter_problems
 
@@ -49,7 +56,10 @@ def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (), ru
     problems += files_found
     problems += deepspeed_problems(spec=spec, ds_config=ds_config)
     problems += data_problems(spec=spec)  # toolkit/train/job/dryrun_data.py
-    return Report(source=source, problems=tuple(problems))
+    # dsmt check's model and data checks read some of the same things: one line per problem
+    said = {(p.rule, p.message) for p in report.problems}
+    return spec, Report(source=source, problems=(*report.problems,
+                                                 *(p for p in problems if (p.rule, p.message) not in said)))
 
 
 def trainer_problems(*, spec) -> list[Problem]:
@@ -129,10 +139,11 @@ def model_settings_of(*, spec):
     except QuantizedCheckpointError as err:  # FP8 / quantised weights: the rule and fix are the reader's
         return None, [Problem("error", err.rule, err.detail, err.fix)]
     except DsmtError as err:
-        rule = "builtin_not_trainable" if spec.model.builtin is not None else "model_config"
+        if spec.model.builtin is None:  # the checkpoint's own files or config: the message names what and how
+            return None, [Problem("error", getattr(err, "rule", "model_config"), str(err), getattr(err, "fix", ""))]
         from toolkit.adapters.family import supported_model_types
 
-        return None, [Problem("error", rule, str(err), f"use a model dsmt has an adapter for "
+        return None, [Problem("error", "builtin_not_trainable", str(err), f"use a model dsmt has an adapter for "
                               f"({', '.join(supported_model_types())}), or one it trains data-parallel only")]
     except (ValueError, TypeError, KeyError) as err:  # transformers' own refusals of an inline config
         return None, [Problem("error", "model_config", f"model.config is not a valid HF config: {err}", "")]

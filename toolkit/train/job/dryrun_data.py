@@ -35,12 +35,14 @@ def data_problems(*, spec) -> list[Problem]:
 
 def source_problems(*, spec, label: str, data, task) -> list[Problem]:
     from toolkit.data import load_records
+    from toolkit.spec.data_checks import source_here, unreadable_problem
 
+    if not source_here(data):
+        return []  # dsmt check's data_path_missing
     try:
         records = load_records(data=data)
     except DsmtError as err:
-        where = "" if label == "data" else f"{label}: "
-        return [Problem("error", "data_unreadable", f"{where}{err}", "fix data.path, or data.synthetic: true")]
+        return [unreadable_problem(label=label, err=err)]  # the same as dsmt check's (one line in the report)
     found = [Problem("info", "data", f"{label}.path={data.path}: {len(records)} records, fields "
                      f"{', '.join(records.column_names)}")]
     if label == "data":  # a mix's validation: toolkit/data/training.py
@@ -90,8 +92,9 @@ def validation_problems(*, spec, num_records: int | None, task: str | None, mode
                                              seed=spec.training.seed)
             text = split.describe(fraction=data.validation_fraction, seed=spec.training.seed)
     except DsmtError as err:
-        return [Problem("error", getattr(err, "rule", "validation_data"), str(err),
-                        "fix data.validation_path / data.validation_fraction")]
+        from toolkit.spec.data_checks import validation_load_problem
+
+        return [validation_load_problem(err)]  # the same line as dsmt check's, for the validation file
     return [Problem("info", "validation", text)]
 
 

@@ -1,0 +1,30 @@
+"""`dsmt train`'s pre-launch pass: the checks of `dsmt train --dry-run` (toolkit/train/job/dryrun.py), run before
+the run lock is taken, the output directory made or a rank started; a failure is exit 2 with nothing written.
+
+It runs in the launcher's own process, which then waits on its ranks for the whole run. On a GPU node that
+process holds the libraries the pass imported (torch, megatron-core, DeepSpeed, transformers: about 1 GB of host
+memory) but no GPU state: the model is built on the meta device with CPU initialisation and the pass only asks
+whether CUDA is there. (A forked child would free that memory, but fork in a process with threads, such as a
+script calling `toolkit.api.train`, can deadlock; a spawned one pays the imports twice.)"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from toolkit.spec.report import Report, SpecError
+
+
+def checked_before_launch(*, path: str, overrides, run_dir: Path | None):
+    """The spec, once the pass finds no error; else SpecError listing the errors and warnings."""
+    from toolkit.train.job.dryrun import prelaunch
+
+    started = time.monotonic()
+    spec, report = prelaunch(path, overrides=overrides, run_dir=run_dir)
+    if spec is None or not report.ok:
+        shown = tuple(p for p in report.problems if p.severity != "info")
+        raise SpecError(Report(source=f"{path}: nothing was started; `dsmt train --dry-run` finds the same",
+                               problems=shown))
+    print(f"dsmt train: pre-launch checks passed in {time.monotonic() - started:.1f} s "
+          f"(`dsmt train {path} --dry-run` lists what they found)", flush=True)
+    return spec
