@@ -127,6 +127,18 @@ def test_train_refuses_in_a_real_process_before_any_rank(models, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_running_run_is_refused_before_the_checks(models, tmp_path, capsys, tripwire, monkeypatch):
+    from toolkit.launch import run_lock
+    from toolkit.train.job import prelaunch
+
+    spec = _spec(tmp_path, model={"path": str(models / "llama")}, data={"path": str(PROMPTS), **SFT})
+    monkeypatch.setattr(prelaunch, "checked_before_launch", lambda **kwargs: pytest.fail("the checks ran"))
+    with run_lock.acquire(output_dir=tmp_path / "out", command="the first run"):  # held by this live process
+        code, output = _dsmt("train", str(spec), capsys=capsys)
+    assert code == 2 and "one_run_per_output_dir" in output and "the first run" in output, output
+    assert not tripwire
+
+
 def test_relative_paths_follow_the_spec_file_and_set_follows_the_working_directory(models, tmp_path, monkeypatch,
                                                                                   capsys):
     from toolkit.spec.load import load_spec

@@ -279,6 +279,14 @@ def refuse_another_launch(*, output_dir: Path) -> None:
         raise _held_error(Path(output_dir), record)
 
 
+def refuse_if_held(*, output_dir: Path) -> None:
+    """RunLocked when a live run holds OUTPUT_DIR: `dsmt train` asks before its pre-launch checks (seconds), so a
+    second run is refused at once; `acquire` decides for real after them."""
+    record = holder(output_dir)
+    if record is not None:
+        raise _held_error(Path(output_dir), record)
+
+
 def holder(output_dir: Path) -> dict | None:
     """The live holder's record (for a dry run's "in use by ..."); None when unlocked or stale. RunLocked when
     the lock file cannot be read, as `acquire` would refuse it."""

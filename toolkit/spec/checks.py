@@ -271,9 +271,7 @@ def spec_lora_modules(spec: JobSpec):
 def check_lora(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     """training.lora needs pretrained weights of an adapter family whose linears it can split, and targets that
     name its modules; an init_adapter must exist (its shapes are compared when the run loads it)."""
-    from toolkit.adapters.family import AdapterError
-
-    from toolkit.adapters.family import supported_model_types
+    from toolkit.adapters.family import AdapterError, supported_model_types
 
     lora = spec.training.lora
     if lora is None or (spec.model.path is not None and spec_model_type(spec) not in supported_model_types()):

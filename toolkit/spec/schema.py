@@ -367,9 +367,9 @@ class TrainingSpec(Section):
             raise PydanticCustomError("min_lr_above_lr", "min_lr={min_lr} exceeds lr={lr}", {"min_lr": self.min_lr, "lr": self.lr})
         if self.warmup_steps >= self.train_steps:
             raise PydanticCustomError(
-                "warmup_vs_steps", "warmup_steps={w} must be below train_steps={t}; set training.warmup_steps to "
-                "{tenth} (a tenth of the run) or 0 (none)",
-                {"w": self.warmup_steps, "t": self.train_steps, "tenth": self.train_steps // 10})
+                "warmup_vs_steps", "warmup_steps={w} must be below train_steps={t}; set training.warmup_steps to {fix}",
+                {"w": self.warmup_steps, "t": self.train_steps,
+                 "fix": f"{tenth} (a tenth of the run) or 0 (none)" if (tenth := self.train_steps // 10) else "0"})
         return self
 
 

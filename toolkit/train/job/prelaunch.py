@@ -12,7 +12,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from toolkit.errors import DsmtError
 from toolkit.spec.report import Report, SpecError
+
+
+def refuse_a_running_run(*, path: str, overrides) -> None:
+    """RunLocked (exit 2) at once when a live run trains into the spec's output directory: the pass below takes
+    seconds, and a second `dsmt train` of the same job is a mistake too."""
+    from toolkit.launch import run_lock
+    from toolkit.spec.load import load_spec
+
+    try:
+        output_dir = Path(load_spec(path, overrides=overrides).training.output_dir)
+    except DsmtError:
+        return  # the pass names what is wrong with the spec
+    run_lock.refuse_if_held(output_dir=output_dir)
 
 
 def checked_before_launch(*, path: str, overrides, run_dir: Path | None):
