@@ -129,10 +129,10 @@ def test_train_refuses_in_a_real_process_before_any_rank(models, tmp_path):
 
 def test_a_running_run_is_refused_before_the_checks(models, tmp_path, capsys, tripwire, monkeypatch):
     from toolkit.launch import run_lock
-    from toolkit.train.job import prelaunch
+    from toolkit.train.job import dryrun
 
     spec = _spec(tmp_path, model={"path": str(models / "llama")}, data={"path": str(PROMPTS), **SFT})
-    monkeypatch.setattr(prelaunch, "checked_before_launch", lambda **kwargs: pytest.fail("the checks ran"))
+    monkeypatch.setattr(dryrun, "prelaunch", lambda *args, **kwargs: pytest.fail("the checks ran"))
     with run_lock.acquire(output_dir=tmp_path / "out", command="the first run"):  # held by this live process
         code, output = _dsmt("train", str(spec), capsys=capsys)
     assert code == 2 and "one_run_per_output_dir" in output and "the first run" in output, output
@@ -165,6 +165,15 @@ def test_builtin_shape_name_without_a_folder_is_the_builtin(tmp_path):
     nearby = _spec(tmp_path / "other", model={"path": "./tiny-llama"}, data={"synthetic": True})
     (tmp_path / "other" / "tiny-llama").mkdir()
     assert load_spec(nearby).model.path == str(tmp_path / "other" / "tiny-llama")  # ./ names the folder
+
+
+def test_model_builtin_is_the_shape_whatever_folders_the_working_directory_holds(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tiny-llama").mkdir()
+    monkeypatch.chdir(tmp_path)
+    spec = _spec(tmp_path / "jobs", model={"builtin": "tiny-llama"}, data={"synthetic": True},
+                 training={"train_steps": 20})
+    code, output = _dsmt("check", str(spec), capsys=capsys)
+    assert code == 0 and "model_path_ambiguous" not in output and "names both" not in output, output
 
 
 def test_unset_warmup_fits_a_short_run():

@@ -75,34 +75,39 @@ def record_problems(*, label: str, data: DataSpec) -> list[Problem]:
     if not source_here(data):
         return [Problem("error", "data_path_missing", f"{label}.path={data.path} does not exist on this machine",
                         f"fix the path; {ELSEWHERE}")]
-    from toolkit.data.formats import check_records
-    from toolkit.data.records import record_fields, record_type
     from toolkit.data.sources import load_records
     from toolkit.errors import DsmtError
 
     _quiet_datasets()
-    local = Path(data.path).expanduser().exists()
     try:
         records = load_records(data=data)
     except DsmtError as err:
         return [unreadable_problem(label=label, err=err)]
-    source = str(Path(data.path).expanduser()) if local and Path(data.path).expanduser().is_file() else None
+    path = Path(data.path).expanduser()  # a file: its errors get line numbers; a folder or cached name: none
+    return formatted_record_problems(label=label, records=records, data=data, path=data.path,
+                                     source=str(path) if path.is_file() else None)
+
+
+def formatted_record_problems(*, label: str, records, data: DataSpec, path: str, source: str | None) -> list[Problem]:
+    """Every record of `records` (read from `path`) formatted by data.type: one info line, or an error per bad
+    record (the first RECORD_ERRORS_SHOWN) with its line where `source` is a JSON-lines file."""
+    from toolkit.data.formats import check_records
+    from toolkit.data.records import record_fields, record_type
+
     checked = check_records(records, record_type=record_type(data), fields=record_fields(data), source=source,
                             limit=RECORD_ERRORS_SHOWN)
     if not checked.errors:
         return [Problem("info", "records", f"{label}: {checked.num_records} {record_type(data)} records in "
-                        f"{data.path}, all readable")]
+                        f"{path}, all readable")]
     more = (f" ({checked.num_bad} bad records in all, the first {len(checked.errors)} shown)"
             if checked.num_bad > len(checked.errors) else "")
-    return [Problem("error", err.rule, f"{label}: {data.path}: {err}{more if i == 0 else ''}", "")  # fix: in the text
+    return [Problem("error", err.rule, f"{label}: {path}: {err}{more if i == 0 else ''}", "")  # fix: in the text
             for i, err in enumerate(checked.errors)]
 
 
 def validation_record_problems(*, data: DataSpec) -> list[Problem]:
     """The records of data.validation_path read as training reads them (toolkit/data/validation.py: the fields of
     data.path's kind), then each formatted by its type, with its line."""
-    from toolkit.data.formats import check_records
-    from toolkit.data.records import record_fields, record_type
     from toolkit.data.validation import load_validation_file
     from toolkit.errors import DsmtError
 
@@ -112,15 +117,8 @@ def validation_record_problems(*, data: DataSpec) -> list[Problem]:
     except DsmtError as err:
         return [validation_load_problem(err)]
     path = Path(data.validation_path).expanduser()
-    checked = check_records(records, record_type=record_type(data), fields=record_fields(data),
-                            source=str(path) if path.is_file() else None, limit=RECORD_ERRORS_SHOWN)
-    if not checked.errors:
-        return [Problem("info", "records", f"data.validation_path: {checked.num_records} {record_type(data)} "
-                        f"records in {data.validation_path}, all readable")]
-    more = (f" ({checked.num_bad} bad records in all, the first {len(checked.errors)} shown)"
-            if checked.num_bad > len(checked.errors) else "")
-    return [Problem("error", err.rule, f"data.validation_path: {data.validation_path}: {err}{more if i == 0 else ''}",
-                    "") for i, err in enumerate(checked.errors)]
+    return formatted_record_problems(label="data.validation_path", records=records, data=data,
+                                     path=data.validation_path, source=str(path) if path.is_file() else None)
 
 
 def validation_load_problem(err) -> Problem:

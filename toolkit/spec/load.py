@@ -16,7 +16,7 @@ import pydantic
 import yaml
 
 from toolkit.errors import DsmtError
-from toolkit.models.shapes import ModelShape, ModelShapeError, load_model_shape, shape_from_config
+from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape, ModelShapeError, load_model_shape, shape_from_config
 from toolkit.spec.report import Problem, Report, SpecError
 from toolkit.spec.schema import SCHEMA_RULES, JobSpec, ModelSpec
 
@@ -105,6 +105,8 @@ def model_shape(model: ModelSpec) -> ModelShape:
     """The shape of the spec's model; raises ModelShapeError naming the cause."""
     if model.config is not None:
         return shape_from_config(model.config, name="inline config")
+    if model.builtin in BUILTIN_SHAPES:  # said to be the built-in shape: no folder of that name is consulted
+        return BUILTIN_SHAPES[model.builtin]
     return load_model_shape(model.builtin if model.builtin is not None else model.path)
 
 

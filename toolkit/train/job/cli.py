@@ -67,7 +67,6 @@ def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), r
     from toolkit.spec.load import load_spec
     from toolkit.train.job import prelaunch
 
-    prelaunch.refuse_a_running_run(path=path, overrides=overrides)
     spec = (load_spec(path, overrides=overrides) if checked else
             prelaunch.checked_before_launch(path=path, overrides=overrides, run_dir=run_dir))
     from toolkit.train.job.run import require_weights

@@ -30,9 +30,11 @@ def refuse_a_running_run(*, path: str, overrides) -> None:
 
 
 def checked_before_launch(*, path: str, overrides, run_dir: Path | None):
-    """The spec, once the pass finds no error; else SpecError listing the errors and warnings."""
+    """The spec, once the pass finds no error; else SpecError listing the errors and warnings (RunLocked first,
+    when a live run holds the output directory)."""
     from toolkit.train.job.dryrun import prelaunch
 
+    refuse_a_running_run(path=path, overrides=overrides)
     started = time.monotonic()
     spec, report = prelaunch(path, overrides=overrides, run_dir=run_dir)
     if spec is None or not report.ok:
