@@ -74,12 +74,15 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
     parser.add_argument("--data", type=Path, default=HERE / "data" / "tiny_stories.jsonl")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--out", type=Path, default=Path("runs/own-loop"), help="checkpoints/ and hf/ go here")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="checkpoints/ and hf/ go here (default: the spec's training.output_dir, where "
+                             "init-hf/ and monitor/ go too)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     args = parser.parse_args(argv)
 
     run = api.initialize(args.spec, overrides=args.set)  # every process; raises the same error on every rank
+    args.out = args.out or Path(run.spec.training.output_dir)  # resolved: against the spec file's folder
     say = print if run.rank == 0 else (lambda *_, **__: None)
     say(f"layout {run.layout.parallel_label()}, {run.micro_batches_per_step} micro-batches per step and rank, "
         f"global batch {run.layout.global_batch_size} x {run.layout.seq_length} tokens")

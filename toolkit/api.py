@@ -19,6 +19,7 @@ in a loop gets the same checks and the same generated files as the CLI. Errors r
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,15 @@ def generate(spec: JobSpec, *, out_dir: Path, overwrite: bool = False,
     """`dsmt generate`: the run directory (DeepSpeed JSON, megatron settings, deepspeed / torchrun / SLURM scripts,
     hostfile, resolved spec), written atomically; raises SpecError (nothing written) when the spec has errors.
     `templates`: a directory of site copies of launch/'s templates (`dsmt generate --templates`); a bad template
-    raises DsmtError, again with nothing written."""
+    raises DsmtError, again with nothing written. Relative paths of the spec (output_dir's default included) are
+    taken against the working directory, as `dsmt generate` does: the run directory's copy holds absolute ones, so
+    job.sbatch and the launch scripts find the same directories whatever directory they run from."""
     from toolkit.generate.templates import load_templates
     from toolkit.generate.writer import write_run_dir
+    from toolkit.spec.load import absolutize_paths
 
     site_templates = load_templates(site_dir=Path(templates) if templates is not None else None)
+    spec = absolutize_paths(spec, base_dir=Path.cwd())  # read back against the run dir, they would mean another one
     return write_run_dir(spec=spec, out_dir=Path(out_dir), overwrite=overwrite, templates=site_templates)
 
 
@@ -98,8 +103,13 @@ def initialize(spec: JobSpec | dict[str, Any] | str | Path, *, overrides: list[s
         run.save_checkpoint(dir), run.load_checkpoint(dir), run.export_hf(dir)
         run.dp_rank, run.dp_size, run.micro_batches_per_step, run.layout, run.engine, run.model_chunks
 
-    `spec`: a JobSpec, a mapping with the YAML's sections, or a YAML / JSON path; `overrides` as `--set`. A spec
-    that fails its checks raises SpecError on every rank before any process group exists."""
+    `spec`: a JobSpec, a mapping with the YAML's sections, or a YAML / JSON path; `overrides` as `--set`. Under a
+    launcher its process count is the cluster (rank 0 says so where the spec's differs; toolkit/spec/launched.py).
+    A spec that fails its checks raises SpecError on every rank before any process group exists."""
+    from toolkit.launch.rank_output import quiet_library_warnings
+
+    quiet_library_warnings(only_libraries=True)  # before megatron's imports: ~20 "Apex is not installed" per rank
+    from toolkit.spec.launched import fit_to_launch
     from toolkit.train.job.session import start_run
 
     if isinstance(spec, (str, Path)):
@@ -108,6 +118,9 @@ def initialize(spec: JobSpec | dict[str, Any] | str | Path, *, overrides: list[s
         spec = job_spec(spec, overrides=overrides, source="initialize(spec)")
     elif overrides:
         spec = job_spec(spec.model_dump(mode="json"), overrides=overrides, source="initialize(spec)")
+    spec, launch_line = fit_to_launch(spec, environ=os.environ)  # the launch's process count wins over the spec's
+    if launch_line and os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":
+        print(launch_line, flush=True)
     report = check(spec, source="initialize(spec)")
     # No data.path is no error here: the script brings its batches.
     problems = tuple(p for p in report.problems if p.rule != "data_source")

@@ -112,11 +112,24 @@ def test_empty_dataset(tmp_path, cache_dir):
             load_records(data=DataSpec(path=str(tmp_path / name)), cache_dir=cache_dir)
 
 
-def test_unreadable_content_is_a_dsmt_error(tmp_path, cache_dir):
-    path = tmp_path / "broken.jsonl"
-    path.write_text('{"text": "ok"}\n{not json\n')
-    with pytest.raises(DsmtError, match=r"broken\.jsonl.*could not be read as json"):
+@pytest.mark.parametrize("name, content, said", [
+    # a blank line before it: pyarrow's "row 1" (from 0, blank lines skipped) would point elsewhere
+    ("broken.jsonl", '{"text": "ok"}\n\n{"text": "abc"\n{"text": "z"}\n', "line 3 is not valid JSON (Expecting ',' "
+     "delimiter at column 15): '{\"text\": \"abc\"'; fix that line (a JSON-lines file holds one whole JSON object per "
+     "line)"),
+    ("array.jsonl", '{"text": "ok"}\n["a"]\n', "line 2 is an array, not a JSON object: '[\"a\"]'; fix that line"),
+    ("records.json", '[\n {"text": "ok"},\n {"text": "abc"\n]\n', "line 4 is not valid JSON (Expecting ',' delimiter "
+     "at column 1): ']'; fix the JSON there"),
+])
+def test_a_malformed_json_line_is_named_by_its_line(tmp_path, cache_dir, capfd, name, content, said):
+    from toolkit.data.sources import RecordsError
+
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(RecordsError) as refused:
         load_records(data=DataSpec(path=str(path)), cache_dir=cache_dir)
+    assert refused.value.rule == "data_json_line" and said in str(refused.value), str(refused.value)
+    assert "\n" not in str(refused.value) and " row " not in capfd.readouterr().err  # one line, no pyarrow count
 
 
 def test_hub_name_offline_fails_clearly(monkeypatch, cache_dir):

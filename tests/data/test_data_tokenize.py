@@ -1,11 +1,14 @@
 """tokenize_examples: exact token layouts for text documents, prompt/completion and chat masks (packing itself:
 test_data_packing.py)."""
 
+import pickle
+
 import pytest
 import torch
 from data_helpers import EXAMPLES, SIMPLE_TEMPLATE, ids_of
 
 from toolkit.data import assistant_spans, build_examples, load_records, tokenize_examples
+from toolkit.data.packing import NoLossTokensError
 from toolkit.errors import DsmtError
 from toolkit.spec.schema import DataSpec
 
@@ -55,8 +58,12 @@ def test_prompt_completion_truncates_and_drops_records_without_loss(write_jsonl,
     assert examples.num_dropped == 1 and examples.num_truncated == 2  # the long prompt leaves no completion
     assert examples.token_ids.tolist() == [ids_of(tokenizer, "abcde")]
     assert examples.loss_mask.tolist() == [[0, 1, 1, 1]]
-    with pytest.raises(DsmtError, match=r"none of the 1 prompt_completion records.*seq_length \+ 1 = 5"):
+    # no record left: the rule the dry run applies too, naming the prompt lengths and the seq_length that fits
+    with pytest.raises(NoLossTokensError, match=r"^\[no_loss_tokens\] none of the 1 prompt_completion records .*"
+                       r"seq_length \+ 1 = 5 tokens: their prompts are 8 tokens long; fix: raise training.seq_length "
+                       r"to 9 \(every record whole; at least 8 trains") as refused:
         _examples(write_jsonl, cache_dir, tokenizer, rows[:1], seq_length=4, prompt_field="q", completion_field="a")
+    assert str(pickle.loads(pickle.dumps(refused.value))) == str(refused.value)  # crosses worker processes whole
 
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},

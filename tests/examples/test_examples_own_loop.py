@@ -42,7 +42,7 @@ def test_own_loop_under_torchrun_then_resumed_under_the_deepspeed_launcher(tmp_p
     first = launch(torchrun, "--steps", "4", out=tmp_path)
     assert list(step_losses(first)) == [1, 2, 3, 4], first
     evaluations = eval_losses(first)
-    assert evaluations[4] < evaluations[0] - 0.1, first  # warm-up: lr 0 for steps 1-2, then it learns
+    assert evaluations[4] < evaluations[0] - 0.1, first  # warm-up 1: lr 0 at step 1 only, then it learns
     assert "loads as LlamaForCausalLM" in first and (tmp_path / "checkpoints" / "step_000004").is_dir()
 
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",

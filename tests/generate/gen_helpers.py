@@ -55,6 +55,14 @@ VARIANTS: dict[str, dict] = {
         "extra_sbatch": ["--exclusive", "--constraint=a100&ib", "--comment=dsmt run #1"],
         "setup": ["module load cuda/12.4", "source /opt/venv/bin/activate", 'echo "setup done on $(hostname)"'],
         "srun_args": ["--container-image=nvcr.io#nvidia/pytorch:24.05-py3", "--container-mounts=/data:/data"]}}),
+    # A SLURM site's pp=2 job (issue 46): account, partition, time, qos and environment set-up in job.sbatch, and
+    # summary.txt's adjustments (overlap_comm off at pp > 1; overlap_p2p_comm without vpp; master_addr under SLURM).
+    "slurm-pp2-site": _gpu_variant(
+        parallel={"tp": 4, "pp": 2}, communication={"overlap_p2p_comm": True},
+        training={"output_dir": "/shared/runs/llama3-8b-pp2"},  # absolute, as dsmt generate writes it
+        cluster={"hosts": "slurm", "master_addr": "10.0.0.1", "slurm": {
+            "account": "proj42", "partition": "gpu", "time": "1-00:00:00", "qos": "normal",
+            "setup": ["module load cuda/12.4", 'source "$HOME/venvs/dsmt/bin/activate"']}}),
 }
 
 

@@ -59,7 +59,23 @@ def _record_missing_completion(folder: Path) -> Path:
     return folder / "sft.jsonl"
 
 
+def _malformed_line(folder: Path) -> Path:
+    """tiny_prompts.jsonl with line 40 cut short, as a hand edit leaves it."""
+    lines = PROMPTS.read_text().splitlines()
+    lines[39] = '{"prompt": "abc"'
+    (folder / "cut.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "cut.jsonl"
+
+
+def _alpaca_beyond_seq_length(folder: Path) -> Path:
+    """Alpaca records whose prompt (the Stanford template around the instruction) alone exceeds seq_length 32."""
+    records = [{"instruction": f"Name a colour, {i}.", "input": "", "output": "Blue."} for i in range(3)]
+    (folder / "alpaca.json").write_text(json.dumps(records))
+    return folder / "alpaca.json"
+
+
 SFT = {"prompt_field": "prompt", "completion_field": "completion"}
+DRY_RUN_ONLY = {"prompts_beyond_seq_length"}  # the records are tokenised by the dry run, not by plain `dsmt check`
 
 
 def _bad_inputs(models: Path, folder: Path) -> dict[str, tuple[Path, str, str]]:
@@ -67,6 +83,9 @@ def _bad_inputs(models: Path, folder: Path) -> dict[str, tuple[Path, str, str]]:
     llama, data = {"path": str(models / "llama")}, {"path": str(PROMPTS), **SFT}
     missing_completion = _record_missing_completion(folder)
     (folder / "tiny-llama").mkdir()  # a folder named like the built-in shape
+    (folder / "notes").mkdir()  # a folder that is not a model
+    (folder / "notes" / "README.md").write_text("my notes\n")
+    (folder / "a-file").write_text("not a directory\n")
     return {
         "corrupt_header": (_spec(folder / "a", model={"path": str(models / "corrupt")}, data=data),
                            "checkpoint_unreadable", "corrupt/model.safetensors is not a readable safetensors file"),
@@ -88,6 +107,20 @@ def _bad_inputs(models: Path, folder: Path) -> dict[str, tuple[Path, str, str]]:
                                     "model_path_ambiguous", "names both the built-in shape tiny-llama and the folder"),
         "warmup_not_below_steps": (_spec(folder / "g", model=llama, data=data, training={"warmup_steps": 2}),
                                    "warmup_vs_steps", "set training.warmup_steps to 0"),
+        "output_dir_is_a_file": (_spec(folder / "i", model=llama, data=data,
+                                       training={"output_dir": str(folder / "a-file")}),
+                                 "output_dir_not_a_directory", f"training.output_dir={folder / 'a-file'} is a file"),
+        "output_dir_inside_a_file": (_spec(folder / "j", model=llama, data=data,
+                                           training={"output_dir": str(folder / "a-file" / "run")}),
+                                     "output_dir_not_a_directory", f"is inside {folder / 'a-file'}, which is a file"),
+        "malformed_json_line": (_spec(folder / "k", model=llama, data={"path": str(_malformed_line(folder)), **SFT}),
+                                "data_json_line", "cut.jsonl': line 40 is not valid JSON (Expecting ',' delimiter"),
+        "folder_not_a_model": (_spec(folder / "l", model={"path": str(folder / "notes")}, data=data), "model_shape",
+                               "is a folder but not an HF checkpoint: it has no config.json (it holds README.md)"),
+        "prompts_beyond_seq_length": (_spec(folder / "m", model=llama, data={
+            "path": str(_alpaca_beyond_seq_length(folder)), "type": "alpaca"}), "no_loss_tokens",
+            "none of the 3 prompt_completion records has a loss-bearing token within seq_length + 1 = 33 tokens: "
+            "their prompts are"),
     }
 
 
@@ -111,8 +144,12 @@ def test_each_mistake_is_refused_by_check_dry_run_and_train_before_any_rank(mode
         for command in (["check"], ["check", "--deep"], ["train", "--dry-run"], ["train"]):
             code, output = _dsmt(*command, str(spec), capsys=capsys)
             said = f"{name}, dsmt {' '.join(command)}:\n{output}"
+            if command == ["check"] and name in DRY_RUN_ONLY:
+                assert code == 0 and f"[{rule}]" not in output, said
+                continue
             assert code == 2 and f"error   [{rule}]" in output and needle in output, said
             assert output.count(f"[{rule}]") == 1, said  # one line per problem, also where two checks read it
+            assert output.count("error   [") == 1, said  # one mistake, one error (no tokenizer error after it)
         assert not tripwire, name
         assert not (spec.parent / "out").exists(), name  # no run directory left behind
 

@@ -1,6 +1,7 @@
 """The catalogue of invalid specs: each one is refused with its named rule, and the message names the values."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -129,7 +130,39 @@ def test_warnings_do_not_fail(write_spec):
                    training={"seq_length": 16384, "train_steps": 400, "warmup_steps": 10})
     _, report = check_file(write_spec(raw))
     assert report.ok, report.to_text()
-    assert {"tp_crosses_nodes", "seq_length_vs_positions", "no_checkpoint"} <= report.rules("warning")
+    assert {"tp_crosses_nodes", "seq_length_vs_positions"} <= report.rules("warning")
+    # 400 steps under the default interval of 500: the end of the run is saved (below), so a fact, not a warning
+    assert "no_checkpoint" in report.rules("info") and "no_checkpoint" not in report.rules("warning")
+
+
+def test_a_folder_that_is_not_a_model_says_what_it_holds(tmp_path, write_spec):
+    (tmp_path / "models" / "llama").mkdir(parents=True)  # model.path one level too high
+    (tmp_path / "models" / "llama" / "config.json").write_text("{}")
+    _, report = check_file(write_spec(tiny_spec(model={"config": None, "path": str(tmp_path / "models")})))
+    [problem] = report.errors
+    assert problem.rule == "model_shape" and problem.message.endswith(
+        "is a folder but not an HF checkpoint: it has no config.json (it holds llama/); these sub-folders of it have "
+        "one: llama"), problem.message
+
+
+def test_a_run_shorter_than_checkpoint_interval_saves_its_last_step(monkeypatch):
+    """What makes interval > train_steps harmless: the training loop saves the last step whatever the interval."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from toolkit.train.checkpoint import checkpoints
+    from toolkit.train.job import loop
+
+    saved = []
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(checkpoints, "save", lambda **kwargs: saved.append(kwargs["step"]))
+    training = SimpleNamespace(train_steps=3, checkpoint_interval=500, eval_interval=None, keep_checkpoints=2)
+    trainer = SimpleNamespace(engine=None, train_step=lambda batch: {})
+    loop.train_steps(trainer=trainer, batches=SimpleNamespace(batches_for_step=lambda step: None),
+                     spec=SimpleNamespace(training=training), log=SimpleNamespace(step=lambda **kwargs: None),
+                     start=0, output_dir=Path("unused"))
+    assert saved == [3]
 
 
 def test_memory_hook_reports_an_info_line(write_spec):

@@ -19,6 +19,14 @@ def test_model_only_spec_is_complete(write_spec):
     assert spec.training.precision == "bf16" and spec.data.path is None
 
 
+def test_torch_dtype_names_are_read_as_the_short_precision_names(write_spec):
+    """`bfloat16` as HF configs write it (torch_dtype) is what a user types: the validated spec holds bf16."""
+    path = write_spec(tiny_spec(training={"precision": "bfloat16"}, communication={"grad_accum_dtype": "float32"}))
+    spec = load_spec(path)
+    assert (spec.training.precision, spec.communication.grad_accum_dtype) == ("bf16", "fp32")
+    assert load_spec(path, overrides=["training.precision=float16"]).training.precision == "fp16"
+
+
 def test_planner_five_key_spec_is_valid(write_spec):
     raw = {"model": {"builtin": "llama3-70b"}, "cluster": {"nodes": 8, "gpus_per_node": 8, "gpu": "h100-80gb",
            "hosts": [f"n{i}" for i in range(8)]}, "parallel": {"tp": 8, "pp": 4, "zero_stage": 1},

@@ -22,8 +22,8 @@ should do, so a parity test against it can catch bugs in dsmt's data pipeline, l
              split.
   optimizer  torch.optim.AdamW, weight decay on parameters with ndim >= 2 only (norms and biases get 0, megatron's
              convention), gradients clipped to `grad_clip` by their global L2 norm (the pre-clip norm is returned).
-  schedule   DeepSpeed's WarmupCosineLR with the parameters dsmt writes (toolkit/generate/deepspeed_config.py), as
-             DeepSpeed implements it: see `deepspeed_warmup_cosine_lr`.
+  schedule   transformers' get_*_schedule_with_warmup for the spec's lr_schedule, warmup_steps, train_steps and
+             min_lr, stepped after each optimizer step as HF's Trainer does: see `hf_schedule_lr`.
 fp32 throughout.
 """
 
@@ -176,34 +176,30 @@ def clip_and_step(optimizer, *, params: list, step: int, settings: RunSettings) 
     """Clip the gradients to `grad_clip` by their global L2 norm, set this step's lr, step; (pre-clip norm, lr)."""
     max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
     norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    lr = deepspeed_warmup_cosine_lr(step=step, settings=settings)
+    lr = hf_schedule_lr(step=step, settings=settings)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     return norm, lr
 
 
-def deepspeed_warmup_cosine_lr(*, step: int, settings: RunSettings) -> float:
-    """The LR of optimizer step `step` (0-based) under the WarmupCosineLR that dsmt configures.
+def hf_schedule_lr(*, step: int, settings: RunSettings) -> float:
+    """The LR of optimizer step `step` (0-based) under transformers' schedule for the spec's lr_schedule, stepped
+    as HF's Trainer steps it (after each optimizer step): the LambdaLR's rate after `step` scheduler steps."""
+    import transformers
 
-    dsmt passes warmup_num_steps = max(warmup_steps, 1), warmup_min_ratio = 0 (1 without warmup), cos_min_ratio =
-    min_lr / lr, total_num_steps = train_steps, linear warmup. DeepSpeed then uses W = max(2, warmup_num_steps) and
-    ratio(i) = warmup_min_ratio + (1 - warmup_min_ratio) * i / W for i < W, else
-    cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * min(1, (i - W + 1) / max(1, T - W)))) / 2.
-    Its constructor sets the rate for iteration -1, which it defines as 0, and the engine steps the scheduler after
-    each optimizer step, so step k runs at lr * ratio(k - 1): the first step always has lr 0."""
-    if settings.lr_schedule != "cosine":
-        raise ValueError(f"the reference implements lr_schedule 'cosine' only, got {settings.lr_schedule!r}")
-    iteration = step - 1
-    if iteration < 0:
-        return 0.0
-    warmup = max(2, max(settings.warmup_steps, 1))
-    if iteration < warmup:
-        start = 1.0 if settings.warmup_steps == 0 else 0.0
-        return settings.lr * (start + (1.0 - start) * iteration / warmup)
-    floor = settings.min_lr / settings.lr
-    progress = min(1.0, (iteration - warmup + 1) / max(1, settings.train_steps - warmup))
-    return settings.lr * max(0.0, floor + (1.0 - floor) * (1 + math.cos(math.pi * progress)) / 2)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=settings.lr)
+    total, warmup = settings.train_steps, settings.warmup_steps
+    scheduler = {
+        "cosine": lambda: transformers.get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, num_warmup_steps=warmup, num_training_steps=total, min_lr=settings.min_lr),
+        "linear": lambda: transformers.get_linear_schedule_with_warmup(optimizer, warmup, total),
+        "constant": lambda: transformers.get_constant_schedule_with_warmup(optimizer, warmup),
+    }[settings.lr_schedule]()
+    for _ in range(step):
+        optimizer.step()
+        scheduler.step()
+    return optimizer.param_groups[0]["lr"]
 
 
 # --- training ---------------------------------------------------------------------------------------------------

@@ -30,7 +30,10 @@ GRAD_NORM_TOLERANCE = 1e-5
 # 7e-7 of the value; a norm this large may instead differ by at most 3e-6 of itself (measured 1.7e-6; the reference
 # runs HF's sdpa attention for Gemma 3, whose logits differ from HF's own eager attention by 2.0e-6 on this model).
 GRAD_NORM_RELATIVE_TOLERANCE = 3e-6
-WEIGHT_TOLERANCE = 2e-6
+# transformers' schedule moves the weights from step 2 (lr 0, 1e-3, 2e-3, then cosine; DeepSpeed's waited to step
+# 3), and every moving step lets Adam turn fp32 noise in near-zero gradients into lr-sized moves: measured up to
+# 3.0e-6 (Qwen3 tp2-pp2-dp1) with losses and grad norms still within 5e-7. A wrong gradient moves them ~1e-3.
+WEIGHT_TOLERANCE = 5e-6
 
 
 @pytest.fixture(scope="module")

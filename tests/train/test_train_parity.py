@@ -1,7 +1,7 @@
 """The key test: dsmt's hybrid engine trains like an independent one-process HF + torch loop (reference.py).
 
-Every layout runs 6 steps in fp32 with what makes parity hard: warmup + cosine LR (the reference computes the rates
-itself from DeepSpeed's formula, and dsmt's logged lr must equal them), weight decay on matrices only, gradient
+Every layout runs 6 steps in fp32 with what makes parity hard: warmup + cosine LR (the reference steps transformers'
+get_cosine_with_min_lr_schedule_with_warmup itself, and dsmt's logged lr must equal its rates), weight decay on matrices only, gradient
 clipping that really triggers (grad_clip 0.5, below every step's norm), and the per-token loss over the global batch.
 Per step, dsmt's logged loss, lr and pre-clip grad_norm are compared with the reference's, and at the end its exported
 final-hf/model.safetensors with the reference's weights. Tolerances (fp32, CPU, absolute): loss 5e-6, grad norm
@@ -12,15 +12,15 @@ seq_length + 1, prompt/completion records fill a row of 65), so `sft-packed-...`
 rows hold several records: the reference runs one HF forward per record.
 
 The cheap tests at the top check the reference itself: its token ids / loss masks equal dsmt's pipeline's for
-every rank and micro-batch, its LR schedule equals DeepSpeed's scheduler class, and its loss and gradients do not
+every rank and micro-batch, the schedule dsmt hands DeepSpeed equals transformers' step by step, and its loss and gradients do not
 depend on how the global batch is split into forwards.
 """
 
 import pytest
 import torch
 
-from reference import (RunSettings, deepspeed_warmup_cosine_lr, document_loss_sum, global_batch_loss_backward,
-                       global_sample_indices, load_examples, load_pad_id, rank_rows, row_arrays)
+from reference import (RunSettings, document_loss_sum, global_batch_loss_backward,
+                       global_sample_indices, hf_schedule_lr, load_examples, load_pad_id, rank_rows, row_arrays)
 from train_helpers import parity_figures, parity_spec, run_dsmt
 
 # Measured (2 CPU cores, every layout below): loss <= 6.0e-7, grad norm <= 9.6e-7, weights <= 1.2e-7.
@@ -94,27 +94,51 @@ def test_reference_batches_equal_dsmt_pipeline(sft, packing, tiny_llama, tmp_pat
         assert counted.max() >= 2 * counted.min(), counted
 
 
+@pytest.mark.parametrize("lr_schedule", ["cosine", "linear", "constant"])
 @pytest.mark.parametrize("warmup_steps,train_steps", [(0, 6), (1, 6), (2, 6), (3, 10), (2, 2 + 1)])
-def test_reference_lr_schedule_equals_deepspeed(warmup_steps, train_steps):
-    """DeepSpeed's WarmupCosineLR with dsmt's parameters, stepped as its engine does (read lr, update, step)."""
-    from deepspeed.runtime.lr_schedules import WarmupCosineLR
-
-    from toolkit.generate.deepspeed_config import _scheduler_section
+def test_engine_lr_schedule_equals_transformers(lr_schedule, warmup_steps, train_steps):
+    """The schedule dsmt hands deepspeed.initialize, stepped as DeepSpeed's engine steps a client scheduler (read lr,
+    update, step), equals transformers' get_*_schedule_with_warmup step by step (the reference's); learning starts
+    at step 2 at the latest (DeepSpeed's own WarmupLR / WarmupCosineLR ran steps 1 and 2 at lr 0)."""
+    from toolkit.spec.lr_schedule import LrSchedule
     from toolkit.spec.schema import JobSpec
 
     spec = JobSpec.model_validate({"model": {"builtin": "llama3-8b"}, "training": {
-        "lr": 2e-3, "min_lr": 2e-4, "lr_schedule": "cosine", "warmup_steps": warmup_steps, "train_steps": train_steps}})
-    params = _scheduler_section(spec=spec)["params"]
+        "lr": 2e-3, "min_lr": 2e-4, "lr_schedule": lr_schedule, "warmup_steps": warmup_steps,
+        "train_steps": train_steps}})
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
-    scheduler = WarmupCosineLR(optimizer, **params)
+    scheduler = LrSchedule.from_training(spec.training)(optimizer)
     settings = RunSettings(model_dir=None, data_path=None, text_field="text", prompt_field=None, completion_field=None,
                            shuffle=True, seq_length=1, global_batch_size=1, micro_batch_size=1, lr=2e-3, min_lr=2e-4,
-                           lr_schedule="cosine", warmup_steps=warmup_steps, weight_decay=0.0, betas=(0.9, 0.95),
+                           lr_schedule=lr_schedule, warmup_steps=warmup_steps, weight_decay=0.0, betas=(0.9, 0.95),
                            eps=1e-8, grad_clip=0.0, train_steps=train_steps, seed=0)
+    rates = []
     for step in range(train_steps + 2):
-        assert deepspeed_warmup_cosine_lr(step=step, settings=settings) == pytest.approx(
-            optimizer.param_groups[0]["lr"], rel=1e-12, abs=0.0), step
+        rates.append(optimizer.param_groups[0]["lr"])
+        assert hf_schedule_lr(step=step, settings=settings) == pytest.approx(rates[-1], rel=1e-12, abs=0.0), step
+        optimizer.step()
         scheduler.step()
+    assert rates[1] > 0 and (rates[0] > 0) == (warmup_steps == 0), rates
+
+
+def test_the_schedule_state_round_trips_and_reads_deepspeeds_from_older_checkpoints():
+    """Its state is JSON (dsmt_layout.json keeps it) and resumes at the same rate; a checkpoint written while dsmt
+    used DeepSpeed's WarmupCosineLR ({"last_batch_iteration": i} after i + 1 steps) goes on from step i + 2."""
+    import json
+
+    from toolkit.spec.lr_schedule import LrSchedule
+
+    schedule = LrSchedule(kind="cosine", lr=1e-3, min_lr=1e-4, warmup_steps=2, train_steps=10)
+    optimizers = [torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3) for _ in range(3)]
+    ran, resumed, older = (schedule(optimizer) for optimizer in optimizers)
+    for _ in range(5):
+        optimizers[0].step()
+        ran.step()
+    resumed.load_state_dict(json.loads(json.dumps(ran.state_dict())))
+    older.load_state_dict({"last_batch_iteration": 4})
+    assert ran.last_epoch == resumed.last_epoch == older.last_epoch == 5
+    assert optimizers[2].param_groups[0]["lr"] == optimizers[0].param_groups[0]["lr"] > 1e-4
+    assert resumed.get_last_lr() == ran.get_last_lr()
 
 
 def test_reference_loss_and_grads_do_not_depend_on_the_split(tiny_llama, tmp_path):

@@ -98,6 +98,9 @@ def test_tuning_edits_win_and_are_each_listed(tmp_path, capsys):
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu"}),
      "zero_optimization.offload_optimizer.device", 'file "cpu", spec "none"', "parallel.offload_optimizer"),
     (lambda c: c.pop("gradient_accumulation_steps"), "gradient_accumulation_steps", "file <absent>, spec 2", ""),
+    # DeepSpeed would ignore it for dsmt's client scheduler (transformers'): refused rather than silently dropped
+    (lambda c: c.update(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}}), "scheduler",
+     'file {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}, spec <absent>', "training.lr_schedule"),
 ])
 def test_a_layout_key_contradiction_is_a_named_error(tmp_path, change, key, values, field):
     run = generate(tmp_path)

@@ -78,7 +78,7 @@ class FakeEngine:
 
 PARITY_STEPS = 6
 GRAD_CLIP = 0.5  # below every step's pre-clip norm in these runs (~2-3), so clipping acts on every step
-# lr 0, 0, lr/2, then cosine to min_lr (DeepSpeed's WarmupCosineLR as dsmt configures it, see reference.py)
+# lr 0, lr/2, lr, then cosine to min_lr (transformers' get_cosine_with_min_lr_schedule_with_warmup, see reference.py)
 PARITY_TRAINING = {"lr": 2e-3, "min_lr": 2e-4, "lr_schedule": "cosine", "warmup_steps": 2, "weight_decay": 0.1,
                    "grad_clip": GRAD_CLIP, "train_steps": PARITY_STEPS}
 SFT_DATA = {"path": str(PROMPTS), "prompt_field": "prompt", "completion_field": "completion"}

@@ -74,3 +74,49 @@ def line_numbers(*, path: str | Path, indices) -> dict[int, int]:
                     break
             index += 1
     return found
+
+
+JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+              type(None): "null"}
+SHOWN_CHARS = 60  # of a bad line, in a one-line report
+LINES_FIX = "; fix that line (a JSON-lines file holds one whole JSON object per line)"
+
+
+def bad_json_line(path: Path) -> str | None:
+    """Where a JSON file stops being what `datasets`' json builder reads, as a sentence naming the 1-based line
+    and the fix: the first line of a JSON-lines file that is not one JSON object, or where a whole-JSON file
+    stops parsing; None when all of it parses (the fault is elsewhere) or it cannot be read here (.zst). Called
+    once the builder failed: pyarrow's own message counts rows from 0 and skips blank lines."""
+    suffix = file_suffix(path)
+    lines = _open_lines(path) if suffix in (".jsonl", ".json") else None
+    if lines is None:
+        return None
+    with lines:
+        if suffix == ".json" and not _holds_json_lines(path):
+            return _bad_json_document(lines.read().decode("utf-8", errors="replace"))
+        for number, raw in enumerate(lines, start=1):
+            text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if not text.strip():
+                continue
+            try:
+                value = json.loads(text)
+            except ValueError as err:
+                return f"line {number} is not valid JSON ({err.msg} at column {err.colno}): {_shown(text)}{LINES_FIX}"
+            if not isinstance(value, dict):
+                return f"line {number} is {JSON_KINDS[type(value)]}, not a JSON object: {_shown(text)}{LINES_FIX}"
+    return None
+
+
+def _bad_json_document(text: str) -> str | None:
+    try:
+        json.loads(text)
+    except ValueError as err:
+        lines = text.splitlines()
+        line = lines[err.lineno - 1] if err.lineno <= len(lines) else ""
+        return (f"line {err.lineno} is not valid JSON ({err.msg} at column {err.colno}): {_shown(line)}; fix the "
+                "JSON there (a .json file holds one array of objects, or one object per line)")
+    return None
+
+
+def _shown(line: str) -> str:
+    return repr(line if len(line) <= SHOWN_CHARS else line[:SHOWN_CHARS] + "...")

@@ -20,6 +20,8 @@ Rows (`DataSpec.packing`):
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -33,13 +35,47 @@ def pack_examples(*, ids, targets, kind: str, seq_length: int, pad: int, packed:
     counted label of token t - 1; `targets[0]` never counts); see the module docstring."""
     pieces, counters = fit_records(ids, targets, kind=kind, example_length=seq_length + 1)
     if not pieces:
-        raise DsmtError(f"none of the {len(ids)} {kind} records has a loss-bearing token within seq_length + 1 = "
-                        f"{seq_length + 1} tokens; raise training.seq_length or shorten the prompts")
+        raise NoLossTokensError.of_records(ids=ids, targets=targets, kind=kind, seq_length=seq_length)
     rows = pack_rows(pieces, example_length=seq_length + 1) if packed else [[piece] for piece in pieces]
     token_ids, loss_mask, position_ids = row_arrays(rows, pad=pad, example_length=seq_length + 1, packed=packed)
     return Examples(token_ids=token_ids, loss_mask=loss_mask, position_ids=position_ids, kind=kind,
                     used_chat_template=used_chat_template, num_dropped=len(ids) - counters["kept"],
                     num_truncated=counters["truncated"], num_records=len(pieces), num_split=counters["split"])
+
+
+class NoLossTokensError(DsmtError):
+    """No record keeps a loss-bearing label within `seq_length + 1` tokens: the rule every rank applies (above) and
+    `dsmt train --dry-run` applies to the records it tokenises, so both say the same line."""
+
+    rule = "no_loss_tokens"
+
+    def __init__(self, message: str, *, fix: str):
+        super().__init__(f"[{self.rule}] {message}; fix: {fix}")
+        self.detail, self.fix = message, fix
+
+    def __reduce__(self):  # keyword-only __init__: pickle (worker processes) through the keywords
+        return functools.partial(NoLossTokensError, self.detail, fix=self.fix), ()
+
+    @classmethod
+    def of_records(cls, *, ids, targets, kind: str, seq_length: int) -> "NoLossTokensError":
+        """The error for records none of which trains, naming their prompt lengths and the seq_length that fits.
+        A record's first label at token t needs t <= seq_length (a row holds tokens 0 .. seq_length)."""
+        firsts = [next((t for t in range(1, len(target)) if target[t]), None) for target in targets]
+        starts = [t for t in firsts if t is not None]
+        what = {"prompt_completion": "prompts", "chat": "turns before the first assistant reply"}.get(kind, "texts")
+        message = (f"none of the {len(ids)} {kind} records has a loss-bearing token within seq_length + 1 = "
+                   f"{seq_length + 1} tokens")
+        if starts:
+            lengths = f"{min(starts)}" if min(starts) == max(starts) else f"{min(starts)} to {max(starts)}"
+            message += f": their {what} are {lengths} tokens long"
+        if len(starts) < len(firsts):
+            message += f" ({len(firsts) - len(starts)} records have no loss-bearing token at any length)"
+        if not starts:
+            return cls(message, fix={"text": "give documents of at least one token (each is ended by EOS)",
+                                     "chat": "give conversations with an assistant turn"}.get(kind, "fix the records"))
+        whole = max(len(record) - 1 for record, first in zip(ids, firsts) if first is not None)
+        return cls(message, fix=f"raise training.seq_length to {whole} (every record whole; at least "
+                   f"{min(starts)} trains the shortest prompt's first token), or shorten the prompts")
 
 
 def fit_records(all_ids, all_targets, *, kind: str, example_length: int) -> tuple[list, dict]:

@@ -15,11 +15,12 @@ Accepted sources, decided in this order:
 from __future__ import annotations
 
 import functools
-
+import logging
 import re
 from pathlib import Path
 
-from toolkit.data.files import COMPRESSION_SUFFIXES, SAVE_TO_DISK_MARKERS, file_suffix, is_save_to_disk_dir
+from toolkit.data.files import (COMPRESSION_SUFFIXES, SAVE_TO_DISK_MARKERS, bad_json_line, file_suffix,
+                                 is_save_to_disk_dir)
 from toolkit.data.records import record_type, required_fields
 from toolkit.errors import DsmtError
 from toolkit.spec.data_schema import RecordSource
@@ -86,19 +87,33 @@ def _load_file(*, path: Path, data: RecordSource, cache_dir: str | None):
         raise DsmtError(f"data.path={str(path)!r} is an empty file; give a non-empty dataset")
     # A single file becomes whichever split the spec asks for, so `split: validation` or `train[:90%]` both work.
     split_name = data.split.split("[", 1)[0] or "train"
+    # The json builder logs pyarrow's parse error (rows counted from 0, blank lines skipped) before it raises; the
+    # error below names the file's line instead, which that log line would contradict.
+    json_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_log.level
+    json_log.setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(builder, data_files={split_name: str(path)}, split=data.split,
                                      cache_dir=cache_dir)
-    except ValueError as err:
-        if "corresponds to no data" in str(err):  # a csv with a header only, a split slice of nothing
-            raise DsmtError(f"data.path={str(path)!r} (split {data.split!r}) has no records; give a non-empty "
-                            f"dataset") from err
-        raise DsmtError(f"data.path={str(path)!r} could not be read as {builder}: {err}") from err
-    except (TypeError, OSError) as err:
-        raise DsmtError(f"data.path={str(path)!r} could not be read as {builder}: {err}") from err
-    except Exception as err:  # the builders raise their own types (pyarrow, DatasetGenerationError) for bad content
-        raise DsmtError(f"data.path={str(path)!r} could not be read as {builder} "
-                        f"({type(err).__name__}: {err}); check the file's content matches its extension") from err
+    except Exception as err:
+        raise _unreadable_file(err, path=path, data=data, builder=builder) from err
+    finally:
+        json_log.setLevel(level)
+
+
+def _unreadable_file(err: Exception, *, path: Path, data: RecordSource, builder: str) -> DsmtError:
+    """The builder's failure on `path` as one line naming the cause and the fix (the bad line of a JSON file)."""
+    if isinstance(err, ValueError) and "corresponds to no data" in str(err):  # a header-only csv, an empty slice
+        return DsmtError(f"data.path={str(path)!r} (split {data.split!r}) has no records; give a non-empty dataset")
+    bad_line = bad_json_line(path) if builder == "json" and not isinstance(err, OSError) else None
+    if bad_line is not None:
+        return RecordsError(rule="data_json_line", message=f"data.path={str(path)!r}: {bad_line}")
+    if isinstance(err, (ValueError, TypeError, OSError)):
+        return DsmtError(f"data.path={str(path)!r} could not be read as {builder}: {err}")
+    # the builders raise their own types (pyarrow, DatasetGenerationError) for bad content
+    cause = err.__cause__ or err  # DatasetGenerationError's own text says only that generating failed
+    return DsmtError(f"data.path={str(path)!r} could not be read as {builder} ({type(cause).__name__}: "
+                     f"{' '.join(str(cause).split())}); check the file's content matches its extension")
 
 
 def _load_directory(*, path: Path, data: RecordSource):

@@ -51,7 +51,8 @@ def load_tokenizer(*, data: DataSpec, model_path: str | None):
     try:
         return AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError) as err:
-        raise DsmtError(f"could not load a tokenizer from {where!r} ({err}); set data.tokenizer to a directory "
+        reason = " ".join(str(err).split())  # transformers' reasons run over several lines; a report line is one
+        raise DsmtError(f"could not load a tokenizer from {where!r} ({reason}); set data.tokenizer to a directory "
                         f"holding tokenizer.json / tokenizer_config.json") from err
 
 

@@ -1,5 +1,5 @@
-"""What `dsmt demo` leaves behind: its directory (a re-run replaces the demo's own files there and keeps the rest),
-the planner's pictures of its layout, and the closing summary that names every file."""
+"""What `dsmt demo` leaves behind: its directory (a re-run replaces the demo's own files there and keeps the rest)
+and the closing summary that names every file."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from pathlib import Path
 from toolkit.errors import DsmtError
 
 MARKER = ".dsmt-demo"  # a directory holding it was written by `dsmt demo`, and a re-run may replace it
-PLAN_GPU = "h100-80gb"
 # Everything the demo writes, by top-level name in its directory (DemoFiles.add refuses any other path); a re-run
 # replaces these and keeps anything else, such as the train-tp2/ of the summary's "next:" hint.
-DEMO_ENTRIES = (MARKER, "tiny-llama-hf", "tiny-llama-mcore", "verify.json", "tiny-llama-export", "demo-job.yaml",
-                "plan", "run", "train", "summary.txt")
+DEMO_ENTRIES = (MARKER, "tiny-llama-hf", "tiny-llama-mcore", "verify.json", "tiny-llama-export", "demo-data.jsonl",
+                "demo-job.yaml", "plan", "run", "train", "summary.txt")
 
 
 def replace_workdir(*, workdir: Path, build, own: tuple[str, ...] = DEMO_ENTRIES) -> bool:
@@ -96,6 +95,10 @@ class DemoFiles:
         return self.workdir / "tiny-llama-export"
 
     @property
+    def data(self) -> Path:
+        return self.workdir / "demo-data.jsonl"
+
+    @property
     def spec(self) -> Path:
         return self.workdir / "demo-job.yaml"
 
@@ -116,15 +119,19 @@ class DemoFiles:
             raise ValueError(f"{path} is not under one of DEMO_ENTRIES, which a re-run replaces; add it there")
         self.written.append((path, what))
 
-    def summary(self, *, passed: bool, seconds: float, sample: str, spec: dict, losses: tuple[float, float],
-                dsmt: str) -> str:
-        """`dsmt` is the command that runs dsmt from the user's shell (dsmt_command)."""
+    def summary(self, *, passed: bool, seconds: float, samples: tuple[list[str], list[str]], spec: dict,
+                losses: tuple[float, float], dsmt: str) -> str:
+        """`samples`: the greedy continuations of the prompts before and after the fine-tune; `dsmt` is the command
+        that runs dsmt from the user's shell (dsmt_command)."""
         names = [str(path.relative_to(self.workdir)) + ("/" if path.is_dir() else "") for path, _ in self.written]
         width = max(map(len, names))
         lines = [f"dsmt demo {'passed' if passed else 'FAILED'} in {seconds:.0f} s; its files, in {self.workdir}:"]
         lines += [f"  {name:{width}s}  {what}" for name, (_, what) in zip(names, self.written)]
+        before, after = samples
+        shortened = [old if len(old) <= 24 else old[:21] + "..." for old in before]  # the random start rambles
         lines += ["", f"loss {losses[0]:.3f} -> {losses[1]:.3f} over {spec['training']['train_steps']} steps; "
-                      f"the fine-tuned model continues 'the cat' as {sample!r}",
+                      f"greedy samples, before -> after the fine-tune: " + "; ".join(
+                          f"{old!r} -> {new!r}" for old, new in zip(shortened, after)),
                   f"next: cd {shlex.quote(str(self.workdir))}; {dsmt} check demo-job.yaml; {dsmt} train demo-job.yaml "
                   "--set parallel.pp=1 --set parallel.tp=2 --set training.output_dir=train-tp2  (the same fine-tune "
                   f"at TP2 x DP2; a re-run of the demo keeps train-tp2/); {dsmt} plan llama3-8b --nodes 2 "
@@ -151,31 +158,3 @@ def this_dsmt() -> str:
     """dsmt_command of the running process, read before anything changes the working directory."""
     return dsmt_command(on_path=shutil.which("dsmt"), executable=sys.executable, argv0=sys.argv[0])
 
-
-def plan_pictures(*, spec, model_dir: Path, out_dir: Path) -> list[tuple[Path, str]]:
-    """The planner's memory and pipeline pictures of the spec's own layout (not a searched one), and its
-    `--explain` text. The demo runs on CPU ranks, which the planner does not model, so the pictures put the
-    same layout, precision and attention on 4 x H100-80GB."""
-    from toolkit.plan.charts import draw_charts
-    from toolkit.plan.hardware import get_gpu
-    from toolkit.plan.layout import Cluster
-    from toolkit.plan.report import explain
-    from toolkit.plan.search import evaluate, plan
-    from toolkit.models.shapes import load_model_shape
-    from toolkit.spec.checks import planner_inputs
-
-    layout, training, _, assumptions = planner_inputs(spec)
-    cluster = Cluster(nodes=spec.cluster.nodes, gpus_per_node=spec.cluster.gpus_per_node, gpu=get_gpu(PLAN_GPU))
-    shape = load_model_shape(model_dir)
-    candidate = evaluate(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=assumptions)
-    # the whole search too, so that plan.txt can say where the demo's layout ranks among all valid ones
-    result = plan(shape=shape, training=training, cluster=cluster, assumptions=assumptions)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    charts = [p for p in draw_charts(result=result, candidate=candidate, out_dir=out_dir) if p.suffix == ".png"]
-    text = out_dir / "plan.txt"
-    text.write_text(explain(shape=shape, layout=layout, training=training, cluster=cluster, result=result) + "\n")
-    where = f"{layout.label()} on {cluster.nodes} node x {cluster.gpus_per_node} {cluster.gpu.name}"
-    described = {"memory": f"the planner's memory per GPU by stage and kind for {where}",
-                 "pipeline": "its pipeline schedule (1F1B) with the predicted step time"}
-    return [(p, described.get(p.stem, "a planner chart")) for p in charts] + [
-        (text, "`dsmt plan --explain` of that layout: memory, time, and why")]

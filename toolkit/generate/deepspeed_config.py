@@ -5,8 +5,6 @@ from __future__ import annotations
 from toolkit.spec.layout import RunLayout
 from toolkit.spec.schema import JobSpec, WandbSpec
 
-# DeepSpeed scheduler for each spec lr_schedule (all warm up linearly from 0 to lr).
-_SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
 
 
 def build_deepspeed_config(*, spec: JobSpec, layout: RunLayout) -> dict:
@@ -27,7 +25,8 @@ def build_deepspeed_config(*, spec: JobSpec, layout: RunLayout) -> dict:
         "fp16": _fp16_section(enabled=training.precision == "fp16"),
         "data_types": {"grad_accum_dtype": grad_accum_dtype(spec=spec)},
         "optimizer": _optimizer_section(spec=spec),
-        "scheduler": _scheduler_section(spec=spec),
+        # no "scheduler": dsmt's engines hand deepspeed.initialize transformers' schedule built from the spec
+        # (toolkit/spec/lr_schedule.py: DeepSpeed's own run steps 1 and 2 at lr 0)
         # megatron's default: gradients are reduced over data parallelism in fp32 whatever the training precision
         "communication_data_type": spec.communication.communication_data_type or "fp32",
         "prescale_gradients": False,
@@ -105,26 +104,3 @@ def _optimizer_section(*, spec: JobSpec) -> dict:
     if spec.cluster.device == "cpu" and not spec.parallel.offload_optimizer:
         params["torch_adam"] = True  # skip building FusedAdam (a ~60 s JIT op) on CPU
     return {"type": "AdamW", "params": params}
-
-
-def _scheduler_section(*, spec: JobSpec) -> dict:
-    """DeepSpeed refuses warmup_num_steps=0: no warmup is written as one step that starts at lr already.
-
-    DeepSpeed's schedulers (as of 0.19) start at iteration -1 with lr 0 and advance after each optimizer step, so
-    the first step always runs at lr 0; WarmupLR and WarmupCosineLR also warm up over max(2, warmup) steps. The
-    training-parity reference reproduces exactly this (tests/train/reference.py)."""
-    training = spec.training
-    kind = _SCHEDULERS[training.lr_schedule]
-    warmup_steps = max(training.warmup_steps, 1)
-    start_lr = training.lr if training.warmup_steps == 0 else 0.0
-    if kind == "WarmupCosineLR":
-        params = {"total_num_steps": training.train_steps, "warmup_num_steps": warmup_steps,
-                  "warmup_min_ratio": start_lr / training.lr, "cos_min_ratio": training.min_lr / training.lr,
-                  "warmup_type": "linear"}
-    elif kind == "WarmupDecayLR":  # decays linearly to 0 at total_num_steps (DeepSpeed has no floor here)
-        params = {"total_num_steps": training.train_steps, "warmup_num_steps": warmup_steps,
-                  "warmup_min_lr": start_lr, "warmup_max_lr": training.lr, "warmup_type": "linear"}
-    else:
-        params = {"warmup_num_steps": warmup_steps, "warmup_min_lr": start_lr, "warmup_max_lr": training.lr,
-                  "warmup_type": "linear"}
-    return {"type": kind, "params": params}

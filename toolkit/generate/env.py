@@ -12,11 +12,16 @@ from toolkit.spec.schema import JobSpec
 
 
 def environment(*, spec: JobSpec) -> dict[str, str]:
-    """The exports for the spec's cluster: NCCL presets by interconnect (or gloo on CPU), then extra_env."""
+    """The exports for the spec's cluster: the presets, then extra_env (which wins; summary.txt names each preset
+    it replaces)."""
+    return {**preset_environment(spec=spec), **spec.communication.extra_env}
+
+
+def preset_environment(*, spec: JobSpec) -> dict[str, str]:
+    """NCCL presets by interconnect (or gloo settings on CPU), before communication.extra_env."""
     env = _cpu_env(spec=spec) if spec.cluster.device == "cpu" else _nccl_env(spec=spec)
     if spec.parallel.tp > 1 and spec.cluster.device == "cuda":
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # megatron TP/SP comm overlap needs ordered kernel launches
-    env.update(spec.communication.extra_env)
     return env
 
 

@@ -39,10 +39,16 @@ def _mpirun_args(*, spec: JobSpec) -> list[str]:
     the spec's interface (or lo on one node) replaces it. As root mpirun also needs --allow-run-as-root or
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 from the caller: the script never grants that."""
     mpirun_args = ["-x", "MASTER_ADDR", "-x", "MASTER_PORT"]
-    iface = "lo" if is_local(spec) else spec.cluster.network_interface
+    iface = mpirun_interface(spec)
     if iface:
         mpirun_args += ["--mca", "btl_tcp_if_include", iface]
     return mpirun_args
+
+
+def mpirun_interface(spec: JobSpec) -> str | None:
+    """The interface mpirun's TCP transport uses: loopback on one node (whatever cluster.network_interface says,
+    summary.txt notes it), else the spec's (None: DeepSpeed's eth0)."""
+    return "lo" if is_local(spec) else spec.cluster.network_interface
 
 
 def render_launch_torchrun(*, spec: JobSpec, layout: RunLayout, templates: LaunchTemplates,

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from toolkit.errors import DsmtError
+from toolkit.generate.adjustments import run_file_adjustments
 from toolkit.generate.deepspeed_config import build_deepspeed_config
 from toolkit.generate.env import render_deepspeed_env
 from toolkit.generate.hostfile import render_hostfile
@@ -26,6 +27,15 @@ from toolkit.spec.report import SpecError
 from toolkit.spec.schema import JobSpec
 
 EXECUTABLES = ("launch_deepspeed.sh", "launch_torchrun.sh", "job.sbatch")
+# job.resolved.yaml stays the spec as given (toolkit/generate/adjustments.py says why); its header says where the
+# run files differ. YAML comments: the trainer and `dsmt generate` read it back unchanged.
+RESOLVED_SPEC_HEADER = (
+    "# The job spec as given, every default written out: the trainer loads it, and `dsmt generate` reads it back.\n"
+    "# The run files built from it may adjust a value for the layout (e.g. ds_config.json's overlap_comm is false at\n"
+    "# pp > 1): summary.txt lists every adjustment and why. `dsmt generate` writes absolute paths, this machine's:\n"
+    "# the run directory and output_dir must be at the same path on every node (a relative path would be taken\n"
+    "# against this file's folder).\n"
+)
 
 
 def render_all(*, spec: JobSpec, run_dir: str, train_module: str = TRAIN_MODULE,
@@ -42,16 +52,19 @@ def render_all(*, spec: JobSpec, run_dir: str, train_module: str = TRAIN_MODULE,
         templates = load_templates(site_dir=None)
     layout, shape = derive_layout(spec), model_shape(spec.model)
     script_args = {"spec": spec, "layout": layout, "templates": templates, "train_module": train_module}
+    ds_config = build_deepspeed_config(spec=spec, layout=layout)
+    megatron = build_megatron_settings(spec=spec, layout=layout, shape=shape)
+    adjustments = run_file_adjustments(spec=spec, layout=layout, ds_config=ds_config, megatron=megatron)
     return {
-        "ds_config.json": _json(build_deepspeed_config(spec=spec, layout=layout)),
-        "megatron.json": _json(build_megatron_settings(spec=spec, layout=layout, shape=shape)),
+        "ds_config.json": _json(ds_config),
+        "megatron.json": _json(megatron),
         "hostfile": render_hostfile(spec=spec),
         "launch_deepspeed.sh": render_launch_deepspeed(**script_args),
         "launch_torchrun.sh": render_launch_torchrun(**script_args),
         "job.sbatch": render_sbatch(**script_args, run_dir=run_dir),
         ".deepspeed_env": render_deepspeed_env(spec=spec, templates=templates),
-        "summary.txt": render_summary(spec=spec, layout=layout, shape=shape),
-        RESOLVED_SPEC: dump_spec(spec),
+        "summary.txt": render_summary(spec=spec, layout=layout, shape=shape, run_dir=run_dir, adjustments=adjustments),
+        RESOLVED_SPEC: RESOLVED_SPEC_HEADER + dump_spec(spec),
     }
 
 

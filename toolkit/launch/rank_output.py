@@ -34,16 +34,24 @@ def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
 
 
-def quiet_library_warnings() -> None:
+# Where the pages of fallback / deprecation warnings come from ("Apex is not installed", "all_gather_into_tensor
+# is deprecated"): a user's own script keeps its own and other libraries' warnings.
+LIBRARY_WARNING_MODULES = r"(megatron|torch\.distributed|deepspeed|transformer_engine)(\.|$)"
+
+
+def quiet_library_warnings(*, only_libraries: bool = False) -> None:
     """megatron's and torch's fallback and deprecation warnings (pages of them per rank) hidden, as every dsmt
     command and rank hides them, unless DSMT_SHOW_WARNINGS=1 or --verbose; also for processes started by other
-    launchers (the generated scripts' ranks: `python -m toolkit.train` calls this before its imports)."""
+    launchers (the generated scripts' ranks: `python -m toolkit.train` calls this before its imports).
+    `only_libraries`: just those raised in megatron, torch.distributed, DeepSpeed and Transformer Engine (a user's
+    script calling `api.initialize`)."""
     import warnings
 
     if os.environ.get("DSMT_SHOW_WARNINGS") or verbose():
         return
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    module = LIBRARY_WARNING_MODULES if only_libraries else ""
+    warnings.filterwarnings("ignore", category=UserWarning, module=module)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=module)
 
 
 def this_rank() -> int:

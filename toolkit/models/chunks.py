@@ -128,8 +128,11 @@ def load_dist_checkpoint(*, chunks: list, model_dir: Path) -> None:
 def save_dist_checkpoint(*, chunks: list, model_dir: Path) -> None:
     from megatron.core import dist_checkpointing
 
+    from toolkit.convert.threaded_save import threaded_save_strategy
+
     Path(model_dir).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(sharded_state_dict(chunks), str(model_dir))
+    # threads, not megatron's forked writers and spawned Manager (toolkit/convert/threaded_save.py)
+    dist_checkpointing.save(sharded_state_dict(chunks), str(model_dir), sharded_strategy=threaded_save_strategy())
 
 
 def save_mcore_checkpoint(*, chunks: list, info: CheckpointInfo, out_dir: Path, params_dtype: torch.dtype,

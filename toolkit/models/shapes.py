@@ -237,6 +237,8 @@ def load_model_shape(ref: str | Path) -> ModelShape:
         return BUILTIN_SHAPES[text]
     path = Path(ref)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelShapeError(_not_a_model_folder(path, text=text))
         path = path / "config.json"
     if not path.is_file():
         near = difflib.get_close_matches(text, BUILTIN_SHAPES, n=3)
@@ -250,6 +252,17 @@ def load_model_shape(ref: str | Path) -> ModelShape:
     except (OSError, json.JSONDecodeError) as err:
         raise ModelShapeError(f"cannot read {path} as JSON ({err}); pass a valid HF config.json") from err
     return shape_from_config(config, name=str(ref))
+
+
+def _not_a_model_folder(path: Path, *, text: str) -> str:
+    """What a folder without config.json holds, and the sub-folders that are models (the user may have named
+    their parent)."""
+    entries = sorted(path.iterdir())
+    held = ", ".join(e.name + ("/" if e.is_dir() else "") for e in entries[:5]) or "nothing"
+    more = f" and {len(entries) - 5} more" if len(entries) > 5 else ""
+    models = [e.name for e in entries if (e / "config.json").is_file()]
+    hint = f"; these sub-folders of it have one: {', '.join(models[:3])}" if models else ""
+    return f"model {text!r} is a folder but not an HF checkpoint: it has no config.json (it holds {held}{more}){hint}"
 
 
 def shape_from_config(config: dict, *, name: str) -> ModelShape:

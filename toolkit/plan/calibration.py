@@ -17,6 +17,7 @@ import math
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.layout import Cluster, PlanLayout
 from toolkit.plan.published import PublishedRun, calibration_runs, model_shape, predicted_utilisation
+from toolkit.plan.units import time_unit
 from toolkit.models.shapes import ModelShape
 
 CALIBRATION_TOLERANCE = 0.20     # the bar: each measured row predicted within 20 %
@@ -136,7 +137,7 @@ def how_sure(*, candidate, shape: ModelShape, cluster: Cluster, assumptions: Ass
     same_gpu = sum(1 for r in residuals(assumptions) if run_kind(r.run) == b.kind and r.run.gpu.startswith(family))
     return {"kind": b.kind, "rows_on_this_gpu": same_gpu, "relative_uncertainty": round(b.relative, 4),
             "calibration_rows": b.rows, "rows_with_known_gaps": b.gaps, "band": b.describe(),
-            "step_time_range_s": [round(low, 4), round(high, 4)],
+            "step_time_range_s": [float(f"{low:.4g}"), float(f"{high:.4g}")],  # digits that show a 0.1 ms step
             "mfu_range": [round(t.mfu * t.step_time_s / high, 4), round(t.mfu * t.step_time_s / low, 4)],
             "moe_uncalibrated": shape.is_moe,
             "nearest_published": [{"source": r.run.source, "run": r.run.label, "engine": r.run.engine,
@@ -154,7 +155,9 @@ def how_sure_lines(*, candidate, shape: ModelShape, cluster: Cluster, assumption
                "predicted, not fitted"] if sure["moe_uncalibrated"] else []
     if not sure["rows_on_this_gpu"]:
         caveats.append(f"{indent}  none of those runs was on {cluster.gpu.name}: the band is borrowed from other GPUs")
-    return [f"{indent}how sure: step {candidate.time.step_time_s:.2f} s, likely {low:.2f}-{high:.2f} s (MFU "
-            f"{mfu_low:.1%}-{mfu_high:.1%}): {sure['band']}", *caveats,
+    step = candidate.time.step_time_s
+    scale, unit = time_unit(step)  # s, or ms / µs for a small model's step
+    return [f"{indent}how sure: step {step / scale:.2f} {unit}, likely {low / scale:.2f}-{high / scale:.2f} {unit} "
+            f"(MFU {mfu_low:.1%}-{mfu_high:.1%}): {sure['band']}", *caveats,
             f"{indent}nearest published runs it is calibrated on:",
             *(f"{indent}  {_run_line(near)}" for near in sure["nearest_published"])]

@@ -11,6 +11,7 @@ from toolkit.plan.layout import num_micro_batches
 from toolkit.plan.memory import CATEGORIES, stage_memory
 from toolkit.plan.schedule import simulate_pipeline
 from toolkit.plan.search import Candidate, Plan
+from toolkit.plan.units import time_unit
 
 COLORS = {"parameters": "#4c72b0", "gradients": "#55a868", "optimizer": "#c44e52", "activations": "#dd8452",
           "buffers": "#8172b3", "overhead": "#999999"}
@@ -34,7 +35,8 @@ def _stages_drawn(pp: int) -> list[int]:
     return sorted(set(range(0, pp, step)) | {pp - 1})
 
 
-def memory_chart(*, result: Plan, candidate: Candidate, out_dir: Path) -> list[Path]:
+def memory_chart(*, result: Plan, candidate: Candidate, out_dir: Path, note: str = "") -> list[Path]:
+    """`note`: a last title line (the demo's: which cluster this is, and that it is not the CPU run)."""
     plt = _pyplot()
     lay = candidate.layout
     stages = [stage_memory(shape=result.shape, layout=lay, training=result.training, stage=s,
@@ -57,23 +59,25 @@ def memory_chart(*, result: Plan, candidate: Candidate, out_dir: Path) -> list[P
     ax.set_ylabel("memory per GPU (GB)")
     ax.set_ylim(0, max(capacity, max(bottom)) * 1.15)
     ax.set_title(f"{result.shape.name} on {result.cluster.world_size} x {result.cluster.gpu.name}: memory per GPU"
-                 f"\n{lay.label()}", fontsize=10)
+                 f"\n{lay.label()}" + (f"\n{note}" if note else ""), fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     return _save(fig, plt, out_dir / "memory")
 
 
-def pipeline_chart(*, result: Plan, candidate: Candidate, out_dir: Path) -> list[Path]:
-    """Timeline of one step's schedule; at most MAX_MICRO_DRAWN micro-batches are drawn (said in the title)."""
+def pipeline_chart(*, result: Plan, candidate: Candidate, out_dir: Path, note: str = "") -> list[Path]:
+    """Timeline of one step's schedule; at most MAX_MICRO_DRAWN micro-batches are drawn (said in the title). Time
+    is in the step's unit (s, or ms / µs for a small model); `note` as in memory_chart."""
     plt = _pyplot()
     lay, t = candidate.layout, candidate.time
     m = num_micro_batches(layout=lay, training=result.training)
     drawn = min(m, max(MAX_MICRO_DRAWN, lay.pp))
     if lay.vpp > 1:
         drawn = max(lay.pp, drawn // lay.pp * lay.pp)
-    per_mb_s = (t.step_time_s - t.dp_comm_s - t.optimizer_s - t.bubble_s) / m
-    ops = simulate_pipeline(pp=lay.pp, vpp=lay.vpp, num_micro=drawn, forward_s=per_mb_s / 3,
-                            backward_s=2 * per_mb_s / 3)
+    scale, unit = time_unit(t.step_time_s)
+    per_mb = (t.step_time_s - t.dp_comm_s - t.optimizer_s - t.bubble_s) / m / scale  # forward + backward, in `unit`
+    ops = simulate_pipeline(pp=lay.pp, vpp=lay.vpp, num_micro=drawn, forward_s=per_mb / 3,
+                            backward_s=2 * per_mb / 3)
     cmap = plt.get_cmap("tab20")
     fig, ax = plt.subplots(figsize=(12, max(2.5, 0.35 * lay.pp + 1.5)))
     for op in ops:
@@ -86,10 +90,11 @@ def pipeline_chart(*, result: Plan, candidate: Candidate, out_dir: Path) -> list
     makespan = max(op.end for op in ops)
     ax.set_yticks(range(lay.pp), [f"stage {s}" for s in range(lay.pp)], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("time (s)  -  light: forward, dark: backward" + ("; label F<mb>.<chunk>" if lay.vpp > 1 else ""))
+    ax.set_xlabel(f"time ({unit})  -  light: forward, dark: backward"
+                  + ("; label F<mb>.<chunk>" if lay.vpp > 1 else ""))
     busy = sum(op.end - op.start for op in ops) / (lay.pp * makespan)
     ax.set_title(pipeline_title(pp=lay.pp, vpp=lay.vpp, num_micro=m, drawn=drawn, bubble_fraction=t.bubble_fraction,
-                                drawn_idle_share=1 - busy), fontsize=10)
+                                drawn_idle_share=1 - busy) + (f"\n{note}" if note else ""), fontsize=10)
     ax.set_xlim(0, makespan)
     fig.tight_layout()
     return _save(fig, plt, out_dir / "pipeline")
@@ -120,7 +125,7 @@ def _save(fig, plt, stem: Path) -> list[Path]:
     return paths
 
 
-def draw_charts(*, result: Plan, candidate: Candidate, out_dir: Path) -> list[Path]:
+def draw_charts(*, result: Plan, candidate: Candidate, out_dir: Path, note: str = "") -> list[Path]:
     out_dir = Path(out_dir)
-    return memory_chart(result=result, candidate=candidate, out_dir=out_dir) + pipeline_chart(
-        result=result, candidate=candidate, out_dir=out_dir)
+    return memory_chart(result=result, candidate=candidate, out_dir=out_dir, note=note) + pipeline_chart(
+        result=result, candidate=candidate, out_dir=out_dir, note=note)

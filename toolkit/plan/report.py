@@ -12,6 +12,7 @@ from toolkit.plan.calibration import how_sure, how_sure_lines
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import CATEGORIES
 from toolkit.plan.search import Candidate, Plan, evaluate, layout_violations, simplicity_reason
+from toolkit.plan.units import bytes_text, count_text, flops_text, time_unit
 from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape
 
 GB = 1e9
@@ -259,11 +260,11 @@ def explain(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, c
     verdict = "FITS" if x.fits else "DOES NOT FIT"
     lines.append(f"  memory: {verdict}, {_gb(x.memory.total_bytes)} of {_gb(x.memory.capacity_bytes)} GB on the "
                  f"worst stage ({x.memory.worst.stage})")
-    for stage in x.memory.stages:
-        cats = ", ".join(f"{k} {_gb(v)}" for k, v in stage.by_category().items())
-        experts = f" ({stage.expert_params_per_gpu / 1e9:.2f} B experts)" if shape.is_moe else ""
+    for stage in x.memory.stages:  # each part in its own unit: a small model's show beside the fixed overhead
+        cats = ", ".join(f"{k} {bytes_text(v)}" for k, v in stage.by_category().items())
+        experts = f" ({count_text(stage.expert_params_per_gpu)} experts)" if shape.is_moe else ""
         lines.append(f"    stage {stage.stage}: {_gb(stage.total_bytes)} GB = {cats}  "
-                     f"[{stage.params_per_gpu / 1e9:.2f} B params/GPU{experts}, {stage.micro_batches_in_flight:g} "
+                     f"[{count_text(stage.params_per_gpu)} params/GPU{experts}, {stage.micro_batches_in_flight:g} "
                      f"micro-batches in flight]")
     lines += _time_lines(x.time, moe=shape.is_moe)
     lines += how_sure_lines(candidate=x, shape=shape, cluster=cluster, assumptions=result.assumptions, indent="  ")
@@ -272,25 +273,28 @@ def explain(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, c
 
 
 def _time_lines(t, *, moe: bool = False) -> list[str]:
-    parts = " + ".join(f"{name.replace('_', ' ')} {getattr(t, field):.3f}"
+    """The step and its terms in the step's unit (s, or ms / µs for a small model's step)."""
+    scale, unit = time_unit(t.step_time_s)
+    parts = " + ".join(f"{name.replace('_', ' ')} {getattr(t, field) / scale:.3f}"
                        for name, field in step_parts(moe=moe).items())
     a2a = [f"  ep all to all: the MoE token all-to-all (dispatch + combine, forward and backward: 4 per layer and "
-           f"micro-batch, 6 with full recompute), {t.ep_comm_s:.3f} s per step, not hidden"] if moe else []
-    return [f"  step time {t.step_time_s:.3f} s = {parts}", *a2a, *_dp_lines(t),
+           f"micro-batch, 6 with full recompute), {t.ep_comm_s / scale:.3f} {unit} per step, not hidden"] if moe else []
+    return [f"  step time {t.step_time_s / scale:.3f} {unit} = {parts}", *a2a, *_dp_lines(t, scale=scale, unit=unit),
         f"  {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, bubble (p-1)/(v*m) = {t.bubble_fraction:.1%}, "
-        f"{t.flops_per_step / 1e15:.1f} PFLOP per step",
+        f"{flops_text(t.flops_per_step)} per step",
     ]
 
 
-def _dp_lines(t) -> list[str]:
-    """The data-parallel traffic by phase (toolkit/plan/zero_traffic.py) and the part hidden behind compute."""
+def _dp_lines(t, *, scale: float, unit: str) -> list[str]:
+    """The data-parallel traffic by phase (toolkit/plan/zero_traffic.py) and the part hidden behind compute, in
+    the step's unit."""
     dp = t.dp_traffic
     if dp is None or dp.total_s == 0:
         return ["  data-parallel traffic: none (one replica)"]
-    return [f"  data-parallel traffic {dp.total_s:.3f} s per step: beside forward {dp.forward_s:.3f} (ZeRO-3 gathers), "
-            f"beside backward {dp.backward_s:.3f} (ZeRO-3 gathers, ZeRO-2/3 gradient reductions), after the step "
-            f"{dp.after_step_s:.3f}; hidden behind compute {dp.hidden_s:.3f} (only ZeRO-2/3 with overlap_comm at "
-            "pp = 1 hide any)"]
+    return [f"  data-parallel traffic {dp.total_s / scale:.3f} {unit} per step: beside forward "
+            f"{dp.forward_s / scale:.3f} (ZeRO-3 gathers), beside backward {dp.backward_s / scale:.3f} (ZeRO-3 "
+            f"gathers, ZeRO-2/3 gradient reductions), after the step {dp.after_step_s / scale:.3f}; hidden behind "
+            f"compute {dp.hidden_s / scale:.3f} (only ZeRO-2/3 with overlap_comm at pp = 1 hide any)"]
 
 
 def _rank_lines(x: Candidate, result: Plan) -> list[str]:
@@ -306,10 +310,21 @@ def _rank_lines(x: Candidate, result: Plan) -> list[str]:
         mine, chosen = x.time.step_time_s, best.time.step_time_s
         compared = (f"predicted {mine / chosen - 1:.1%} slower than the choice" if mine >= chosen else
                     f"the choice is predicted {chosen / mine - 1:.1%} slower than this")
-        lines = [f"  {where}; {compared} ({best.layout.label()})"]
+        lines = [f"  {where}; {compared} ({best.layout.label()})", _gap_line(x, best, moe=result.shape.is_moe)]
     if result.preferred_for_simplicity:
         lines.append("  " + choice_note(result))
     return lines
+
+
+def _gap_line(x: Candidate, best: Candidate, *, moe: bool) -> str:
+    """The step-time terms that differ most between the explained layout and the choice: why it ranks where it
+    does."""
+    scale, unit = time_unit(max(x.time.step_time_s, best.time.step_time_s))
+    gaps = [(getattr(x.time, field) - getattr(best.time, field), name) for name, field in step_parts(moe=moe).items()]
+    shown = [gap for gap in gaps if abs(gap[0]) >= 0.0005 * scale]  # not the ones that would print as +0.000
+    largest = sorted(shown, key=lambda gap: -abs(gap[0]))[:3]
+    named = ", ".join(f"{name.replace('_', ' ')} {gap / scale:+.3f} {unit}" for gap, name in largest)
+    return f"  why: the terms that differ most, this layout minus the choice: {named or 'none'}"
 
 
 def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, training: TrainingShape,

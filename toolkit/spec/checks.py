@@ -100,10 +100,11 @@ def check_lengths_and_intervals(*, spec: JobSpec, shape: ModelShape) -> list[Pro
         problems.append(Problem("warning", "seq_length_vs_positions",
                                 f"seq_length={seq} exceeds the model's max_position_embeddings={max_pos}",
                                 f"use seq_length <= {max_pos} unless the model's RoPE scaling allows more"))
-    if spec.training.checkpoint_interval > spec.training.train_steps:
-        problems.append(Problem("warning", "no_checkpoint",
-                                f"checkpoint_interval={spec.training.checkpoint_interval} > train_steps="
-                                f"{spec.training.train_steps}: only the final checkpoint is written", ""))
+    interval, steps = spec.training.checkpoint_interval, spec.training.train_steps
+    if interval > steps:  # not a warning: the last step is always saved (toolkit/train/job/loop.py train_steps)
+        problems.append(Problem("info", "no_checkpoint", f"checkpoint_interval={interval} > train_steps={steps}: one "
+                                f"checkpoint, at the end of the run (step {steps}); a run stopped before then "
+                                "starts again from step 0"))
     return problems
 
 
@@ -369,12 +370,14 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
 
 def run_checks(*, spec: JobSpec, source: str = "job spec") -> Report:
     """Every cross-section problem of a validated spec, in one report."""
+    from toolkit.spec.paths import output_dir_problems
+
+    problems: list[Problem] = output_dir_problems(output_dir=spec.training.output_dir)  # whatever the model
     try:
         shape = model_shape(spec.model)
     except ModelShapeError as err:
         plain = plain_model_problems(spec=spec)
-        return Report(source=source, problems=tuple(plain) if plain is not None else (shape_problem(err),))
-    problems: list[Problem] = []
+        return Report(source=source, problems=(*problems, *(plain if plain is not None else (shape_problem(err),))))
     for check in CHECKS:
         problems.extend(check(spec=spec, shape=shape))
     return Report(source=source, problems=tuple(problems))

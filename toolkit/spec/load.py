@@ -111,7 +111,8 @@ def model_shape(model: ModelSpec) -> ModelShape:
 
 
 def shape_problem(err: ModelShapeError) -> Problem:
-    return Problem("error", "model_shape", str(err), "use model.builtin, an existing HF directory, or model.config")
+    return Problem("error", "model_shape", str(err), "point model.path at an HF checkpoint folder (config.json "
+                   "beside the weights, as save_pretrained writes it), or use model.builtin or model.config")
 
 
 def absolutize_paths(spec: JobSpec, *, base_dir: Path) -> JobSpec:

@@ -75,3 +75,18 @@ def _pin_model_path(raw: dict[str, Any], *, base_dir: Path, source: str) -> None
             "built-in shape"),)))
     if "builtin" not in model:  # a shape name with no such folder: the built-in shape, said as such everywhere
         model["builtin"] = model.pop("path")
+
+
+def output_dir_problems(*, output_dir: str) -> list[Problem]:
+    """training.output_dir usable as a directory: not a file, nor under one. `dsmt train` makes it (and its run
+    lock, `.dsmt-run.lock`) only after the checks, so this is the check's to say, not a traceback's."""
+    path = Path(output_dir).expanduser()
+    # the nearest existing part of the path: a path under a file does not exist (ENOTDIR), the file does
+    blocker = next((part for part in (path, *path.parents) if part.exists()), None)
+    if blocker is None or blocker.is_dir():
+        return []
+    where = "is a file" if blocker == path else f"is inside {blocker}, which is a file"
+    return [Problem("error", "output_dir_not_a_directory",
+                    f"training.output_dir={output_dir} {where}: dsmt train writes its checkpoints, logs and run lock "
+                    "into a directory there",
+                    f"set training.output_dir to a directory (a new one is made), or move the file {blocker} away")]

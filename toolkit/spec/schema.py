@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from toolkit.spec.data_schema import DATA_RULES, DATA_SOURCE_FIX, DataSpec, MixSource  # noqa: F401  (part of the schema)
-from toolkit.spec.sections import Section, _safe_path
+from toolkit.spec.sections import FloatType, Section, _safe_path
 
 # RFC 1123 host names (and IPv4 addresses): letters, digits, '-', '.'; nothing a shell would interpret.
 HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
@@ -82,9 +82,10 @@ class SlurmSpec(Section):
     @field_validator("account", "partition", "qos")
     @classmethod
     def _value_safe(cls, value, info):
-        if value is not None and (not value.strip() or any(ch in value for ch in "\n\r\0")):
-            raise PydanticCustomError("slurm_value", "cluster.slurm.{field}={value} must be a non-empty single line",
-                                      {"field": info.field_name, "value": repr(value)})
+        if value is not None and (not value.strip() or not _sbatch_carries(value)):
+            raise PydanticCustomError(
+                "slurm_value", "cluster.slurm.{field}={value} must be a non-empty single line without control "
+                "characters or '\\' (an #SBATCH line cannot carry them)", {"field": info.field_name, "value": repr(value)})
         return value
 
     @field_validator("time")
@@ -101,9 +102,9 @@ class SlurmSpec(Section):
     def _options_safe(cls, value):
         for option in value:
             owner = SBATCH_OWNED.get(option.split("=", 1)[0])
-            if not option.startswith("-") or any(ch in option for ch in "\n\r\0") or owner:
+            if not option.startswith("-") or not _sbatch_carries(option) or owner:
                 fix = (f"set {owner} instead" if owner else "give one sbatch option per item, starting with '-', "
-                       "e.g. --exclusive or --constraint=a100")
+                       "with no control characters or '\\', e.g. --exclusive or --constraint=a100")
                 raise PydanticCustomError("sbatch_option", "cluster.slurm.extra_sbatch item {option}: {fix}",
                                           {"option": repr(option), "fix": fix})
         return value
@@ -117,6 +118,12 @@ class SlurmSpec(Section):
                     "slurm_line", "cluster.slurm.{field} item {line} must be non-empty with no newline or NUL; "
                     "give one item per line / word", {"field": info.field_name, "line": repr(line)})
         return value
+
+
+def _sbatch_carries(value: str) -> bool:
+    """Whether an #SBATCH line carries `value` intact once quoted: sbatch's directive parser honours quotes, but a
+    backslash escapes the next character even inside them, and a line ends at a newline."""
+    return "\\" not in value and not any(ord(ch) < 32 or ord(ch) == 127 for ch in value)
 
 
 # sbatch options the spec already decides: an extra_sbatch copy would silently override them.
@@ -296,7 +303,7 @@ class TrainingSpec(Section):
     global_batch_tokens: int | None = Field(None, ge=1)  # alternative: tokens per step (a multiple of seq_length)
     micro_batch_size: int = Field(1, ge=1)  # sequences per rank per forward
     seq_length: int = Field(2048, ge=1)
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    precision: FloatType = "bf16"  # bfloat16 / float16 / float32 read as bf16 / fp16 / fp32
     recompute: Literal["none", "selective", "full"] = "none"
     # Attention kernel: fused (Transformer Engine / flash: no s x s scores stored; needed by cp > 1), local
     # (megatron's unfused torch attention: stores the s x s scores), auto: fused on cuda, local on cpu.
@@ -382,8 +389,8 @@ class CommunicationSpec(Section):
     allgather_bucket_elements: int = Field(500_000_000, ge=1)
     prefetch_bucket_elements: int = Field(50_000_000, ge=1)  # ZeRO-3
     param_persistence_threshold_elements: int = Field(100_000, ge=0)  # ZeRO-3
-    communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None  # DP reduction dtype; None: fp32
-    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None  # micro-batch accumulation; None: fp32
+    communication_data_type: FloatType | None = None  # DP reduction dtype; None: fp32
+    grad_accum_dtype: FloatType | None = None  # micro-batch accumulation; None: fp32
     overlap_p2p_comm: bool = False  # megatron interleaved pipeline only
     nccl_debug: Literal["VERSION", "WARN", "INFO", "TRACE"] = "WARN"
     nccl_ib_hca: str | None = None  # e.g. mlx5_0,mlx5_1

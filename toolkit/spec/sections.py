@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
+
+# torch's names of the 16/32-bit float types (HF configs' `torch_dtype: bfloat16`), accepted for dsmt's short ones
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _short_dtype(value):
+    return DTYPE_ALIASES.get(value.lower(), value) if isinstance(value, str) else value
+
+
+# a float type as the spec holds it once validated: always the short name
+FloatType = Annotated[Literal["bf16", "fp16", "fp32"], BeforeValidator(_short_dtype)]
 
 
 class Section(BaseModel):

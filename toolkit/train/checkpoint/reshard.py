@@ -62,6 +62,8 @@ class LayoutFreeState:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
+        from toolkit.convert.threaded_save import threaded_save_strategy
+
         shards = trainable_shards(self.chunks)
         link_optimizer_fragments(self.engine)
         sharded = {}
@@ -73,7 +75,8 @@ class LayoutFreeState:
         if dist.get_rank() == 0:
             (tag_dir / LAYOUT_FREE).mkdir(exist_ok=True)  # a fresh .partial- folder: nothing of another save
         dist.barrier()
-        dist_checkpointing.save(sharded, str(tag_dir / LAYOUT_FREE))
+        # threads, not megatron's forked writers and spawned Manager (toolkit/convert/threaded_save.py)
+        dist_checkpointing.save(sharded, str(tag_dir / LAYOUT_FREE), sharded_strategy=threaded_save_strategy())
         if dist.get_rank() == 0:
             (tag_dir / RECORD).write_text(json.dumps(record, indent=1))
 

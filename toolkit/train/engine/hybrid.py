@@ -89,7 +89,7 @@ class HybridEngine:
     token; a sample for classification), how the model is called and the loss summed; default: causal LM."""
 
     def __init__(self, *, chunks: list, ds_config: dict, vocab_size: int, tied_embeddings: bool, pp_size: int,
-                 task=None):
+                 task=None, lr_schedule=None):
         import deepspeed
 
         module = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
@@ -102,7 +102,7 @@ class HybridEngine:
         scope = moe.deepspeed_sees_experts(num_experts=chunks[0].config.num_moe_experts) if experts else nullcontext()
         with scope:
             self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=config,
-                                                        mpu=MegatronMpu())
+                                                        mpu=MegatronMpu(), lr_scheduler=lr_schedule)
         self.is_moe = moe.is_moe(chunks)
         check_driver(self.engine, pp_size=pp_size)
         self._sequence_parallel_hooks = sum_sequence_parallel_grads(self.chunks)

@@ -41,8 +41,10 @@ def prelaunch(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (),
     if spec is None:  # the schema refused it: nothing further can be read from it
         return None, Report(source=source, problems=report.problems)
     problems = trainer_problems(spec=spec)
-    # the weights unreadable (dsmt check's checkpoint_unreadable): nothing more to read from them
-    settings, model_found = (None, []) if "checkpoint_unreadable" in report.rules() else model_settings_of(spec=spec)
+    # no model at model.path (model_shape) or its weights unreadable (checkpoint_unreadable): dsmt check's line
+    # says why, and nothing more (config, tokenizer) is read from it
+    model_refused = bool({"model_shape", "checkpoint_unreadable"} & report.rules())
+    settings, model_found = (None, []) if model_refused else model_settings_of(spec=spec)
     problems += model_found
     if settings is not None:
         from toolkit.train.lora.export import init_adapter_problems
@@ -55,7 +57,7 @@ def prelaunch(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (),
     ds_config, files_found = run_files_problems(spec=spec, run_dir=run_dir, spec_ref=str(path))
     problems += files_found
     problems += deepspeed_problems(spec=spec, ds_config=ds_config)
-    problems += data_problems(spec=spec)  # toolkit/train/job/dryrun_data.py
+    problems += data_problems(spec=spec, model_refused="model_shape" in report.rules())  # dryrun_data.py
     # dsmt check's model and data checks read some of the same things: one line per problem
     said = {(p.rule, p.message) for p in report.problems}
     return spec, Report(source=source, problems=(*report.problems,
@@ -77,7 +79,7 @@ def trainer_problems(*, spec) -> list[Problem]:
                              f"{'has' if torch.cuda.is_available() else 'has no'} CUDA: `dsmt train` here would refuse",
                              "run the training where the spec's device is; the dry run itself needs none"))
     found += attention_problems(spec=spec)
-    if Path(spec.training.output_dir).expanduser().exists():
+    if Path(spec.training.output_dir).expanduser().is_dir():  # a file there: dsmt check says so
         found.append(Problem("info", "resume", f"training.output_dir={spec.training.output_dir} exists: a run there "
                              "resumes from its latest complete checkpoint"))
     return found

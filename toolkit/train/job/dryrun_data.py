@@ -9,10 +9,16 @@ from pathlib import Path
 from toolkit.errors import DsmtError
 from toolkit.spec.report import Problem
 
+# Records the dry run tokenises per source to apply the ranks' record-length rule: all of a small file, the start
+# of a large one (about a second of a fast tokenizer's time; the ranks tokenise everything once, into the cache).
+DRY_RUN_RECORDS = 10_000
 
-def data_problems(*, spec) -> list[Problem]:
-    """The data readable and the tokenizer present (and no larger than the model's vocabulary); for a model whose
-    head is not a causal LM (masked LM, classification, images) the examples built as training builds them."""
+
+def data_problems(*, spec, model_refused: bool = False) -> list[Problem]:
+    """The data readable and the tokenizer present (and no larger than the model's vocabulary), and the records
+    tokenised as the ranks tokenise them; for a model whose head is not a causal LM (masked LM, classification,
+    images) the examples built as training builds them. `model_refused`: dsmt check found no model at model.path,
+    so nothing (its tokenizer included) is read from it."""
     from toolkit.spec.data_schema import data_sources
 
     data = spec.data
@@ -22,18 +28,34 @@ def data_problems(*, spec) -> list[Problem]:
     if task not in (None, "causal_lm"):
         return task_data_problems(spec=spec, task=task, model_config=head_config) + validation_problems(
             spec=spec, num_records=None, task=task, model_config=head_config)
+    tokenizer = None if model_refused and data.tokenizer is None else _tokenizer_or_none(spec=spec)
     if text_data:
         for label, source in data_sources(data):
-            found += (corpus_problems(spec=spec, label=label, data=source) if source.is_megatron
-                      else source_problems(spec=spec, label=label, data=source, task=task))
+            if source.is_megatron:
+                found += [] if tokenizer is None else corpus_problems(spec=spec, label=label, data=source)
+            else:
+                found += source_problems(spec=spec, label=label, data=source, task=task, tokenizer=tokenizer)
     elif data.synthetic:
         found.append(Problem("info", "data", "data.synthetic=true: synthetic tokens, no tokenizer needed"))
-    if text_data or data.tokenizer is not None:
+    if (text_data or data.tokenizer is not None) and not (model_refused and data.tokenizer is None):
         found += tokenizer_problems(spec=spec)
     return found
 
 
-def source_problems(*, spec, label: str, data, task) -> list[Problem]:
+def _tokenizer_or_none(*, spec):
+    """The tokenizer the ranks load (data.tokenizer, else model.path's); None where tokenizer_problems says why
+    (or, for a built-in shape or an inline config, where the ranks write one with the random init)."""
+    from toolkit.data import load_tokenizer
+
+    if spec.data.tokenizer is None and spec.model.path is None:
+        return None
+    try:
+        return load_tokenizer(data=spec.data, model_path=spec.model.path)
+    except DsmtError:
+        return None
+
+
+def source_problems(*, spec, label: str, data, task, tokenizer=None) -> list[Problem]:
     from toolkit.data import load_records
     from toolkit.spec.data_checks import source_here, unreadable_problem
 
@@ -45,9 +67,43 @@ def source_problems(*, spec, label: str, data, task) -> list[Problem]:
         return [unreadable_problem(label=label, err=err)]  # the same as dsmt check's (one line in the report)
     found = [Problem("info", "data", f"{label}.path={data.path}: {len(records)} records, fields "
                      f"{', '.join(records.column_names)}")]
+    if tokenizer is not None:
+        found += record_length_problems(spec=spec, label=label, data=data, records=records, tokenizer=tokenizer)
     if label == "data":  # a mix's validation: toolkit/data/training.py
         found += validation_problems(spec=spec, num_records=len(records), task=task)
     return found
+
+
+def record_length_problems(*, spec, label: str, data, records, tokenizer) -> list[Problem]:
+    """The records tokenised and fitted to training.seq_length by the ranks' own code (toolkit/data/tokenize.py,
+    packing.py): when none keeps a loss-bearing token, the ranks' NoLossTokensError, here before any rank starts.
+    A source larger than DRY_RUN_RECORDS is judged on its first records: a warning, as the rest may train."""
+    import logging
+
+    from toolkit.data import tokenize_examples
+    from toolkit.data.formats import RecordError
+    from toolkit.data.packing import NoLossTokensError
+
+    seq_length = spec.training.seq_length
+    sample = records if len(records) <= DRY_RUN_RECORDS else records.select(range(DRY_RUN_RECORDS))
+    part = "" if sample is records else f" (the first {len(sample)} of {len(records)} records)"
+    tokenize_log = logging.getLogger("toolkit.data.tokenize")
+    level = tokenize_log.level
+    tokenize_log.setLevel(logging.ERROR)  # its start-up lines are the info line below
+    try:
+        examples = tokenize_examples(records=sample, data=data, tokenizer=tokenizer, seq_length=seq_length)
+    except NoLossTokensError as err:
+        return [Problem("error" if sample is records else "warning", err.rule,
+                        f"{label}.path={data.path}{part}: {err.detail} (training.seq_length={seq_length})", err.fix)]
+    except RecordError:
+        return []  # dsmt check's record checks name each bad record with its line
+    except DsmtError as err:
+        return [Problem("error", getattr(err, "rule", "data_tokenize"), f"{label}.path={data.path}: {err}", "")]
+    finally:
+        tokenize_log.setLevel(level)
+    template = {False: "; the tokenizer has no chat_template: chats rendered as '<role>: <content>' lines"}
+    return [Problem("info", "data_rows", f"{label}.path={data.path}{part} at training.seq_length={seq_length}: "
+                    f"{examples.describe()}{template.get(examples.used_chat_template, '')}")]
 
 
 def corpus_problems(*, spec, label: str, data) -> list[Problem]:

@@ -26,6 +26,8 @@ def refuse_a_running_run(*, path: str, overrides) -> None:
         output_dir = Path(load_spec(path, overrides=overrides).training.output_dir)
     except DsmtError:
         return  # the pass names what is wrong with the spec
+    if not output_dir.expanduser().is_dir():
+        return  # no run there yet, or a file in the way: the pass names it (output_dir_not_a_directory)
     run_lock.refuse_if_held(output_dir=output_dir)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import DsmtError
+from toolkit.spec.lr_schedule import LrSchedule
 
 
 def model_checkpoint(*, spec, output_dir: Path) -> Path:
@@ -178,7 +179,8 @@ def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
         apply_lora(chunks, settings=info.settings, lora=spec.training.lora, seed=spec.training.seed)
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
                           tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp,
-                          task=task_for_model(settings=info.settings))
+                          task=task_for_model(settings=info.settings),
+                          lr_schedule=LrSchedule.from_training(spec.training))
     return hybrid, info
 
 
@@ -241,7 +243,7 @@ def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pat
         batches = task_batches(spec=spec, layout=layout, hf_dir=hf_dir, model_config=model.config)
     if spec.training.sync_batchnorm:
         model = plain.convert_sync_batchnorm(model, device=spec.cluster.device)
-    engine = plain.PlainEngine(model=model, ds_config=ds_config)
+    engine = plain.PlainEngine(model=model, ds_config=ds_config, lr_schedule=LrSchedule.from_training(spec.training))
     notice = plain.plain_notice(model_type=model_type, zero_stage=spec.parallel.zero_stage)
     return engine, batches, lambda: plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf"), notice
 

@@ -8,8 +8,8 @@ Policy (the tables below name every key of the first kind):
     checks, the model build (TP / PP / SP / CP sizes, dtypes, recompute) and the data loader all follow the spec,
     so a file that says otherwise describes another run. A contradiction is the error `run_files_contradict_spec`
     (every key, both values, the fix), raised before any process group or model is built.
-  * Every other ds_config.json key that differs (bucket sizes, overlap_comm, optimizer and scheduler parameters,
-    monitors, ...) is the user's edit and wins: the file's config is what `deepspeed.initialize` receives, and each
+  * Every other ds_config.json key that differs (bucket sizes, overlap_comm, optimizer parameters, monitors,
+    ...) is the user's edit and wins: the file's config is what `deepspeed.initialize` receives, and each
     such key is listed at start ("ds_config.json overrides the spec: ...").
   * megatron.json is the record of the megatron-core settings the trainer builds from the spec and the model's
     config.json; no key in it is read as a setting, so every edit there is a contradiction (it could not count).
@@ -38,6 +38,9 @@ DS_MUST_AGREE = {
     "zero_optimization.stage": ("parallel.zero_stage", 0),
     "zero_optimization.offload_optimizer.device": ("parallel.offload_optimizer", "none"),
     "zero_optimization.offload_param.device": ("parallel.offload_params", "none"),
+    # dsmt's engines hand deepspeed.initialize transformers' schedule (toolkit/spec/lr_schedule.py), which
+    # wins over a config's: a "scheduler" section here would be silently ignored, so it is refused instead
+    "scheduler": ("training.lr_schedule, warmup_steps and min_lr (transformers' schedule, not the file's)", ABSENT),
 }
 _DS_ALIASES = {"bf16.enabled": "bfloat16.enabled"}  # DeepSpeed's older name, read when "bf16" is absent
 
@@ -115,7 +118,7 @@ class RunFiles:
         fields = sorted({d.spec_field for d in self.contradictions if d.spec_field})
         return (f"make the change in the spec ({', '.join(fields) or 'the model'}) and regenerate (`dsmt generate "
                 f"SPEC --out {self.run_dir} --overwrite`), or revert the file(s); only the other {DS_CONFIG} keys "
-                f"(bucket sizes, overlap_comm, optimizer, scheduler, monitors, ...) may be edited in place")
+                f"(bucket sizes, overlap_comm, optimizer, monitors, ...) may be edited in place")
 
     def require_agreement(self, *, spec_ref: str) -> RunFiles:
         """self, or the named error listing every contradiction (before anything is started or written)."""
@@ -176,7 +179,8 @@ def compare_ds_config(*, file_config: dict, spec_config: dict, pp: int = 1) -> l
     file_leaves, spec_leaves = flatten(file_config), flatten(spec_config)
     for path in sorted(set(file_leaves) | set(spec_leaves)):
         file_value, spec_value = file_leaves.get(path, ABSENT), spec_leaves.get(path, ABSENT)
-        if path not in covered and not _same(file_value, spec_value):
+        inside = any(path == key or path.startswith(key + ".") for key in covered)
+        if not inside and not _same(file_value, spec_value):
             found.append(Difference(DS_CONFIG, path, file_value, spec_value, must_agree=False))
     return found
 

@@ -109,13 +109,14 @@ class PlainEngine:
     """A DeepSpeed engine around a plain HF module; the world is the data-parallel group. The loss by task: see
     the module docstring."""
 
-    def __init__(self, *, model, ds_config: dict):
+    def __init__(self, *, model, ds_config: dict, lr_schedule=None):
         import deepspeed
 
         self.task = task_of(model.config)
         self.vocab_size = getattr(model.config, "vocab_size", None)
         params = [p for p in model.parameters() if p.requires_grad]
-        self._engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+        self._engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
+                                                     lr_scheduler=lr_schedule)
         self._engine.train()  # from_pretrained returns eval mode: dropout off, BatchNorm on its running statistics
 
     @property
