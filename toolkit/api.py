@@ -72,7 +72,7 @@ def train(spec: JobSpec, *, spec_file: Path | None = None) -> list[dict]:
     taken against the working directory, is written to `spec_file` (default OUTPUT_DIR/job.yaml) for the ranks."""
     import tempfile
 
-    from toolkit.launch.rank_output import quiet_library_warnings
+    from toolkit.launch.rank_output import quiet_library_warnings, this_rank
     from toolkit.spec.load import absolutize_paths, dump_spec
     from toolkit.train.job.cli import launch_training
     from toolkit.train.job.prelaunch import checked_before_launch
@@ -119,7 +119,7 @@ def initialize(spec: JobSpec | dict[str, Any] | str | Path, *, overrides: list[s
     elif overrides:
         spec = job_spec(spec.model_dump(mode="json"), overrides=overrides, source="initialize(spec)")
     spec, launch_line = fit_to_launch(spec, environ=os.environ)  # the launch's process count wins over the spec's
-    if launch_line and os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":
+    if launch_line and this_rank() == 0:
         print(launch_line, flush=True)
     report = check(spec, source="initialize(spec)")
     # No data.path is no error here: the script brings its batches.

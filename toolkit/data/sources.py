@@ -14,6 +14,7 @@ Accepted sources, decided in this order:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
@@ -89,16 +90,24 @@ def _load_file(*, path: Path, data: RecordSource, cache_dir: str | None):
     split_name = data.split.split("[", 1)[0] or "train"
     # The json builder logs pyarrow's parse error (rows counted from 0, blank lines skipped) before it raises; the
     # error below names the file's line instead, which that log line would contradict.
-    json_log = logging.getLogger("datasets.packaged_modules.json.json")
-    level = json_log.level
-    json_log.setLevel(logging.CRITICAL)
     try:
-        return datasets.load_dataset(builder, data_files={split_name: str(path)}, split=data.split,
-                                     cache_dir=cache_dir)
+        with quieted_logger("datasets.packaged_modules.json.json", level=logging.CRITICAL):
+            return datasets.load_dataset(builder, data_files={split_name: str(path)}, split=data.split,
+                                         cache_dir=cache_dir)
     except Exception as err:
         raise _unreadable_file(err, path=path, data=data, builder=builder) from err
+
+
+@contextlib.contextmanager
+def quieted_logger(name: str, *, level: int):
+    """The logger `name` says only records of `level` and above inside the block; its own level again after."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
     finally:
-        json_log.setLevel(level)
+        logger.setLevel(before)
 
 
 def _unreadable_file(err: Exception, *, path: Path, data: RecordSource, builder: str) -> DsmtError:

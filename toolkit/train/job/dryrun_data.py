@@ -28,7 +28,8 @@ def data_problems(*, spec, model_refused: bool = False) -> list[Problem]:
     if task not in (None, "causal_lm"):
         return task_data_problems(spec=spec, task=task, model_config=head_config) + validation_problems(
             spec=spec, num_records=None, task=task, model_config=head_config)
-    tokenizer = None if model_refused and data.tokenizer is None else _tokenizer_or_none(spec=spec)
+    no_tokenizer = model_refused and data.tokenizer is None  # it would be model.path's, which is no model
+    tokenizer = None if no_tokenizer else _tokenizer_or_none(spec=spec)
     if text_data:
         for label, source in data_sources(data):
             if source.is_megatron:
@@ -37,7 +38,7 @@ def data_problems(*, spec, model_refused: bool = False) -> list[Problem]:
                 found += source_problems(spec=spec, label=label, data=source, task=task, tokenizer=tokenizer)
     elif data.synthetic:
         found.append(Problem("info", "data", "data.synthetic=true: synthetic tokens, no tokenizer needed"))
-    if (text_data or data.tokenizer is not None) and not (model_refused and data.tokenizer is None):
+    if (text_data or data.tokenizer is not None) and not no_tokenizer:
         found += tokenizer_problems(spec=spec)
     return found
 
@@ -83,15 +84,14 @@ def record_length_problems(*, spec, label: str, data, records, tokenizer) -> lis
     from toolkit.data import tokenize_examples
     from toolkit.data.formats import RecordError
     from toolkit.data.packing import NoLossTokensError
+    from toolkit.data.sources import quieted_logger
 
     seq_length = spec.training.seq_length
     sample = records if len(records) <= DRY_RUN_RECORDS else records.select(range(DRY_RUN_RECORDS))
     part = "" if sample is records else f" (the first {len(sample)} of {len(records)} records)"
-    tokenize_log = logging.getLogger("toolkit.data.tokenize")
-    level = tokenize_log.level
-    tokenize_log.setLevel(logging.ERROR)  # its start-up lines are the info line below
     try:
-        examples = tokenize_examples(records=sample, data=data, tokenizer=tokenizer, seq_length=seq_length)
+        with quieted_logger("toolkit.data.tokenize", level=logging.ERROR):  # its start-up lines: the info line below
+            examples = tokenize_examples(records=sample, data=data, tokenizer=tokenizer, seq_length=seq_length)
     except NoLossTokensError as err:
         return [Problem("error" if sample is records else "warning", err.rule,
                         f"{label}.path={data.path}{part}: {err.detail} (training.seq_length={seq_length})", err.fix)]
@@ -99,8 +99,6 @@ def record_length_problems(*, spec, label: str, data, records, tokenizer) -> lis
         return []  # dsmt check's record checks name each bad record with its line
     except DsmtError as err:
         return [Problem("error", getattr(err, "rule", "data_tokenize"), f"{label}.path={data.path}: {err}", "")]
-    finally:
-        tokenize_log.setLevel(level)
     template = {False: "; the tokenizer has no chat_template: chats rendered as '<role>: <content>' lines"}
     return [Problem("info", "data_rows", f"{label}.path={data.path}{part} at training.seq_length={seq_length}: "
                     f"{examples.describe()}{template.get(examples.used_chat_template, '')}")]
