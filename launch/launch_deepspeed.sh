@@ -11,6 +11,9 @@ wrappers (SLURM's account, partition, time and setup lines are the spec's cluste
   master_addr         the rendezvous address (a shell word; not used under SLURM)
   master_port         the rendezvous port
   mpirun_args         mpirun's arguments as one shell word (for --launcher_args)
+  unsafe_path_glob    a bash pattern matching one character DeepSpeed's pdsh runner cannot pass to the nodes'
+                      shells (it writes this directory into their command line unquoted; see
+                      toolkit/generate/remote_shell.py)
   train_module        the Python module the ranks run (`-m`; a shell word)
   resolved_spec       the spec file name in the run directory
 #}
@@ -55,6 +58,16 @@ NODE_RANK="${1:-${SLURM_NODEID:?usage: bash launch_deepspeed.sh NODE_RANK}}"
 NODE_RANK="${1:?usage: bash launch_deepspeed.sh NODE_RANK}"
 {% elif not one_machine %}
 command -v pdsh >/dev/null || { echo 'pdsh not found on PATH: apt-get install pdsh, or regenerate with --set cluster.launcher=no_ssh' >&2; exit 127; }
+{% if nodes > 1 %}
+# DeepSpeed's pdsh runner writes this directory unquoted into the command each node's shell runs (`cd DIR;`,
+# --run-dir DIR). `dsmt generate` refuses such a path; this catches a run directory moved (or reached through a
+# link) since.
+PHYSICAL_DIR="$(pwd -P)"
+if [[ "$HERE" == *{{ unsafe_path_glob }}* || "$PHYSICAL_DIR" == *{{ unsafe_path_glob }}* ]]; then
+  echo "$(basename "$0"): [unsafe_path] the run directory $PHYSICAL_DIR holds a character DeepSpeed's pdsh runner passes unquoted to each node's shell; move it to a path of letters, digits and / . _ - + , @ =, or regenerate with --set cluster.launcher=no_ssh" >&2
+  exit 2
+fi
+{% endif %}
 {% endif %}
 exec deepspeed \
   --hostfile "$HOSTFILE" \

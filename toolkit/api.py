@@ -65,11 +65,12 @@ def generate(spec: JobSpec, *, out_dir: Path, overwrite: bool = False,
     return write_run_dir(spec=spec, out_dir=Path(out_dir), overwrite=overwrite, templates=site_templates)
 
 
-def train(spec: JobSpec, *, spec_file: Path | None = None) -> list[dict]:
+def train(spec: JobSpec, *, spec_file: Path | None = None, continue_with_changes: bool = False) -> list[dict]:
     """`dsmt train`: check the spec (everything `dsmt train --dry-run` checks; SpecError with nothing written),
     start its ranks on this machine and wait; returns the per-step metrics (the training lines of
     training.output_dir/metrics.jsonl: `validation_history` has the evaluations). The spec, its relative paths
-    taken against the working directory, is written to `spec_file` (default OUTPUT_DIR/job.yaml) for the ranks."""
+    taken against the working directory, is written to `spec_file` (default OUTPUT_DIR/job.yaml) for the ranks.
+    `continue_with_changes`: as `dsmt train --continue-with-changes` (toolkit/train/job/run_identity.py)."""
     import tempfile
 
     from toolkit.launch.rank_output import quiet_library_warnings, this_rank
@@ -82,12 +83,12 @@ def train(spec: JobSpec, *, spec_file: Path | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="dsmt-spec-") as staging:  # checked before anything is written
         staged = Path(staging) / "job.yaml"
         staged.write_text(dump_spec(spec))
-        checked_before_launch(path=str(staged), overrides=(), run_dir=None)
+        checked_before_launch(path=str(staged), overrides=(), run_dir=None, allow_changes=continue_with_changes)
     output_dir = Path(spec.training.output_dir)
     spec_file = Path(spec_file) if spec_file is not None else output_dir / "job.yaml"
     spec_file.parent.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(dump_spec(spec))
-    launch_training(path=str(spec_file), checked=True)
+    launch_training(path=str(spec_file), checked=True, allow_changes=continue_with_changes)
     return [record for record in _metrics(output_dir) if "loss" in record]
 
 

@@ -251,7 +251,8 @@ def test_dsmt_train_launches_with_the_generated_scripts_environment(fake_cuda, c
     from toolkit.spec.load import load_spec
     from toolkit.train.job import prelaunch
 
-    clean_env.setattr(prelaunch, "checked_before_launch", lambda *, path, overrides, run_dir: load_spec(path))
+    clean_env.setattr(prelaunch, "checked_before_launch",
+                      lambda *, path, overrides, run_dir, allow_changes: load_spec(path))
     train_cli.launch_training(path=str(path))
     expected = environment(spec=JobSpec.model_validate(spec_fields))
     from toolkit.launch.run_lock import LOCK_ENV, lock_path

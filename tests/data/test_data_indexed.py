@@ -135,3 +135,16 @@ def test_check_names_a_damaged_sidecar(corpora, tmp_path):
                             vocab_size=250)
     assert [(p.severity, p.rule) for p in found] == [("error", "megatron_sidecar")]
     assert "is not readable JSON" in found[0].message and "re-run dsmt data prepare" in found[0].message
+
+
+def test_a_corpus_changed_after_prepare_fails_training_at_its_next_read(corpora, tmp_path, tiny_checkpoint):
+    from toolkit.data.corpus_check import CorpusDamaged
+
+    tokens = bytearray((tmp_path / "corpus_a.bin").read_bytes())
+    tokens[10] ^= 1  # one token id: the sizes and the index stay right, only the digest differs
+    (tmp_path / "corpus_a.bin").write_bytes(bytes(tokens))
+    rows = rows_of(DataSpec(format="megatron", path=str(tmp_path / "corpus_a")), tmp_path=tmp_path,
+                   tiny_checkpoint=tiny_checkpoint)
+    rows.digest_watch.wait()  # rank 0's background check, which training does not wait for
+    with pytest.raises(CorpusDamaged, match=r"^\[corpus_damaged\] .*corpus_a\.bin: its xxh3_128 digest is "):
+        rows.rows(torch.arange(4))

@@ -3,6 +3,7 @@ against the tokenizer called here; the sidecar's counts; each refused input with
 corpus surviving a failed or interrupted run. Worker pools only where they are the point (small chunks, so several
 are in flight)."""
 
+import errno
 import json
 import random
 
@@ -84,6 +85,7 @@ def test_every_input_kind_read_back_token_for_token_with_any_workers(inputs, tin
 def test_sidecar_counts_what_was_written(inputs, tiny_checkpoint, tmp_path):
     from transformers import AutoTokenizer
 
+    from toolkit.data.files import digest_file
     from toolkit.data.tokenize import tokenizer_identity
 
     paths, texts = inputs
@@ -99,7 +101,9 @@ def test_sidecar_counts_what_was_written(inputs, tiny_checkpoint, tmp_path):
         "vocab_size": len(tokenizer), "eod_id": tokenizer.eos_token_id,
         "max_token_id": max(max(doc) for doc in documents), "num_documents": len(documents),
         "num_tokens": sum(map(len, documents)), "num_skipped_empty": 2, "text_field": "text",
-        "inputs": [str(tmp_path / "part.jsonl"), str(tmp_path / "part.parquet")]}
+        "inputs": [str(tmp_path / "part.jsonl"), str(tmp_path / "part.parquet")],
+        "files": {key: {"size": (tmp_path / f"corpus.{key}").stat().st_size,
+                        "xxh3_128": digest_file(tmp_path / f"corpus.{key}")} for key in ("bin", "idx")}}
     assert read_sidecar(tmp_path / "elsewhere") is None
 
 
@@ -192,12 +196,57 @@ def test_failed_run_leaves_an_earlier_corpus_intact(tmp_path, tiny_checkpoint, m
     good.write_text('{"text": "new"}\n')
 
     def disk_full(**kwargs):  # the last write before the renames fails
-        raise OSError(28, "No space left on device")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(prepare, "write_sidecar", disk_full)
-    with pytest.raises(OSError, match="No space left"):
-        run_prepare([good], tokenizer=tiny_checkpoint, output=prefix)
+    assert run_prepare([good], tokenizer=tiny_checkpoint, output=prefix) == 2
     assert {name: (tmp_path / "out" / name).read_bytes() for name in written(tmp_path / "out")} == before
+
+
+def test_full_disk_is_one_named_error_and_leaves_nothing(tmp_path, tiny_checkpoint, monkeypatch, capsys):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "some words here"}\n' * 40)
+    (tmp_path / "out").mkdir()
+    real_add = IndexedDatasetBuilder.add_document
+
+    def fill_at_the_tenth(builder, *args, **kwargs):  # as the .bin's write does on a full filesystem
+        if len(builder.sequence_lengths) == 9:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_add(builder, *args, **kwargs)
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_document", fill_at_the_tenth)
+    assert run_prepare([data], tokenizer=tiny_checkpoint, output=tmp_path / "out" / "c") == 2
+    message = capsys.readouterr().err
+    first, fix = message.removeprefix("dsmt data: error: ").splitlines()
+    assert first.startswith(f"[disk_full] the disk filled while dsmt data prepare wrote {tmp_path / 'out' / 'c'}"
+                            ".bin/.idx"), message
+    assert "40 documents tokenised): the corpus needs about " in first and " MB free" in first, message
+    assert fix.startswith(f"fix: free space on the filesystem of {tmp_path / 'out'}"), message
+    assert written(tmp_path / "out") == []
+
+
+def test_a_killed_runs_temporaries_are_removed_by_the_next_run(tmp_path, tiny_checkpoint, capsys):
+    import os
+    import subprocess
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its pid no longer runs, as a kill -9'd run's
+    out = tmp_path / "out"
+    out.mkdir()
+    left = [out / f"c.tmp-{ended.pid}.bin", out / f"c.tmp-{ended.pid}.idx"]
+    live = out / f"c.tmp-{os.getppid()}.bin"  # a running process's (another run into the same output)
+    for path in (*left, live, out / f"other.tmp-{ended.pid}.bin"):
+        path.write_bytes(b"x" * 1000)
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "ab"}\n')
+    assert run_prepare([data], tokenizer=tiny_checkpoint, output=out / "c") == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dsmt data prepare:")]
+    assert said == [f"dsmt data prepare: removed c.tmp-{ended.pid}.bin, c.tmp-{ended.pid}.idx (0.0 MB), left by an "
+                    f"interrupted run into {out / 'c'} (pid {ended.pid}, no longer running); kept {live.name}: pid "
+                    f"{os.getppid()} is running (another dsmt data prepare into the same --output?)"], said
+    assert written(out) == sorted(["c.bin", "c.idx", "c.dsmt.json", live.name, f"other.tmp-{ended.pid}.bin"])
 
 
 @pytest.mark.parametrize("workers", [1, 2])

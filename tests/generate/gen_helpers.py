@@ -72,3 +72,13 @@ def spec_of(name: str):
 
 def render(name: str, *, run_dir: str = GOLDEN_RUN_DIR, train_module: str = "toolkit.train") -> dict[str, str]:
     return render_all(spec=spec_of(name), run_dir=run_dir, train_module=train_module)
+
+
+def fake_launchers(bin_dir: Path) -> None:
+    """deepspeed / torchrun / pdsh / mpirun stand-ins that print their name and arguments one per line, then the
+    exported NCCL/DS environment."""
+    bin_dir.mkdir()
+    for name in ("deepspeed", "torchrun", "pdsh", "mpirun"):
+        (bin_dir / name).write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$(basename "$0")" "$@"\n'
+                                    'env | grep -E "^(NCCL_|DS_|OMP_|GLOO_)" | sort\n')
+        (bin_dir / name).chmod(0o755)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gen_helpers import SCRIPTS, VARIANTS, render, spec_of
+from gen_helpers import SCRIPTS, VARIANTS, fake_launchers, render, spec_of
 from toolkit.errors import DsmtError
 from toolkit.generate.scripts import render_sbatch
 from toolkit.generate.templates import load_templates
@@ -43,25 +43,20 @@ def test_written_scripts_are_executable(tmp_path):
         assert (tmp_path / "run" / script).stat().st_mode & stat.S_IXUSR
 
 
-def test_hostile_run_dir_stays_one_word(tmp_path):
-    hostile = str(tmp_path / 'we ird "q" $(touch PWNED) `touch PWNED2` \\ end')
+@pytest.mark.parametrize("moved", [None, "/elsewhere/it's"])
+def test_hostile_run_dir_stays_one_word(moved, tmp_path):
+    """job.sbatch bakes its run directory in (one quoted word; a single quote once broke `bash -n`), and
+    DSMT_RUN_DIR still overrides it."""
+    hostile = str(tmp_path / 'we ird "q" it\'s ${x:-\'} $(touch PWNED) `touch PWNED2` \\ end')
     spec = spec_of("tiny-cpu")
     templates = load_templates(site_dir=None)
     text = render_sbatch(spec=spec, layout=derive_layout(spec), run_dir=hostile, templates=templates)
-    line = next(line for line in text.splitlines() if line.startswith("RUN_DIR="))
-    out = subprocess.run(["bash", "-c", f'{line}\nprintf %s "$RUN_DIR"'], capture_output=True, text=True,
-                         cwd=tmp_path, check=True, env={"PATH": os.environ["PATH"]})
-    assert out.stdout == hostile
+    lines = "\n".join(line for line in text.splitlines() if line.startswith("RUN_DIR="))
+    env = {"PATH": os.environ["PATH"], **({"DSMT_RUN_DIR": moved} if moved else {})}
+    out = subprocess.run(["bash", "-c", f'{lines}\nprintf %s "$RUN_DIR"'], capture_output=True, text=True,
+                         cwd=tmp_path, check=True, env=env)
+    assert out.stdout == (moved or hostile)
     assert not list(tmp_path.glob("PWNED*"))
-
-
-def _fake_launchers(bin_dir: Path) -> None:
-    """deepspeed / torchrun stand-ins that print their arguments and the exported NCCL/DS environment."""
-    bin_dir.mkdir()
-    for name in ("deepspeed", "torchrun", "pdsh", "mpirun"):
-        (bin_dir / name).write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$(basename "$0")" "$@"\n'
-                                    'env | grep -E "^(NCCL_|DS_|OMP_|GLOO_)" | sort\n')
-        (bin_dir / name).chmod(0o755)
 
 
 @pytest.mark.parametrize("name,args,expected", [
@@ -76,7 +71,7 @@ def _fake_launchers(bin_dir: Path) -> None:
 def test_launch_deepspeed_passes_the_right_arguments(name, args, expected, tmp_path):
     run = tmp_path / "run"
     write_run_dir(spec=spec_of(name), out_dir=run)
-    _fake_launchers(tmp_path / "bin")
+    fake_launchers(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "HOME": str(tmp_path)}
     out = subprocess.run(["bash", str(run / "launch_deepspeed.sh"), *args], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
@@ -91,7 +86,7 @@ def test_one_node_openmpi_runs_mpirun_without_ssh(tmp_path):
     """launcher openmpi on one node: DeepSpeed's multi-node runner (mpirun forks locally), not --no_ssh."""
     run = tmp_path / "run"
     write_run_dir(spec=spec_of("openmpi-1x2-cpu"), out_dir=run)
-    _fake_launchers(tmp_path / "bin")
+    fake_launchers(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "HOME": str(tmp_path)}
     out = subprocess.run(["bash", str(run / "launch_deepspeed.sh")], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
@@ -104,7 +99,7 @@ def test_one_node_openmpi_runs_mpirun_without_ssh(tmp_path):
 
 def test_per_node_script_demands_a_node_rank(tmp_path):
     write_run_dir(spec=spec_of("no-ssh-2x8-tcp"), out_dir=tmp_path / "run")
-    _fake_launchers(tmp_path / "bin")
+    fake_launchers(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     out = subprocess.run(["bash", str(tmp_path / "run" / "launch_deepspeed.sh")], capture_output=True, text=True, env=env)
     assert out.returncode != 0 and "NODE_RANK" in out.stderr
@@ -116,7 +111,7 @@ def test_missing_launcher_is_named(name, missing, tmp_path):
     dirname), so the launcher is missing whatever this machine has installed."""
     write_run_dir(spec=spec_of(name), out_dir=tmp_path / "run")
     bin_dir = tmp_path / "bin"
-    _fake_launchers(bin_dir)
+    fake_launchers(bin_dir)
     for name_in_bin in ("torchrun", "pdsh", "mpirun"):
         (bin_dir / name_in_bin).unlink()
     (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
@@ -130,7 +125,7 @@ def test_missing_launcher_is_named(name, missing, tmp_path):
 
 def test_slurm_scripts_refuse_to_run_outside_an_allocation(tmp_path):
     write_run_dir(spec=spec_of("qwen2-7b-2x8-a100"), out_dir=tmp_path / "run")
-    _fake_launchers(tmp_path / "bin")
+    fake_launchers(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     for script in ("launch_deepspeed.sh", "launch_torchrun.sh"):
         out = subprocess.run(["bash", str(tmp_path / "run" / script)], capture_output=True, text=True, env=env)
@@ -139,7 +134,7 @@ def test_slurm_scripts_refuse_to_run_outside_an_allocation(tmp_path):
 
 def test_torchrun_script_uses_c10d_rendezvous(tmp_path):
     write_run_dir(spec=spec_of("llama3-70b-8x8-h100"), out_dir=tmp_path / "run")
-    _fake_launchers(tmp_path / "bin")
+    fake_launchers(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     out = subprocess.run(["bash", str(tmp_path / "run" / "launch_torchrun.sh")], capture_output=True, text=True, env=env)
     words = out.stdout.split()

@@ -27,7 +27,8 @@ def _edit(text: str, *, old: str, new: str) -> str:
 
 def _site_sbatch() -> str:
     """The shipped job.sbatch as a site would adapt it: an account, a module, torchrun inside a container."""
-    text = _edit(SHIPPED_SBATCH, old="{% endfor %}\n# Generated", new="{% endfor %}\n#SBATCH --account=proj42\n# Generated")
+    signal = "#SBATCH --signal=TERM@{{ preemption_grace_s }}\n"
+    text = _edit(SHIPPED_SBATCH, old=signal, new=f"{signal}#SBATCH --account=proj42\n")
     text = _edit(text, old="set +a\n", new="set +a\nmodule load cuda/12.4\n")
     return _edit(text, old="{% endfor %}torchrun \\", new="{% endfor %}apptainer exec /images/train.sif torchrun \\")
 

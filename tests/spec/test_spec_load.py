@@ -83,3 +83,47 @@ def test_spec_and_generate_import_without_heavy_frameworks():
             "toolkit.cli.build_parser(); print(sorted(m for m in ('torch', 'deepspeed', 'megatron', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """A spec whose seq_length is 9**levels 'x' through nested aliases (9 levels: 387 million; 462 bytes)."""
+    lines = ["model: {builtin: llama3-8b}", "anchors:"]
+    for level in range(levels):
+        items = ["x"] * 9 if level == 0 else [f"*a{level - 1}"] * 9
+        lines.append(f"  a{level}: &a{level} [{', '.join(items)}]")
+    return "\n".join(lines + [f"training: {{seq_length: *a{levels - 1}}}"]) + "\n"
+
+
+@pytest.mark.parametrize("command", ["check", "generate"])
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path, capsys, command):
+    """Before: `dsmt check` spent 105 s and 4 GB printing the expanded value, `dsmt generate` panicked in
+    pydantic-core. Any alias is refused at parse time, naming its line and the fix."""
+    from toolkit.cli import main as dsmt
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb())
+    argv = [command, str(path)] + (["--out", str(tmp_path / "run")] if command == "generate" else [])
+    assert dsmt(argv) == 2
+    err = capsys.readouterr().err
+    assert f"[yaml_alias] {path} line 4: alias *a0" in err and "fix: write the values out" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_spec_size_and_depth_are_bounded(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("model: {builtin: llama3-8b}\n" + "#" * (1 << 20))
+    with pytest.raises(DsmtError, match=r"^\[spec_too_large\] job spec .*big.yaml is larger than 1,048,576 bytes"):
+        load_spec(big)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model: " + "[" * 1000 + "]" * 1000 + "\n")
+    with pytest.raises(DsmtError, match=r"^\[spec_too_deep\]"):
+        load_spec(deep)
+    with pytest.raises(DsmtError, match=r"\[yaml_alias\] --set 'cluster.hosts=\[&h a, \*h\]' line 1: alias \*h"):
+        apply_overrides({}, overrides=["cluster.hosts=[&h a, *h]"])
+
+
+def test_a_wrong_value_is_shown_cut(write_spec):
+    with pytest.raises(SpecError) as info:
+        load_spec(write_spec(tiny_spec(training={"seq_length": list(range(2000))})))
+    (problem,) = info.value.report.problems
+    assert problem.rule == "bad_value" and len(problem.message) < 400 and "(10,890 characters)" in problem.message

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from toolkit.data import files
 from toolkit.errors import DsmtError
 from toolkit.train.checkpoint import cli, manifest
 
@@ -28,7 +29,8 @@ def make_tag(checkpoint_dir, step, *, with_manifest=True, complete=True):
     if with_manifest:
         manifest.write_manifest(tag_dir, manifest.entries_for(tag_dir, manifest.list_files(tag_dir)))
     if complete:
-        (tag_dir / manifest.COMPLETE_MARKER).write_text(json.dumps({"step": step}))
+        record = {"step": step, "world_size": 1, "layout": None, "manifest": with_manifest}
+        (tag_dir / manifest.COMPLETE_MARKER).write_text(manifest.marker_text(tag_dir, record))
     return tag_dir
 
 
@@ -54,7 +56,7 @@ def test_digest_streams_across_chunks(tmp_path, monkeypatch):
 
     data = bytes(random.Random(0).randrange(256) for _ in range(10_000))
     (tmp_path / "f").write_bytes(data)
-    monkeypatch.setattr(manifest, "CHUNK_BYTES", 777)  # many chunks, the last one short
+    monkeypatch.setattr(files, "CHUNK_BYTES", 777)  # many chunks, the last one short
     assert manifest.digest_file(tmp_path / "f") == xxhash.xxh3_128(data).hexdigest()
 
 
@@ -109,6 +111,31 @@ def test_an_unreadable_manifest_is_a_named_error_and_a_damaged_tag(tmp_path):
     verdict = manifest.verify_tag(tag_dir)
     assert verdict.status == "damaged" and verdict.problems[0].kind == "unreadable"
     assert manifest.tag_bytes(tag_dir) == sum(len(data) for data in FILES.values())  # falls back to the sizes
+
+
+def test_the_marker_is_checked_and_ties_the_manifest_to_it(tmp_path):
+    tag_dir, marker = make_tag(tmp_path, 8), tmp_path / "step_000008" / manifest.COMPLETE_MARKER
+
+    def said():
+        return [problem.line() for problem in manifest.verify_tag(tag_dir).problems]
+
+    assert manifest.verify_tag(tag_dir).status == "intact"
+    marker.write_bytes((make_tag(tmp_path, 4) / manifest.COMPLETE_MARKER).read_bytes())  # another tag's
+    assert said() == ["dsmt_complete.json: records step 4, not this tag's (a marker of another checkpoint)"]
+    for text, line in (('{"step": 8}', "missing or malformed: world_size (int)"),
+                       ("[8]", "a JSON list, not the save's record"),
+                       ('{"step": 8, "world_', "not readable JSON (JSONDecodeError: ")):
+        marker.write_text(text)
+        assert said()[0].startswith(f"dsmt_complete.json: {line}")
+    with pytest.raises(DsmtError, match=r"^\[checkpoint_damaged\] .*dsmt_complete.json: not readable JSON"):
+        manifest.read_marker(tag_dir)
+    marker.write_text(json.dumps({"step": 8, "world_size": 1, "manifest": True}))  # an older dsmt's: no digests
+    assert manifest.verify_tag(tag_dir).status == "intact"
+    make_tag(tmp_path, 8)
+    (tag_dir / "dsmt_rng_rank0.pt").write_bytes(b"RNG")  # and a manifest that matches it, written after the marker
+    manifest.write_manifest(tag_dir, manifest.entries_for(tag_dir, manifest.list_files(tag_dir)))
+    assert said() == ["dsmt_manifest.json: not the manifest dsmt_complete.json recorded (its digest differs: "
+                      "changed after the save)"]
 
 
 def test_share_covers_every_file_once_and_balances_bytes():

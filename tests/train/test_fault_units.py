@@ -109,6 +109,168 @@ def test_disk_full_is_recognised_in_a_chain_and_nothing_else_is(tmp_path):
     assert space.as_disk_full(ValueError("a bug"), directory=tmp_path, tag="step_000002", needed=None) is None
 
 
+class FilesEngine(FakeEngine):
+    """A DeepSpeed stand-in that writes a model state and an optimizer file (real torch files) beside client.json."""
+
+    def save_checkpoint(self, save_dir, *, tag, client_state, save_latest):
+        super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        torch.save({"module": {"w": torch.arange(64.0)}}, Path(save_dir) / tag / "mp_rank_00_model_states.pt")
+        torch.save({"exp_avg": torch.ones(64)}, Path(save_dir) / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+
+class FilesCopy:
+    """A layout-free stand-in: a shard, torch.distributed.checkpoint's metadata (a pickle) and dsmt's record."""
+
+    def save(self, tag_dir):
+        import pickle
+
+        (tag_dir / "layout-free").mkdir()
+        (tag_dir / "layout-free" / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
+        (tag_dir / "layout-free" / ".metadata").write_bytes(pickle.dumps({"shards": [1, 2, 3]}))
+        (tag_dir / "dsmt_layout.json").write_text(json.dumps({"layout": None}))
+
+    def check(self, tag_dir):
+        return {}
+
+
+DAMAGE = {  # file kind -> (path under the newest tag, how it is damaged)
+    "marker": ("dsmt_complete.json", lambda p: p.write_text(p.read_text()[:20])),
+    "marker-edited": ("dsmt_complete.json", lambda p: p.write_text(p.read_text().replace('"world_size": 1',
+                                                                                         '"world_size": 2'))),
+    "manifest": ("dsmt_manifest.json", lambda p: p.write_text(p.read_text()[:-30])),
+    "model": ("mp_rank_00_model_states.pt", lambda p: p.write_bytes(p.read_bytes()[:-10])),
+    "optimizer": ("zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                  lambda p: p.write_bytes(p.read_bytes().replace(b"\x00\x00\x80\x3f", b"\x00\x00\x00\x40", 1))),
+    "layout-free-shard": ("layout-free/__0_0.distcp", lambda p: p.write_bytes(b"\xff" + p.read_bytes()[1:])),
+    "metadata": ("layout-free/.metadata", lambda p: p.write_bytes(p.read_bytes()[:-3])),
+    "pointer": ("../latest_complete", lambda p: p.write_text("step_000004")),
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_verify_and_resume_judge_every_file_kind_alike(process_group, tmp_path, capsys, kind):
+    """Damage one file of the newest tag: `dsmt checkpoint verify` and resume name the same tags damaged and the
+    same tag to resume from (the pointer is a hint: both take the newest intact tag and name the pointer)."""
+    import argparse
+
+    from toolkit.train.checkpoint import cli, manifest
+
+    for step in (4, 8):
+        checkpoints.save(engine=FilesEngine(), checkpoint_dir=tmp_path, step=step, layout_free=FilesCopy())
+    name, damage = DAMAGE[kind]
+    before = (tmp_path / "step_000008" / name).read_bytes()
+    damage(tmp_path / "step_000008" / name)
+    assert (tmp_path / "step_000008" / name).read_bytes() != before
+    verdicts = manifest.verify_run(tmp_path)
+    verify_damaged = {v.tag for v in verdicts if v.status == "damaged"}
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["checkpoint", "verify", str(tmp_path)])
+    assert args.func(args) == (1 if verify_damaged else 0)
+    said_by_verify = capsys.readouterr().out
+    resumed = checkpoints.resume(engine=FilesEngine(), checkpoint_dir=tmp_path, layout_free=FilesCopy(), owner=True)
+    said_by_resume = capsys.readouterr().out
+    set_aside = {p.name.removeprefix(".damaged-") for p in tmp_path.glob(".damaged-*")}
+    assert checkpoints.tag_for(resumed.step) == cli.resume_tag(verdicts)
+    assert set_aside == verify_damaged == ({"step_000008"} if kind != "pointer" else set())
+    if kind == "pointer":
+        assert resumed.step == 8
+        for said in (said_by_verify, said_by_resume):
+            assert "latest_complete names 'step_000004', an older checkpoint" in said
+    else:
+        assert resumed.step == 4 and f"{name.split('/')[-1]}: " in said_by_verify
+        assert "falling back to step_000004" in said_by_resume
+
+
+def test_a_crafted_pickle_is_refused_by_name_and_never_run(process_group, tmp_path):
+    """A model file whose pickle calls a function (manifest and marker rewritten to match): verify names it,
+    resume refuses it before any load, and DeepSpeed's own load path refuses it too."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from toolkit.train.checkpoint import manifest, pickles
+
+    checkpoints.save(engine=FilesEngine(), checkpoint_dir=tmp_path, step=4)
+    tag_dir, ran = tmp_path / "step_000004", tmp_path / "code-ran"
+    torch.save({"module": {}, "x": Crafted(ran)}, tag_dir / "mp_rank_00_model_states.pt")
+    manifest.write_manifest(tag_dir, manifest.entries_for(tag_dir, manifest.list_files(tag_dir)))
+    record = {k: v for k, v in json.loads((tag_dir / "dsmt_complete.json").read_text()).items()
+              if not k.endswith("xxh3_128")}
+    (tag_dir / "dsmt_complete.json").write_text(manifest.marker_text(tag_dir, record))
+    [verdict] = manifest.verify_run(tag_dir)
+    assert verdict.status == "unsafe"
+    assert verdict.problems[0].line() == "mp_rank_00_model_states.pt: names builtins.getattr, pathlib.Path"
+    with pytest.raises(pickles.UnsafeCheckpoint, match=r"^\[unsafe_checkpoint\] checkpoint .*step_000004 holds "
+                       r"pickles that would run code(?s:.*)mp_rank_00_model_states.pt: names builtins.getattr"):
+        checkpoints.resume(engine=FilesEngine(), checkpoint_dir=tmp_path)
+    engine = FilesEngine()
+    engine.checkpoint_engine = TorchCheckpointEngine()  # what DeepSpeed's load_checkpoint reads every file with
+    with pickles.deepspeed_loads_weights_only(engine):
+        with pytest.raises(pickles.UnsafeCheckpoint, match=r"mp_rank_00_model_states.pt names builtins.getattr"):
+            engine.checkpoint_engine.load(str(tag_dir / "mp_rank_00_model_states.pt"))
+    assert "load" not in vars(engine.checkpoint_engine) and not ran.exists()
+
+
+class Crafted:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+def test_deepspeeds_own_classes_load_weights_only(tmp_path):
+    """Exactly what DeepSpeed pickles into a dsmt checkpoint's optimizer files loads under the allowlist."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from toolkit.train.checkpoint import pickles
+
+    state = {"loss_scaler": LossScaler(1.0), "dynamic": DynamicLossScaler(2.0**16, 100, 1.0, 2, True),
+             "zero_stage": ZeroStageEnum.weights, "param_slice_mappings": {"w": fragment_address(numel=4, start=8)}}
+    torch.save(state, tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert pickles.unsafe_files(tmp_path) == []
+    loaded = pickles.load_weights_only(str(tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    assert [vars(loaded[key]) for key in ("loss_scaler", "dynamic")] == [vars(state[key])
+                                                                         for key in ("loss_scaler", "dynamic")]
+    assert loaded["zero_stage"] is ZeroStageEnum.weights and loaded["param_slice_mappings"]["w"].start == 8
+
+
+def test_a_disk_full_in_the_layout_free_copy_is_named_not_blamed_on_a_rank(process_group, tmp_path, monkeypatch):
+    """torch.distributed.checkpoint wraps each rank's failure in a CheckpointException (a BaseException): the
+    ENOSPC inside is found, the message quotes it (no rank traceback), and the previous checkpoint stays intact."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import filesystem
+
+    from toolkit.train.checkpoint import manifest, reshard
+
+    class DcpCopy:
+        def save(self, tag_dir):
+            writer = dcp.FileSystemWriter(str(tag_dir / "layout-free"), thread_count=1)
+            dcp.save({"master": torch.ones(256)}, storage_writer=writer)
+
+    checkpoints.save(engine=FilesEngine(), checkpoint_dir=tmp_path, step=4, layout_free=DcpCopy())
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(filesystem, "_write_item", full)
+    with pytest.raises(space.DiskFull) as raised:
+        checkpoints.save(engine=FilesEngine(), checkpoint_dir=tmp_path, step=8, layout_free=DcpCopy())
+    message = str(raised.value)
+    assert message.startswith("[disk_full] the disk filled while saving checkpoint step_000008 into "), message
+    assert "the previous checkpoint is intact (the library said: OSError: [Errno 28] No space left" in message
+    assert "CheckpointException" not in message and "RANK" not in message and "\nfix: " in message
+    assert [(v.tag, v.status) for v in manifest.verify_run(tmp_path)] == [
+        ("step_000004", "intact"), (".partial-step_000008", "incomplete")]
+    # The copy's size is checked before it is written, at the first save too.
+    monkeypatch.setattr(space, "free_bytes", lambda directory: 1000)
+    item = type("Item", (), {"data": torch.ones(1024), "replica_id": 0})()
+    with pytest.raises(space.DiskFull, match=r"^\[disk_full\] the layout-free copy of checkpoint step_000012 needs "
+                       r"about 0.0 MB and .* has 0.0 MB free; nothing of the copy was written"):
+        reshard.refuse_unless_it_fits(tmp_path / ".partial-step_000012", sharded={"master/w": item})
+
+
 def _stats(loss, norm=1.0):
     return StepStats(loss=loss, grad_norm=norm, lr=1e-3, step_time_s=0.1)
 

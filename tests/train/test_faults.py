@@ -1,14 +1,17 @@
 """Faults a preempted, crowded or misbehaving job meets, each as a user would meet it with `dsmt train`:
 a kill in the middle of a save, a second run into the same output directory, a damaged checkpoint, a diverged
-loss. Nothing is lost: the resumed losses equal an uninterrupted run's."""
+loss, a preemption's SIGTERM. Nothing is lost: the resumed losses equal an uninterrupted run's."""
 
+import re
 import shutil
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from fault_helpers import REPO, job_processes, kill_all, run, start, wait_until
+from fault_helpers import (REPO, job_processes, kill_all, output_of, rank_at_step, run, start, still_running,
+                           wait_until)
 from toolkit.train.checkpoint.checkpoints import complete_tags
 from toolkit.train.checkpoint.manifest import verify_run
 from train_helpers import read_metrics, write_spec
@@ -144,3 +147,31 @@ def test_non_finite_loss_stops_before_saving_the_bad_step(tiny_llama, tmp_path, 
     assert complete_tags(tmp_path / "run" / "checkpoints") == ["step_000001"]
     assert not (tmp_path / "run" / "final-hf").exists()
     assert not list((tmp_path / "run" / "checkpoints").glob(".partial-*"))
+
+
+def test_sigterm_saves_the_step_then_the_run_resumes_exactly(tiny_llama, reference, tmp_path):
+    """Preemption (SIGTERM to `dsmt train`, through torchrun as a user's run): every rank finishes its step, saves
+    it, and the job exits 75 (toolkit/train/job/preemption.py); the same command again resumes from that step."""
+    spec = write_spec(tmp_path / "job.yaml", model_dir=tiny_llama, output_dir=tmp_path / "run", **SHAPE)
+    launcher = start(spec, cold=True)
+    wait_until(lambda: rank_at_step(tmp_path / "run", rank=1, step=2), timeout_s=300, what="step 2",
+               process=launcher)
+    job = job_processes(launcher, tmp_path / "run", nprocs=2)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 75, output_of(launcher, spec)[-3000:]
+    output = output_of(launcher, spec)
+    [said] = [line for line in output.splitlines() if "SIGTERM received" in line]  # rank 0's line, once
+    stopped_after = int(re.fullmatch(r"dsmt train: SIGTERM received \(preemption or time limit\): finishing step "
+                                     r"(\d+), saving, then exiting with code 75", said).group(1))
+    saved = f"step_{stopped_after:06d}"
+    assert f"dsmt train: error: [preempted] SIGTERM (preemption or time limit): every rank stopped after the same " \
+           f"step, saved as {tmp_path / 'run' / 'checkpoints' / saved}; exit code 75" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert saved in complete_tags(tmp_path / "run" / "checkpoints")
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, stopped_after + 1))
+    assert not still_running(job)
+
+    resumed = run(spec)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, STEPS + 1))
+    assert _losses(tmp_path / "run", range(1, STEPS + 1)) == _losses(reference, range(1, STEPS + 1))

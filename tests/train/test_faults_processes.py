@@ -1,5 +1,5 @@
 """The job's processes when one of them goes wrong: the rank that failed first is the one named (killed, or
-stopped with a short collective timeout), killing the launcher or torchrun ends every rank and helper, and a full
+stopped: named as hung by the launcher), killing the launcher or torchrun ends every rank and helper, and a full
 disk during a save ends in one named line."""
 
 import signal
@@ -9,7 +9,8 @@ import time
 import psutil
 import pytest
 
-from fault_helpers import (job_processes, output_of, rank_at_step, rank_pids, start, still_running, wait_until)
+from fault_helpers import (job_processes, kill_all, output_of, rank_at_step, rank_pids, start, still_running,
+                           wait_until)
 from train_helpers import write_spec
 
 pytestmark = pytest.mark.multiproc
@@ -34,19 +35,23 @@ def test_killed_rank_is_named_not_the_survivor(tiny_llama, tmp_path):
     assert "rank 0 of 2" not in output  # the survivor that saw its peer's connection drop is not blamed
 
 
-def test_stopped_rank_is_named_after_the_collective_timeout(tiny_llama, tmp_path):
-    spec, launcher = _long_run(tiny_llama, tmp_path, collective_timeout_s=6)
+def test_stopped_rank_is_named_as_hung_and_the_job_ended(tiny_llama, tmp_path):
+    """A rank that stops reporting (SIGSTOP) is named by dsmt's launcher after training.hang_timeout_s, not after
+    the collective timeout (180 s here) plus torchrun's shutdown wait, and every process of the job is killed."""
+    spec, launcher = _long_run(tiny_llama, tmp_path, cold=True, hang_timeout_s=5)
+    job = job_processes(launcher, tmp_path / "run", nprocs=2)
     stopped = psutil.Process(rank_pids(tmp_path / "run", nprocs=2)[1])
     stopped.send_signal(signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        assert launcher.wait(timeout=120) != 0
-        assert time.monotonic() - started < 60  # the 6 s timeout, not the 600 s default
+    try:  # within the 180 s collective timeout: the launcher's watch ended the job
+        returncode, left = launcher.wait(timeout=120), still_running(job)
     finally:
-        if stopped.is_running():
-            stopped.send_signal(signal.SIGCONT)
+        kill_all(still_running(job))
+    assert returncode == 1 and not left, [f"{p.pid} {' '.join(p.cmdline())[:80]}" for p in left]
     output = output_of(launcher, spec)
-    assert "rank 1 failed first: its process is stopped" in output, output[-3000:]
+    [first] = [line for line in output.splitlines() if "error:" in line]
+    assert first.startswith(f"dsmt train: error: [rank_hung] rank 1 of 2 (pid {stopped.pid}) stopped reporting "), first
+    assert "its process is stopped (SIGSTOP, Ctrl-Z or a debugger); the job was ended" in first, first
+    assert "SIGKILL" not in output, output[-3000:]
 
 
 @pytest.mark.parametrize("killed", ["dsmt train", "torchrun"])

@@ -107,8 +107,9 @@ def test_moe_resume_at_ep2_matches_uninterrupted(full_rows, tmp_path):
     run_dsmt(write_spec(tmp_path / "whole.yaml", output_dir=tmp_path / "whole", steps=4, **common))
     run_dsmt(write_spec(tmp_path / "first.yaml", output_dir=tmp_path / "split", steps=2, checkpoint_interval=2,
                         **common))
-    run_dsmt(write_spec(tmp_path / "rest.yaml", output_dir=tmp_path / "split", steps=4, checkpoint_interval=2,
-                        **common))
+    output = run_dsmt(write_spec(tmp_path / "rest.yaml", output_dir=tmp_path / "split", steps=4,
+                                 checkpoint_interval=2, **common), "--continue-with-changes")  # train_steps 2 -> 4
+    assert "continuing with changes (--continue-with-changes): training.train_steps 2 -> 4" in output
     whole, split = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
     assert [r["step"] for r in split] == [1, 2, 3, 4]
     assert all(abs(a["loss"] - b["loss"]) < 1e-6 for a, b in zip(whole, split)), (whole, split)

@@ -45,13 +45,13 @@ def read_validation(output_dir: Path) -> list[dict]:
     return [line for line in lines if "val_loss" in line]
 
 
-def run_dsmt(spec_path: Path) -> str:
-    """`dsmt train --config spec_path` in a subprocess (it launches the ranks itself); fails with its output, else
-    returns it (stdout + stderr)."""
+def run_dsmt(spec_path: Path, *flags: str) -> str:
+    """`dsmt train --config spec_path [flags]` in a subprocess (it launches the ranks itself); fails with its output,
+    else returns it (stdout + stderr)."""
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", "--config", str(spec_path)],
+    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", "--config", str(spec_path), *flags],
                             capture_output=True, text=True, cwd=REPO)
     if result.returncode != 0:
         # torchrun's summary of killed ranks fills the tail; the first rank's exception is what explains a failure

@@ -10,6 +10,7 @@ from toolkit.adapters.family import (AdapterError, HeadTable, ModelFamily, Multi
                                      get_family)
 from toolkit.adapters.longrope import longrope_from_hf
 from toolkit.adapters.transforms import ShapeContext
+from toolkit.models.remote_code import refuse_remote_code
 from toolkit.models.shapes import VOCAB_PAD_MULTIPLE, padded_vocab_size  # one rule for adapters, spec and planner
 
 # (HF config field, megatron TransformerConfig field), copied as they are.
@@ -60,11 +61,12 @@ def load_hf_config(checkpoint_dir: Path):
         raw = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise AdapterError(f"{config_path} is not readable JSON ({err}); re-save the config with save_pretrained") from err
+    refuse_remote_code(checkpoint_dir)  # before the family: its model_type may be the folder's own code's
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if not model_type:
         raise AdapterError(f"{config_path} has no 'model_type'; it is not an HF model config")
     get_family(model_type)  # unknown model types fail here, listing the supported ones
-    return AutoConfig.from_pretrained(str(checkpoint_dir))
+    return AutoConfig.from_pretrained(str(checkpoint_dir), trust_remote_code=False)
 
 
 def rope_parameters(hf_config) -> dict:

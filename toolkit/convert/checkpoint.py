@@ -11,9 +11,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -97,14 +100,47 @@ def drop_quantization_config(hf_dir: Path) -> None:
         path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def copy_side_files(source_dir: Path, target_dir: Path) -> list[str]:
-    target_dir.mkdir(parents=True, exist_ok=True)
-    copied = []
+def side_files(source_dir: Path) -> list[str]:
+    """The names of HF_SIDE_FILES that `source_dir` holds as files (a link counts when it resolves inside the
+    checkpoint: `checkpoint_root`). Raises CheckpointError (`[side_file_outside_source]`) listing every link that
+    leads elsewhere: its contents would be copied into the output (a merges.txt linked to /etc/passwd was)."""
+    source_dir = Path(source_dir)
+    root = checkpoint_root(source_dir)
+    names, outside = [], []
     for name in HF_SIDE_FILES:
-        if (Path(source_dir) / name).is_file():
-            shutil.copy2(Path(source_dir) / name, target_dir / name)
-            copied.append(name)
-    return copied
+        path = source_dir / name
+        if not path.is_file():  # follows links: absent, dangling, a folder, a FIFO or a device is not copied
+            continue
+        if path.resolve().is_relative_to(root):
+            names.append(name)
+        else:
+            outside.append(f"{path} -> {path.resolve()}")
+    if outside:
+        raise CheckpointError(
+            f"[side_file_outside_source] {len(outside)} file(s) of {source_dir} link outside it ({root}): "
+            f"{'; '.join(outside)}; dsmt copies only the checkpoint's own files into its output\n"
+            "fix: replace each link with the file it should be (cp --remove-destination REAL_FILE LINK), or "
+            "remove it")
+    return names
+
+
+def checkpoint_root(source_dir: Path) -> Path:
+    """The folder a checkpoint's files may resolve into: the checkpoint folder itself, or for a snapshot of the HF
+    hub cache the model's whole cache folder (`models--org--name/snapshots/<revision>/config.json` links to
+    `../../blobs/<sha256>`)."""
+    resolved = Path(source_dir).resolve()
+    if resolved.parent.name == "snapshots" and resolved.parent.parent.name.startswith("models--"):
+        return resolved.parent.parent
+    return resolved
+
+
+def copy_side_files(source_dir: Path, target_dir: Path) -> list[str]:
+    """Copy the side files of `source_dir` (checked by `side_files`) into `target_dir`, link targets as files."""
+    names = side_files(source_dir)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copy2(Path(source_dir) / name, target_dir / name)
+    return names
 
 
 def refuse_existing(out_dir: Path, *, overwrite: bool) -> None:
@@ -114,18 +150,26 @@ def refuse_existing(out_dir: Path, *, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out_dir: Path, *, overwrite: bool):
-    """Yield a temporary sibling of `out_dir`; it replaces `out_dir` only if the block completes."""
+def atomic_output_dir(out_dir: Path, *, overwrite: bool, needed_bytes: int | None = None):
+    """Yield a temporary sibling of `out_dir`; it replaces `out_dir` only if the block completes. Temporaries of
+    killed writes of `out_dir` are removed first (a line each on stderr). A disk without `needed_bytes` free, or
+    one that fills while writing, raises `[disk_full]`, the temporary removed."""
     out_dir = Path(out_dir)
     refuse_existing(out_dir, overwrite=overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for line in remove_stale_temporaries(out_dir):
+        print(line, file=sys.stderr)
+    refuse_too_small(out_dir, needed_bytes=needed_bytes)
     temp_dir = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(temp_dir, ignore_errors=True)
     temp_dir.mkdir()
     try:
         yield temp_dir
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(temp_dir, ignore_errors=True)
+        full = disk_full_error(err, out_dir=out_dir, needed_bytes=needed_bytes)
+        if full is not None:
+            raise full from err
         raise
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
@@ -134,6 +178,82 @@ def atomic_output_dir(out_dir: Path, *, overwrite: bool):
         shutil.rmtree(old, ignore_errors=True)
     else:
         temp_dir.rename(out_dir)
+
+
+def remove_stale_temporaries(out_dir: Path) -> list[str]:
+    """Remove what killed writes of `out_dir` left beside it: `.NAME.partial-PID` folders, and `.NAME.old-PID` once
+    NAME is back in place, of processes no longer alive on this machine; one line per folder removed."""
+    lines = []
+    for path in sorted(out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*")):
+        kind, _, pid = path.name.removeprefix(f".{out_dir.name}.").partition("-")
+        if kind not in ("partial", "old") or not pid.isdigit() or _alive(int(pid)) or not path.is_dir():
+            continue
+        if kind == "old" and not out_dir.exists():
+            continue  # the previous output, moved aside by a run killed before it renamed the new one in
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(path, ignore_errors=True)
+        lines.append(f"removed {path} ({size / 1e6:,.1f} MB): left by a killed write of {out_dir} (process {pid})")
+    return lines
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0 or pid == os.getpid():
+        return True  # ours (atomic_output_dir replaces its own), or not a process id
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _disk_fix(directory: Path) -> str:
+    return (f"fix: free space on the filesystem of {directory}, or write the output to a larger disk; then run the "
+            "same command again")
+
+
+def refuse_too_small(out_dir: Path, *, needed_bytes: int | None) -> None:
+    """`[disk_full]` before any byte is written when the output's filesystem has less than `needed_bytes` free."""
+    if needed_bytes is None:
+        return
+    free = shutil.disk_usage(out_dir.parent).free
+    if free < needed_bytes:
+        raise DsmtError(f"[disk_full] {out_dir} needs about {needed_bytes / 1e6:,.1f} MB (the tensors it holds) and "
+                        f"{out_dir.parent} has {free / 1e6:,.1f} MB free; nothing was written\n"
+                        f"{_disk_fix(out_dir.parent)}")
+
+
+def disk_full_error(err: BaseException, *, out_dir: Path, needed_bytes: int | None) -> DsmtError | None:
+    """`[disk_full]` when `err` came from a full disk (ENOSPC / EDQUOT anywhere in its chain); None otherwise."""
+    cause = _disk_full_cause(err)
+    if cause is None:
+        return None
+    free = shutil.disk_usage(out_dir.parent).free
+    needed = "unknown" if needed_bytes is None else f"about {needed_bytes / 1e6:,.1f} MB"
+    said = str(cause).strip().splitlines()[-1][:200] if str(cause).strip() else ""
+    return DsmtError(f"[disk_full] the disk filled while writing {out_dir} ({free / 1e6:,.1f} MB free now on "
+                     f"{out_dir.parent}; the output needs {needed}); nothing of it was kept (the library said: "
+                     f"{type(cause).__name__}: {said})\n{_disk_fix(out_dir.parent)}")
+
+
+def _disk_full_cause(err: BaseException) -> BaseException | None:
+    """The ENOSPC / EDQUOT error behind `err`: itself, its cause or context, or a failure that torch's
+    CheckpointException carries (`failures`: rank -> (exception, traceback)); else one that says so in words only
+    (Rust writers: safetensors)."""
+    chain, pending = [], [err]
+    while pending:
+        current = pending.pop(0)
+        if current is None or any(current is seen for seen in chain):
+            continue
+        chain.append(current)
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            pending += [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+        pending += [current.__cause__, current.__context__]
+    by_errno = [e for e in chain if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)]
+    by_words = [e for e in chain if "No space left on device" in str(e)]
+    return (by_errno or by_words[-1:] or [None])[0]
 
 
 # ---- one rank works, the others wait on a status file ------------------------------------------------------------

@@ -137,6 +137,7 @@ def read_hf_checkpoint(*, hf_dir: Path, vocab_pad_multiple: int, dequantize_fp8:
         ckpt.read_metadata(hf_dir)  # another tool's megatron checkpoint: refused by name there
         raise ckpt.CheckpointError(f"{hf_dir} is already a dsmt megatron checkpoint; use `dsmt convert mcore-to-hf`")
     hf_config = load_hf_config(hf_dir)
+    ckpt.side_files(hf_dir)  # a side file linked outside the checkpoint is refused before minutes of work
     source = SafetensorsSource(hf_dir, dequantize_fp8=dequantize_fp8)
     settings = model_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple)
     return settings, source, stored_dtype(source)
@@ -163,7 +164,7 @@ def convert_hf_to_mcore(*, hf_dir: Path, out_dir: Path, overwrite: bool = False,
     kept = passthrough_names(patterns=settings.passthrough_hf, names=source.names())
     total_bytes = sum(chunk.nbytes for chunk in chunks) + passthrough_bytes(source, kept)
     try:
-        with ckpt.atomic_output_dir(out_dir, overwrite=overwrite) as temp_dir, \
+        with ckpt.atomic_output_dir(out_dir, overwrite=overwrite, needed_bytes=total_bytes) as temp_dir, \
                 byte_progress(total_bytes=total_bytes, description="hf-to-mcore", enabled=show_progress) as advance:
             write_torch_dist(model_dir=temp_dir / "model", tensors=chunks, common=common, workers=workers,
                              objects=[ObjectChunk(obj.unique_key, obj.data) for obj in objects], on_written=advance)

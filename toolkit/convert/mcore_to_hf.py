@@ -152,6 +152,7 @@ def convert_mcore_to_hf(*, mcore_dir: Path, out_dir: Path, overwrite: bool = Fal
     if info.kind != "mcore":
         raise ckpt.CheckpointError(f"{mcore_dir} is an HF checkpoint, not a dsmt megatron one; "
                                    "use `dsmt convert hf-to-mcore`")
+    ckpt.side_files(info.hf_dir)  # a side file linked outside the checkpoint is refused before any work
     reader = McoreReader(Path(mcore_dir) / "model")
     dtypes = {name: getattr(torch, dtype) for name, dtype in info.hf_tensor_dtypes().items()}
     plan = export_plan(reader=reader, settings=info.settings, dtypes=dtypes)
@@ -166,7 +167,7 @@ def convert_mcore_to_hf(*, mcore_dir: Path, out_dir: Path, overwrite: bool = Fal
         makers += [lambda name=name: kept.get(name) for name in names]
     total_bytes = sum(tensor_nbytes(shape, dtype) for _, shape, dtype in entries)
     try:
-        with ckpt.atomic_output_dir(out_dir, overwrite=overwrite) as temp_dir, \
+        with ckpt.atomic_output_dir(out_dir, overwrite=overwrite, needed_bytes=total_bytes) as temp_dir, \
                 byte_progress(total_bytes=total_bytes, description="mcore-to-hf", enabled=show_progress) as advance:
             num_shards = write_safetensors(makers, entries=entries, out_dir=temp_dir, max_shard_bytes=max_shard_bytes,
                                            workers=workers, on_written=advance, progress=progress)

@@ -6,7 +6,8 @@
 
 `pipeline.build_examples` runs the record stages in one process; `training.job_rows` gives a training job the rows
 of any source kind (records cached once per job and memory-mapped on every rank; Megatron corpora through
-megatron-core's datasets; mixes); `prepare` writes Megatron corpora (`dsmt data prepare`)."""
+megatron-core's datasets; mixes); `prepare` writes Megatron corpora (`dsmt data prepare`), `corpus_check` checks
+them wherever they are opened."""
 
 from __future__ import annotations
 

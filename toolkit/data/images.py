@@ -184,7 +184,7 @@ def image_transform(*, model_config, processor_path: str):
     if (Path(processor_path) / "preprocessor_config.json").is_file():
         from transformers import AutoImageProcessor
 
-        processor = AutoImageProcessor.from_pretrained(processor_path)
+        processor = AutoImageProcessor.from_pretrained(processor_path, trust_remote_code=False)
         return (lambda images: processor(images=images, return_tensors="pt")["pixel_values"],
                 f"image processor {type(processor).__name__} from {processor_path}/preprocessor_config.json")
     size = int(getattr(model_config, "image_size", None) or DEFAULT_IMAGE_SIZE)

@@ -16,6 +16,9 @@ and `BlendedDataset` (`data.blend`), built by its `BlendedMegatronDatasetBuilder
 * The index files megatron-core builds (document / sample / shuffle indices, the blend's) are cached under
   `<data.cache_dir or OUTPUT/data-cache>/megatron`, built by global rank 0 first (a shared filesystem, as for
   checkpoints), then read by the others.
+* Every rank checks each corpus's files before megatron-core reads them (toolkit/data/corpus_check.py: the .idx
+  against itself, the .bin's size and the sidecar's record), and global rank 0 compares their digests with the
+  sidecar's in a background thread while training starts: damage found fails the run at rank 0's next read.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolkit.data.validation import TRAIN, VALIDATION
+from toolkit.data.corpus_check import CorpusDamaged, DigestWatch, check_corpus
 from toolkit.data.examples import count_loss_tokens
+from toolkit.data.validation import TRAIN, VALIDATION
 from toolkit.errors import DsmtError
 from toolkit.spec.data_schema import DataSpec, megatron_corpora
 
@@ -55,8 +59,8 @@ class Corpus:
 
 
 def read_corpus(prefix: str, *, eod_fallback: int | None) -> Corpus:
-    """The corpus at `prefix`, checked whole; its EOD and largest id from dsmt's sidecar (`dsmt data prepare`),
-    else `eod_fallback` (the model tokenizer's EOS) and a scan of the `.bin`."""
+    """The corpus at `prefix`, checked whole (`check_corpus`: CorpusDamaged); its EOD and largest id from dsmt's
+    sidecar (`dsmt data prepare`), else `eod_fallback` (the model tokenizer's EOS) and a scan of the `.bin`."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from toolkit.data.prepare import missing_corpus_files, read_sidecar
@@ -68,15 +72,16 @@ def read_corpus(prefix: str, *, eod_fallback: int | None) -> Corpus:
                           f"{', '.join(missing)}; give the PREFIX of PREFIX.bin / PREFIX.idx (`dsmt data prepare "
                           f"INPUT --tokenizer DIR --output PREFIX` writes them)")
     try:
-        dataset = IndexedDataset(str(base))
-    except Exception as err:  # a truncated .idx, a .bin of another corpus
-        raise CorpusError("megatron_corpus_damaged", f"{prefix!r} cannot be read by megatron-core's "
-                          f"IndexedDataset ({type(err).__name__}: {err}); prepare it again") from err
-    try:
         sidecar = read_sidecar(str(base))
     except DsmtError as err:  # not JSON, another format, keys missing: the message says which and the fix
         raise CorpusError("megatron_sidecar", str(err)) from err
-    counts = dict(num_documents=len(dataset), num_tokens=int(dataset.sequence_lengths.sum()))
+    facts = check_corpus(base, sidecar=sidecar)
+    try:
+        dataset = IndexedDataset(str(base))
+    except Exception as err:  # what check_corpus does not look at (the multimodal flag, a file that vanished)
+        raise CorpusError("megatron_corpus_damaged", f"{prefix!r} cannot be read by megatron-core's "
+                          f"IndexedDataset ({type(err).__name__}: {err}); prepare it again") from err
+    counts = dict(num_documents=facts.num_sequences, num_tokens=facts.num_tokens)
     if sidecar is not None:
         return Corpus(prefix=str(base), eod_id=int(sidecar["eod_id"]), max_token_id=int(sidecar["max_token_id"]),
                       tokenizer_identity=sidecar.get("tokenizer_identity"), **counts)
@@ -112,7 +117,7 @@ def corpus_fit_problems(*, corpus: Corpus, vocab_size: int, tokenizer,
     return found
 
 
-def corpus_problems(*, data: DataSpec, tokenizer, vocab_size: int) -> tuple[list[Corpus], list[CorpusError]]:
+def corpus_problems(*, data: DataSpec, tokenizer, vocab_size: int) -> tuple[list[Corpus], list[DsmtError]]:
     """Every corpus of `data` read and fitted to the model: (the corpora read, every problem found)."""
     from toolkit.data.tokenize import tokenizer_identity
 
@@ -121,7 +126,7 @@ def corpus_problems(*, data: DataSpec, tokenizer, vocab_size: int) -> tuple[list
     for _, prefix in megatron_corpora(data):
         try:
             corpus = read_corpus(prefix, eod_fallback=tokenizer.eos_token_id)
-        except CorpusError as err:
+        except (CorpusError, CorpusDamaged) as err:
             problems.append(err)
             continue
         corpora.append(corpus)
@@ -133,6 +138,8 @@ def corpus_problems(*, data: DataSpec, tokenizer, vocab_size: int) -> tuple[list
 def check_corpora(*, data: DataSpec, tokenizer, vocab_size: int) -> list[Corpus]:
     """`corpus_problems`, raising one error that lists every problem."""
     corpora, problems = corpus_problems(data=data, tokenizer=tokenizer, vocab_size=vocab_size)
+    if len(problems) == 1:
+        raise problems[0]  # its own rule and fix, as it was raised
     if problems:
         raise DsmtError("; ".join(map(str, problems)))
     return corpora
@@ -161,8 +168,7 @@ def megatron_rows(*, data: DataSpec, model_path: str | None, part: str, num_samp
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    from toolkit.data.tokenize import tokenizer_identity
-    from toolkit.data.tokenize import load_tokenizer
+    from toolkit.data.tokenize import load_tokenizer, tokenizer_identity
 
     if part == TRAIN and num_samples is None:
         raise DsmtError("megatron_rows: the training side needs num_samples (train_steps x global batch)")
@@ -170,6 +176,7 @@ def megatron_rows(*, data: DataSpec, model_path: str | None, part: str, num_samp
         raise DsmtError("there is no validation data: set data.validation_fraction (Megatron's split)")
     tokenizer = load_tokenizer(data=data, model_path=model_path)
     corpora = check_corpora(data=data, tokenizer=tokenizer, vocab_size=vocab_size)
+    watch = digest_watch(corpora) if part == TRAIN else None  # hashing overlaps megatron-core's index build
     weights = [weight for weight, _ in megatron_corpora(data)] if data.blend is not None else None
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, split=split_string(data), path_to_cache=str(cache_root),
@@ -186,17 +193,34 @@ def megatron_rows(*, data: DataSpec, model_path: str | None, part: str, num_samp
         raise DsmtError(f"megatron_split_empty: the {part} side of {', '.join(c.prefix for c in corpora)} "
                         f"({documents} documents, split {split_string(data)}) holds no sample of seq_length + 1 = "
                         f"{seq_length + 1} tokens; adjust data.validation_fraction or give a larger corpus")
-    return MegatronRows(dataset=dataset, seq_length=seq_length)
+    return MegatronRows(dataset=dataset, seq_length=seq_length, digest_watch=watch)
+
+
+def digest_watch(corpora: list[Corpus]) -> DigestWatch | None:
+    """On global rank 0 (or without a process group), the digests of `corpora` checked in the background; the
+    other ranks read the same files and are stopped by the launcher when rank 0 fails."""
+    import torch.distributed as dist
+
+    from toolkit.data.prepare import read_sidecar
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    recorded = [(corpus.prefix, read_sidecar(corpus.prefix)) for corpus in corpora]
+    if not any(sidecar and sidecar.get("files") for _, sidecar in recorded):
+        return None  # no digests recorded (corpora not made by dsmt, or prepared before it recorded them)
+    return DigestWatch(corpora=recorded)
 
 
 class MegatronRows:
-    """A megatron-core dataset as dsmt rows (toolkit/data/examples.py's interface), read sample by sample."""
+    """A megatron-core dataset as dsmt rows (toolkit/data/examples.py's interface), read sample by sample.
+    `digest_watch`: the background digest check of its corpora, whose damage fails the next read."""
 
     kind = "megatron"
 
-    def __init__(self, *, dataset, seq_length: int):
+    def __init__(self, *, dataset, seq_length: int, digest_watch: DigestWatch | None = None):
         self.dataset = dataset
         self._seq_length = seq_length
+        self.digest_watch = digest_watch
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -206,6 +230,8 @@ class MegatronRows:
         return self._seq_length
 
     def rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.digest_watch is not None:
+            self.digest_watch.raise_if_damaged()
         samples = [self.dataset[int(row)] for row in rows]
         token_ids = torch.stack([torch.cat([s["tokens"], s["labels"][-1:]]) for s in samples]).to(torch.int64)
         loss_mask = torch.stack([s["loss_mask"] for s in samples]).to(torch.float32)

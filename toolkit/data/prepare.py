@@ -11,7 +11,13 @@ chunks of `CHUNK_TEXTS` texts; with `workers > 1` a process pool tokenises them,
 workers` chunks in flight, and the parent writes the results in input order, so the output does not depend on
 `workers`. Everything is written to `PREFIX.tmp-<pid>.*` first and renamed into place only after success: the
 .bin, then the sidecar, then the .idx, the file that makes a corpus look valid. Any failure (Ctrl-C included)
-removes the temporaries and leaves an earlier complete PREFIX.* as it was.
+removes the temporaries and leaves an earlier complete PREFIX.* as it was; a full disk is the named error
+`disk_full` (toolkit/data/prepare_space.py). A run killed outright (kill -9) leaves its temporaries: the next run
+into the same PREFIX removes those whose pid no longer runs, and says so.
+
+The sidecar records both files' sizes and xxh3_128 digests (`files`), which every reader checks
+(toolkit/data/corpus_check.py): the sizes always, the digests on `dsmt check --deep` and at training start.
+Hashing costs one read of the files just written (from the page cache: ~0.3 s per GB on a shared 2-core machine).
 """
 
 from __future__ import annotations
@@ -30,12 +36,15 @@ from pathlib import Path
 import numpy as np
 
 from toolkit.data.prepare_inputs import resolve_inputs, text_chunks
+from toolkit.data.prepare_space import (TEMP_SUFFIXES, disk_full_error, remove_stale_temporaries, temporary_bytes,
+                                        temporary_prefix)
 from toolkit.errors import DsmtError
 
 SIDECAR_SUFFIX = ".dsmt.json"
 SIDECAR_FORMAT = "dsmt-indexed/1"
 # What a reader of the sidecar may rely on (the training reader uses eod_id, max_token_id, vocab_size and
-# tokenizer_identity).
+# tokenizer_identity). `files` (each file's size and digest, toolkit/data/corpus_check.py) is written by every run
+# but optional to read: sidecars written before it have none, and their corpora get the checks of the .idx only.
 SIDECAR_KEYS = ("format", "tokenizer", "tokenizer_identity", "tokenizer_class", "vocab_size", "eod_id",
                 "max_token_id", "num_documents", "num_tokens", "num_skipped_empty", "text_field", "inputs")
 CHUNK_TEXTS = 1000  # texts per tokenizer call: enough for the fast tokenizer's batching, small to ship to a worker
@@ -49,6 +58,7 @@ class TokenizedChunk:
     ids: np.ndarray  # int32: every kept document's ids, EOS included, back to back
     lengths: np.ndarray  # int64: tokens per kept document
     num_skipped_empty: int
+    num_text_chars: int  # of all the chunk's texts: a full disk's message estimates the corpus size from it
 
 
 @dataclass
@@ -57,8 +67,10 @@ class CorpusCounts:
     num_tokens: int = 0
     num_skipped_empty: int = 0
     max_token_id: int = -1
+    num_text_chars: int = 0
 
     def add(self, chunk: TokenizedChunk) -> None:
+        self.num_text_chars += chunk.num_text_chars
         self.num_documents += len(chunk.lengths)
         self.num_tokens += int(chunk.lengths.sum())
         self.num_skipped_empty += chunk.num_skipped_empty
@@ -95,20 +107,31 @@ def prepare_corpus(*, inputs: list[str | Path], tokenizer_dir: str | Path, outpu
         raise DsmtError(f"workers={workers} must be at least 1 (1 tokenises in this process, no pool)")
     sources = resolve_inputs(inputs=inputs)
     prefix = checked_prefix(output_prefix)
+    removed = remove_stale_temporaries(prefix)
+    if removed:
+        print(removed, file=sys.stderr, flush=True)
     _import_libraries()
+    from megatron.core.datasets.indexed_dataset import DType
+
     started = time.perf_counter()
     tokenizer = load_prepare_tokenizer(tokenizer_dir)
-    temp = f"{prefix}.tmp-{os.getpid()}"
+    dtype = DType.optimal_dtype(len(tokenizer))  # uint16 below 65,500 ids, as preprocess_data.py chooses
+    temp, counts = temporary_prefix(prefix), CorpusCounts()
     try:
-        counts = _write_temporaries(temp=temp, chunks=text_chunks(sources=sources, text_field=text_field,
-                                                                  split=split, chunk_texts=CHUNK_TEXTS),
-                                    tokenizer=tokenizer, tokenizer_dir=tokenizer_dir, workers=workers,
-                                    show_progress=show_progress)
-        write_sidecar(prefix=temp, meta=_sidecar_meta(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
-                                                      counts=counts, text_field=text_field, sources=sources))
+        _write_temporaries(temp=temp, chunks=text_chunks(sources=sources, text_field=text_field, split=split,
+                                                         chunk_texts=CHUNK_TEXTS),
+                           tokenizer=tokenizer, tokenizer_dir=tokenizer_dir, workers=workers, dtype=dtype,
+                           counts=counts, show_progress=show_progress)
+        write_sidecar(prefix=temp, meta=_sidecar_meta(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir, counts=counts,
+                                                      text_field=text_field, sources=sources, files_of=temp))
         _publish(temp=temp, prefix=prefix)
-    except BaseException:
+    except BaseException as err:
+        written_bytes = temporary_bytes(temp)
         _remove_temporaries(temp)
+        full = disk_full_error(err, prefix=prefix, written_bytes=written_bytes, counts=counts,
+                               itemsize=np.dtype(dtype).itemsize, inputs=[source.path for source in sources])
+        if full is not None:
+            raise full from err
         raise
     num_bytes = sum(Path(prefix + suffix).stat().st_size for suffix in (".bin", ".idx"))
     return PrepareSummary(prefix=prefix, counts=counts, num_bytes=num_bytes, seconds=time.perf_counter() - started)
@@ -144,7 +167,7 @@ def load_prepare_tokenizer(tokenizer_dir: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as err:  # OSError, ValueError, and the tokenizer classes' own errors for damaged files
         raise DsmtError(f"--tokenizer {tokenizer_dir}: AutoTokenizer.from_pretrained failed ({type(err).__name__}: "
                         f"{err}); give a directory holding tokenizer.json / tokenizer_config.json") from err
@@ -161,11 +184,13 @@ def tokenize_chunk(*, tokenizer, texts: list[str]) -> TokenizedChunk:
     kept = [text for text in texts if text]
     docs = [doc for doc in (tokenizer(kept)["input_ids"] if kept else []) if doc]
     lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+    num_text_chars = sum(map(len, kept))
     ids = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int32, count=int(lengths.sum()))
     ends = np.cumsum(lengths)  # one past each document's last id
     needs_eos = ids[ends - 1] != eos
     ids = np.insert(ids, ends[needs_eos], eos)  # in numpy, not a copy of each document's list in Python
-    return TokenizedChunk(ids=ids, lengths=lengths + needs_eos, num_skipped_empty=len(texts) - len(docs))
+    return TokenizedChunk(ids=ids, lengths=lengths + needs_eos, num_skipped_empty=len(texts) - len(docs),
+                          num_text_chars=num_text_chars)
 
 
 _worker_tokenizer = None  # each pool worker's own, loaded once by `_start_worker`
@@ -219,27 +244,26 @@ def _worker_result(result, *, starts, workers: int) -> TokenizedChunk:
     return result.get()
 
 
-def _write_temporaries(*, temp: str, chunks, tokenizer, tokenizer_dir, workers: int,
-                       show_progress: bool) -> CorpusCounts:
-    """`temp`.bin and `temp`.idx from the chunks; raises (leaving the temporaries to the caller) on zero documents."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+def _write_temporaries(*, temp: str, chunks, tokenizer, tokenizer_dir, workers: int, dtype, counts: CorpusCounts,
+                       show_progress: bool) -> None:
+    """`temp`.bin and `temp`.idx from the chunks, `counts` counting what was tokenised (also when a write fails);
+    raises (leaving the temporaries to the caller) on zero documents."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from tqdm import tqdm
 
-    dtype = DType.optimal_dtype(len(tokenizer))  # uint16 below 65,500 ids, as preprocess_data.py chooses
     builder = IndexedDatasetBuilder(temp + ".bin", dtype=dtype)
-    counts = CorpusCounts()
     bar = tqdm(unit=" docs", file=sys.stderr, disable=not show_progress, desc="tokenising", dynamic_ncols=True)
     try:
         with contextlib.closing(tokenized_chunks(chunks=chunks, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
                                                  workers=workers)) as tokenized:
             for chunk in tokenized:
                 _check_id_range(chunk=chunk, dtype=dtype, vocab_size=len(tokenizer))
+                counts.add(chunk)  # before the writes: a full disk's estimate then has this chunk's ratio too
                 # numpy slices, not torch tensors: add_document only does numpy.array(document, dtype) with
                 # either, and a torch slice per document costs 7x as much (~0.1 s per 5,000 documents)
                 starts = np.cumsum(chunk.lengths) - chunk.lengths
                 for start, length in zip(starts.tolist(), chunk.lengths.tolist()):
                     builder.add_document(chunk.ids[start:start + length], lengths=[length])
-                counts.add(chunk)
                 bar.update(len(chunk.lengths))
                 bar.set_postfix_str(f"{counts.num_tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tokens/s",
                                     refresh=False)
@@ -253,7 +277,6 @@ def _write_temporaries(*, temp: str, chunks, tokenizer, tokenizer_dir, workers: 
         raise DsmtError(f"no documents: every one of the {counts.num_skipped_empty:,} records read has an empty text; "
                         f"check --text-field and --split, or give inputs with text")
     builder.finalize(temp + ".idx")
-    return counts
 
 
 def _check_id_range(*, chunk: TokenizedChunk, dtype, vocab_size: int) -> None:
@@ -264,7 +287,9 @@ def _check_id_range(*, chunk: TokenizedChunk, dtype, vocab_size: int) -> None:
                         f"vocabulary of {vocab_size}; the tokenizer's len() must count every id it produces")
 
 
-def _sidecar_meta(*, tokenizer, tokenizer_dir, counts: CorpusCounts, text_field: str, sources) -> dict:
+def _sidecar_meta(*, tokenizer, tokenizer_dir, counts: CorpusCounts, text_field: str, sources, files_of: str) -> dict:
+    """The sidecar of the corpus written at `files_of`.bin/.idx (the temporaries: renaming keeps their bytes)."""
+    from toolkit.data.corpus_check import sidecar_files
     from toolkit.data.tokenize import tokenizer_identity
 
     return {"format": SIDECAR_FORMAT, "tokenizer": str(Path(tokenizer_dir).expanduser().resolve()),
@@ -272,7 +297,7 @@ def _sidecar_meta(*, tokenizer, tokenizer_dir, counts: CorpusCounts, text_field:
             "vocab_size": len(tokenizer), "eod_id": tokenizer.eos_token_id, "max_token_id": counts.max_token_id,
             "num_documents": counts.num_documents, "num_tokens": counts.num_tokens,
             "num_skipped_empty": counts.num_skipped_empty, "text_field": text_field,
-            "inputs": [str(source.path) for source in sources]}
+            "inputs": [str(source.path) for source in sources], "files": sidecar_files(files_of)}
 
 
 def missing_corpus_files(prefix: str | Path) -> list[str]:
@@ -308,7 +333,10 @@ def read_sidecar(prefix: str | Path) -> dict | None:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         problems.append(f"format is {found!r}, not {SIDECAR_FORMAT!r}")
     else:
+        from toolkit.data.corpus_check import files_entry_problem
+
         problems += [f"{key} is missing" for key in SIDECAR_KEYS if key not in meta]
+        problems += [problem for problem in [files_entry_problem(meta.get("files"))] if problem]
     if problems:
         raise DsmtError(f"{path}: {'; '.join(problems)}; re-run dsmt data prepare for {prefix}, or delete the file "
                         f"to use the corpus without its checks")
@@ -325,5 +353,5 @@ def _publish(*, temp: str, prefix: str) -> None:
 
 
 def _remove_temporaries(temp: str) -> None:
-    for suffix in (".bin", ".idx", SIDECAR_SUFFIX):
+    for suffix in TEMP_SUFFIXES:
         Path(temp + suffix).unlink(missing_ok=True)

@@ -48,8 +48,11 @@ def load_tokenizer(*, data: DataSpec, model_path: str | None):
     where = data.tokenizer or model_path
     if where is None:
         raise DsmtError("no tokenizer: set data.tokenizer or model.path (a checkpoint directory with tokenizer files)")
+    from toolkit.models.remote_code import refuse_remote_code
+
+    refuse_remote_code(where)  # tokenizer_config.json's auto_map: dsmt never runs a folder's tokenization_*.py
     try:
-        return AutoTokenizer.from_pretrained(where)
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=False)
     except (OSError, ValueError) as err:
         reason = " ".join(str(err).split())  # transformers' reasons run over several lines; a report line is one
         raise DsmtError(f"could not load a tokenizer from {where!r} ({reason}); set data.tokenizer to a directory "

@@ -32,8 +32,8 @@ def samples(model_dir: Path) -> list[str]:
     at EOS, which ends every training record)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=False).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     texts = []
     for prompt in PROMPTS:
         encoded = tokenizer(prompt, return_tensors="pt")

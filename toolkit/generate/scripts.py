@@ -3,6 +3,7 @@
 The shell lives in the templates of launch/ (toolkit/generate/templates.py loads them, or a site's copies); this
 module computes what they receive. Every value from the spec is validated by the schema and still passed through
 `shlex.quote`; the scripts run under `set -euo pipefail` and are shellcheck-clean (tests run shellcheck on each).
+DeepSpeed's pdsh runner passes the run directory on unquoted: toolkit/generate/remote_shell.py checks it.
 They launch `toolkit.train --config job.resolved.yaml --run-dir DIR` from the run directory, which must be on a
 filesystem all nodes see: the trainer reads DIR/ds_config.json (edited tuning keys win; layout, batch, precision
 and ZeRO keys must agree with the spec) and DIR/megatron.json (must agree), see toolkit/train/job/run_files.py.
@@ -14,9 +15,15 @@ from shlex import quote
 from typing import Any
 
 from toolkit.generate.hostfile import LOOPBACK_ADDR, is_local, master_address
+from toolkit.generate.remote_shell import UNSAFE_GLOB
 from toolkit.generate.templates import LaunchTemplates
 from toolkit.spec.layout import RunLayout
 from toolkit.spec.schema import JobSpec
+
+# What a rank that stopped on SIGTERM after saving leaves in its heartbeat (toolkit/launch/heartbeat.py, which sits
+# above this package; tests/generate/test_gen_paths.py holds the two equal): job.sbatch turns it into exit 75.
+RANK0_HEARTBEAT = "logs/rank0.heartbeat.json"
+STOPPED_ON_SIGTERM = "stopped on SIGTERM"
 
 TRAIN_MODULE = "toolkit.train"
 RESOLVED_SPEC = "job.resolved.yaml"
@@ -28,7 +35,7 @@ def render_launch_deepspeed(*, spec: JobSpec, layout: RunLayout, templates: Laun
     context = {**_common_context(spec=spec, layout=layout, train_module=train_module),
                "launcher": launcher, "one_machine": is_local(spec),
                "per_node": launcher == "no_ssh" and not is_local(spec),
-               "mpirun_args": quote(" ".join(_mpirun_args(spec=spec)))}
+               "mpirun_args": quote(" ".join(_mpirun_args(spec=spec))), "unsafe_path_glob": UNSAFE_GLOB}
     return templates.render(name="launch_deepspeed.sh", context=context)
 
 
@@ -71,16 +78,20 @@ def render_sbatch(*, spec: JobSpec, layout: RunLayout, run_dir: str, templates: 
                   train_module: str = TRAIN_MODULE) -> str:
     """SLURM batch script: one srun task per node runs torchrun; rendezvous on the first allocated node, no ssh.
 
-    `run_dir` is baked in because sbatch runs a spooled copy of the script (BASH_SOURCE is not the run dir);
-    DSMT_RUN_DIR overrides it after a move. cluster.slurm's setup lines run after .deepspeed_env, before srun.
+    `run_dir` is baked in, one quoted shell word, because sbatch runs a spooled copy of the script (BASH_SOURCE is
+    not the run dir); DSMT_RUN_DIR overrides it after a move. cluster.slurm's setup lines run after .deepspeed_env,
+    before srun. training.preemption_grace_s becomes `--signal=TERM@N` (the template's comment says why not B:).
     """
     slurm = spec.cluster.slurm
     context = {"sbatch_directives": sbatch_directives(spec=spec, layout=layout),
-               "run_dir_escaped": _double_quoted(run_dir), "setup_lines": list(slurm.setup),
+               "run_dir": quote(run_dir), "setup_lines": list(slurm.setup),
                "srun_args": [quote(word) for word in slurm.srun_args], "gpus_per_node": layout.gpus_per_node,
                "cpus_per_task": cpus_per_task(spec=spec, layout=layout),
                "master_port": spec.cluster.master_port, "train_module": quote(train_module),
-               "resolved_spec": RESOLVED_SPEC}
+               "resolved_spec": RESOLVED_SPEC, "preemption_grace_s": spec.training.preemption_grace_s,
+               # a relative output_dir is taken in the run directory, where the script runs srun, as the ranks do
+               "heartbeat_file": quote(f"{spec.training.output_dir}/{RANK0_HEARTBEAT}"),
+               "stopped_marker": quote(STOPPED_ON_SIGTERM)}
     return templates.render(name="job.sbatch", context=context)
 
 
@@ -108,8 +119,3 @@ def cpus_per_task(*, spec: JobSpec, layout: RunLayout) -> int:
         return spec.cluster.slurm.cpus_per_task
     per_rank = CPUS_PER_GPU_RANK if spec.cluster.device == "cuda" else 1
     return per_rank * layout.gpus_per_node
-
-
-def _double_quoted(text: str) -> str:
-    """`text` safe inside a double-quoted shell word: escape the four characters that stay special there."""
-    return "".join("\\" + ch if ch in '\\"$`' else ch for ch in text)

@@ -17,6 +17,7 @@ from toolkit.generate.deepspeed_config import build_deepspeed_config
 from toolkit.generate.env import render_deepspeed_env
 from toolkit.generate.hostfile import render_hostfile
 from toolkit.generate.megatron_settings import build_megatron_settings
+from toolkit.generate.remote_shell import check_run_dir
 from toolkit.generate.scripts import RESOLVED_SPEC, TRAIN_MODULE, render_launch_deepspeed, render_launch_torchrun, render_sbatch
 from toolkit.generate.summary import render_summary
 from toolkit.generate.templates import LaunchTemplates, load_templates
@@ -77,8 +78,7 @@ def write_run_dir(*, spec: JobSpec, out_dir: Path, overwrite: bool = False, trai
     """Render everything (`templates` as for render_all), write it to a temporary sibling directory, then rename
     it into place: nothing is written when the spec or a template fails."""
     out_dir = out_dir.expanduser().absolute()
-    if "\n" in str(out_dir):
-        raise DsmtError(f"--out {str(out_dir)!r}: a path with a newline cannot be used in scripts")
+    check_run_dir(spec=spec, run_dir=out_dir)  # a path DeepSpeed's pdsh runner would hand to a shell bare
     if out_dir.exists() and not out_dir.is_dir():
         raise DsmtError(f"--out {out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:

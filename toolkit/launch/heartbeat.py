@@ -5,7 +5,8 @@ what it is doing ("step 5", "saving step_000008"). The thread keeps beating whil
 (torch releases the GIL there), so a heartbeat that stops means the process stopped: killed, stopped (SIGSTOP, a
 debugger) or wedged in code that holds the GIL. When a rank fails with an error that is only the consequence of
 another rank's fault (a peer's connection closed, a collective timed out), `suspects` reads the others'
-heartbeats and names the ranks that went silent, and how.
+heartbeats and names the ranks that went silent, and how. dsmt's own launcher also reads them while the job runs
+(toolkit/launch/job_watch.py): a rank whose heartbeat is older than training.hang_timeout_s ends the job, named.
 """
 
 from __future__ import annotations
@@ -21,25 +22,46 @@ from toolkit.launch import identity
 INTERVAL_S = 1.0  # under dsmt's own launcher (one machine, its local disk)
 SHARED_INTERVAL_S = 10.0  # under a cluster launcher: hundreds of ranks write to a shared filesystem
 STALE_BEATS = 5  # a heartbeat this many beats late means the rank is not running (another host: no /proc to ask)
+# The last phase of a rank that stopped at a step boundary on SIGTERM and saved (toolkit/train/job/preemption.py):
+# it exited on purpose, so it is no suspect, and the launcher reads it to tell a preemption from a failure.
+STOPPED_ON_SIGTERM = "stopped on SIGTERM"
+_STOPPED_AFTER_SAVING = f"{STOPPED_ON_SIGTERM} after saving "
+STOPPED_PROCESS = "its process is stopped"  # how `why_silent` begins for a rank stopped by SIGSTOP or a debugger
 _phase = "starting"
+_beat_file: Path | None = None  # this rank's, once `start` ran
+_record: dict = {}
 
 
 def heartbeat_file(log_dir: Path, rank: int) -> Path:
     return Path(log_dir) / f"rank{rank}.heartbeat.json"
 
 
-def set_phase(text: str) -> None:
-    """What this rank does now, for the next beat (a rank that stalls is named with it)."""
+def stopped_phase(*, saved: Path) -> str:
+    """The last phase of a rank that stopped on SIGTERM once checkpoint `saved` was complete."""
+    return f"{_STOPPED_AFTER_SAVING}{saved}"
+
+
+def saved_checkpoint(phase: str) -> str | None:
+    """The checkpoint a `stopped_phase` names; None for any other phase."""
+    return phase[len(_STOPPED_AFTER_SAVING):] if phase.startswith(_STOPPED_AFTER_SAVING) else None
+
+
+def set_phase(text: str, *, now: bool = False) -> None:
+    """What this rank does now, for the next beat (a rank that stalls is named with it); `now`: written at once
+    (a rank's last phase before it exits, which the next beat would not live to write)."""
     global _phase
     _phase = text
+    if now:
+        _beat()
 
 
 def start(*, log_dir: Path, rank: int) -> None:
     """Beat from a daemon thread until the process ends (it needs no stopping)."""
-    path = heartbeat_file(log_dir, rank)
+    global _beat_file, _record
     interval_s = INTERVAL_S if os.environ.get("DSMT_LOG_DIR") else SHARED_INTERVAL_S
-    record = {"rank": rank, "pid": os.getpid(), **identity.here(), "launch": identity.launch_id(),
-              "interval_s": interval_s}
+    _record = {"rank": rank, "pid": os.getpid(), **identity.here(), "launch": identity.launch_id(),
+               "interval_s": interval_s}
+    _beat_file = heartbeat_file(log_dir, rank)
     try:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -47,15 +69,21 @@ def start(*, log_dir: Path, rank: int) -> None:
 
     def beat() -> None:
         while True:
-            try:
-                temp = path.with_suffix(".tmp")
-                temp.write_text(json.dumps({**record, "time": time.time(), "phase": _phase}))
-                os.replace(temp, path)
-            except OSError:  # a full disk or a vanished log dir must not kill the rank
-                pass
+            _beat()
             time.sleep(interval_s)
 
     threading.Thread(target=beat, name="dsmt-heartbeat", daemon=True).start()
+
+
+def _beat() -> None:
+    if _beat_file is None:
+        return
+    try:  # a temporary file per thread: the beating thread and `set_phase(now=True)` may write at once
+        temp = _beat_file.with_suffix(f".{threading.get_ident()}.tmp")
+        temp.write_text(json.dumps({**_record, "time": time.time(), "phase": _phase}))
+        os.replace(temp, _beat_file)
+    except OSError:  # a full disk or a vanished log dir must not kill the rank
+        pass
 
 
 def read_all(log_dir: Path) -> dict[int, dict]:
@@ -84,7 +112,7 @@ def why_silent(record: dict, *, now: float) -> str | None:
         if state in (None, "Z", "X"):
             return f"its process exited or was killed ({where})"
         if state in ("T", "t"):
-            return f"its process is stopped (SIGSTOP or a debugger; {where})"
+            return f"{STOPPED_PROCESS} (SIGSTOP or a debugger; {where})"
     if late > STALE_BEATS * float(record.get("interval_s", INTERVAL_S)):
         return f"its heartbeat stopped {late:.0f} s ago ({where})"
     return None
@@ -116,8 +144,31 @@ def _launch_of(log_dir: Path) -> str:
 
 
 def suspects(log_dir: Path, *, me: int) -> list[tuple[int, str]]:
-    """(rank, how) of every other rank that went silent, the longest-silent first."""
+    """(rank, how) of every other rank that went silent, the longest-silent first (a rank that stopped on SIGTERM
+    after saving exited on purpose: not one)."""
     now, beats, launch = time.time(), read_all(log_dir), identity.launch_id()
     found = [(float(r["time"]), rank, why_silent(r, now=now)) for rank, r in beats.items()
-             if rank != me and r.get("launch", launch) == launch]  # this launch's ranks only
+             if rank != me and r.get("launch", launch) == launch  # this launch's ranks only
+             and not str(r.get("phase", "")).startswith(STOPPED_ON_SIGTERM)]
     return [(rank, why) for _, rank, why in sorted(found) if why is not None]
+
+
+def my_suspects() -> list[tuple[int, str]]:
+    """`suspects` of this rank's own log directory (none before `start`)."""
+    if _beat_file is None:
+        return []
+    return suspects(_beat_file.parent, me=int(_record["rank"]))
+
+
+def hung_on_this_machine(log_dir: Path, *, older_than_s: float) -> list[tuple[int, dict, float]]:
+    """(rank, heartbeat, seconds since its last beat) of every rank whose process still exists here but has not
+    beaten for `older_than_s` (never less than STALE_BEATS beats): stopped, or wedged where its heartbeat thread
+    cannot run. A rank that exited is not hung (its launcher sees the exit)."""
+    now, hung = time.time(), []
+    for rank, record in sorted(read_all(log_dir).items()):
+        late_s = now - float(record["time"])
+        limit_s = max(older_than_s, STALE_BEATS * float(record.get("interval_s", INTERVAL_S)))
+        if (late_s > limit_s and identity.same_machine(record)
+                and process_state(int(record["pid"])) not in (None, "Z", "X")):
+            hung.append((rank, record, late_s))
+    return hung

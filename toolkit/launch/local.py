@@ -5,26 +5,32 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from toolkit.errors import DsmtError
+from toolkit.launch.job_watch import JobWatch
 from toolkit.launch.ports import free_port
 from toolkit.launch.watchdog import parent_death_signal
 from toolkit.launch.rank_output import CONSOLE_ENV, LOG_DIR_ENV, clear_reports, launched_failure, verbose
 
 
-STOP_GRACE_S = 40.0  # torchrun gives its ranks 30 s after SIGTERM before it SIGKILLs them
+STOP_GRACE_S = 40.0  # torchrun gives its ranks 30 s after SIGTERM before it SIGKILLs them (its default)
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's wait after SIGTERM (older releases: 30 s)
 
 
 def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: Path, timeout_s: float | None = 900.0,
-                         env: dict[str, str] | None = None) -> None:
+                         env: dict[str, str] | None = None, stop_grace_s: float | None = None,
+                         hang_timeout_s: float | None = None) -> None:
     """Run `python -m module args` on `nprocs` local ranks through torchrun; raise if any rank fails.
 
     Rank 0 speaks; the other ranks write log_dir/rankN.log, torchrun log_dir/launcher.log, and a failure comes
     back as one RankFailure naming the first failing rank and its error (toolkit/launch/rank_output.py). With
-    DSMT_VERBOSE=1 every rank and torchrun keep the console."""
+    DSMT_VERBOSE=1 every rank and torchrun keep the console. `stop_grace_s`: how long the ranks get after SIGTERM
+    (training.preemption_grace_s) before they are killed; `hang_timeout_s`: a rank whose heartbeat stops this long
+    ends the job, named (toolkit/launch/job_watch.py)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nprocs}",
                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--monitor_interval=1",
                "-m", module, *args]
@@ -33,6 +39,8 @@ def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: 
     # One BLAS thread per rank: several ranks share few cores, and oversubscription slows gloo collectives.
     child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}),
                  LOG_DIR_ENV: str(log_dir)}
+    if stop_grace_s is not None:
+        child_env[SHUTDOWN_TIMEOUT_ENV] = str(int(stop_grace_s))
     # megatron and torch print pages of deprecation / fallback warnings per rank; DSMT_SHOW_WARNINGS=1 keeps them.
     if not (os.environ.get("DSMT_SHOW_WARNINGS") or verbose()):
         child_env["PYTHONWARNINGS"] = "ignore"
@@ -41,42 +49,56 @@ def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: 
         child_env[CONSOLE_ENV] = f"/proc/{os.getpid()}/fd/2"
     sys.stdout.flush()
     sys.stderr.flush()
+    watch = JobWatch(log_dir=log_dir, nprocs=nprocs, hang_timeout_s=hang_timeout_s,
+                     stop_grace_s=STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
     with open(log_dir / "launcher.log", "w") if quiet else contextlib.nullcontext() as launcher_log:
         try:
             returncode = run_ranks(command, target=["module", module], args=args, nprocs=nprocs, env=child_env,
-                                   stderr=launcher_log, timeout_s=timeout_s)
+                                   stderr=launcher_log, timeout_s=timeout_s, watch=watch)
         except subprocess.TimeoutExpired as err:
             raise DsmtError(f"{module} on {nprocs} ranks did not finish within {err.timeout:.0f} s "
                             f"(rank output: {log_dir})") from err
-    if returncode != 0:
-        raise launched_failure(log_dir=log_dir, nprocs=nprocs, returncode=returncode)
+    if returncode == 0:  # SIGTERM or not, the ranks finished
+        return
+    verdict = watch.verdict()
+    if verdict is not None:  # a hung rank, or SIGTERM (the ranks saved and stopped, or not in time)
+        raise verdict
+    if watch.sigterm_at is not None and not any(log_dir.glob("rank*.error.json")):
+        raise SystemExit(128 + signal.SIGTERM)  # ranks without heartbeats (verify) ended on it, as by default
+    raise launched_failure(log_dir=log_dir, nprocs=nprocs, returncode=returncode)
 
 
 def run_ranks(command: list[str], *, target: list[str], args: list[str], nprocs: int, env: dict[str, str],
-              stderr=None, stdout=None, timeout_s: float | None, cwd: str | None = None) -> int:
+              stderr=None, stdout=None, timeout_s: float | None, cwd: str | None = None,
+              watch: JobWatch | None = None) -> int:
     """Run torchrun's `command`, or, where warm rank servers serve this launch (DSMT_RANK_SERVERS, the test
-    suite's: toolkit/launch/warm_ranks.py), the same `target` and `args` on forks of them; the exit code."""
+    suite's: toolkit/launch/warm_ranks.py), the same `target` and `args` on forks of them; the exit code. With a
+    `watch`, SIGTERM is passed on to the ranks and waited for, and a hung rank ends the job; without, SIGTERM
+    stops the ranks and raises SystemExit."""
     from toolkit.launch import warm_ranks
 
     why_cold = warm_ranks.cold_reason(nprocs=nprocs, env=env)
-    if why_cold is None:
-        try:  # as subprocess would: the ranks inherit this process's fd 1 and 2 unless given files
-            returncode = warm_ranks.launch(target=target, args=args, nprocs=nprocs, env=env, cwd=cwd,
-                                           timeout_s=timeout_s, stdout_fd=1 if stdout is None else stdout.fileno(),
-                                           stderr_fd=2 if stderr is None else stderr.fileno())
-            warm_ranks.record(target=target, nprocs=nprocs, warm=True, why=None)
-            return returncode
-        except TimeoutError as err:
-            warm_ranks.record(target=target, nprocs=nprocs, warm=True, why=None)
-            raise subprocess.TimeoutExpired(command, timeout_s) from err
-        except warm_ranks.ServerGone as err:
-            why_cold = str(err)
-    warm_ranks.record(target=target, nprocs=nprocs, warm=False, why=why_cold)
-    # torchrun gets SIGTERM when this process dies, however it dies, and stops its ranks (which also watch it:
-    # toolkit/launch/watchdog.py); SIGTERM to this process becomes SystemExit, so the same happens in order.
-    with _terminate_as_exit():
+    with _on_sigterm(watch), _watching(watch):
+        if why_cold is None:
+            try:  # as subprocess would: the ranks inherit this process's fd 1 and 2 unless given files
+                returncode = warm_ranks.launch(target=target, args=args, nprocs=nprocs, env=env, cwd=cwd,
+                                               timeout_s=timeout_s,
+                                               stdout_fd=1 if stdout is None else stdout.fileno(),
+                                               stderr_fd=2 if stderr is None else stderr.fileno())
+                warm_ranks.record(target=target, nprocs=nprocs, warm=True, why=None)
+                return returncode
+            except TimeoutError as err:
+                warm_ranks.record(target=target, nprocs=nprocs, warm=True, why=None)
+                raise subprocess.TimeoutExpired(command, timeout_s) from err
+            except warm_ranks.ServerGone as err:
+                why_cold = str(err)
+        warm_ranks.record(target=target, nprocs=nprocs, warm=False, why=why_cold)
+        # torchrun gets SIGTERM when this process dies, however it dies, and stops its ranks (which also watch it:
+        # toolkit/launch/watchdog.py).
         process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, cwd=cwd,
                                    preexec_fn=parent_death_signal())
+        if watch is not None:
+            watch.torchrun = process
         try:
             return process.wait(timeout=timeout_s)
         except BaseException:  # a timeout, Ctrl-C, SIGTERM: torchrun stops its ranks on SIGTERM, given the time
@@ -90,10 +112,22 @@ def run_ranks(command: list[str], *, target: list[str], args: list[str], nprocs:
 
 
 @contextlib.contextmanager
-def _terminate_as_exit():
-    """SIGTERM raises SystemExit(143) in the main thread while the ranks run: subprocess.run then stops torchrun,
-    and the callers' `with` blocks (the run lock) unwind. Elsewhere (a thread) the handler cannot be set."""
-    import signal
+def _watching(watch: JobWatch | None):
+    if watch is None:
+        yield
+        return
+    watch.start()
+    try:
+        yield
+    finally:
+        watch.stop()
+
+
+@contextlib.contextmanager
+def _on_sigterm(watch: JobWatch | None):
+    """While the ranks run, SIGTERM is passed on to them by `watch` (they stop at a step boundary and save), or,
+    without one, raises SystemExit(143) in the main thread so that torchrun is stopped and the callers' `with`
+    blocks (the run lock) unwind. Elsewhere (a thread) no handler can be set: SIGTERM keeps its default."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -101,7 +135,9 @@ def _terminate_as_exit():
         return
 
     def stop(signum, frame):
-        raise SystemExit(128 + signum)
+        if watch is None:
+            raise SystemExit(128 + signum)
+        watch.forward_sigterm()
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:

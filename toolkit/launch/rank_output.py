@@ -137,10 +137,12 @@ def run_rank(entry, *, command: str) -> int:
         _reserve_report()
     try:
         code = int(entry() or 0)
-        if _log_dir is not None:  # nothing to report: the reserved space goes back
-            error_report(_log_dir, this_rank()).with_suffix(".reserve").unlink(missing_ok=True)
+        _release_report()
         return code
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:  # an exit on purpose (a preemption's 75): nothing to report
+        _release_report()
+        raise
+    except KeyboardInterrupt:
         raise
     except BaseException as err:  # noqa: BLE001 - every failure is reported, then the rank exits non-zero
         return report_failure(err, command=command)
@@ -158,7 +160,8 @@ def report_failure(err: BaseException, *, command: str) -> int:
     if under_dsmt_launcher and _log_dir is not None:  # the launcher reads it and says it once
         report = {"rank": rank, "host": host, "command": command, "message": message, "traceback": trace,
                   "exit_code": exit_code, "time": time.time(), "consequence": is_consequence(message),
-                  "suspects": [other for other, _ in suspects]}
+                  "suspects": [other for other, _ in suspects],
+                  "suspect_reasons": {str(other): why for other, why in suspects}}
         _write_report(report)
     if not under_dsmt_launcher or verbose() or _console_fd is not None:  # a quiet rank's file keeps the story
         print(f"{trace}{command}: error: rank {rank}: {message}", file=sys.stderr, flush=True)
@@ -174,6 +177,12 @@ def _suspects(message: str, *, rank: int) -> list[tuple[int, str]]:
     from toolkit.launch import heartbeat
 
     return heartbeat.suspects(_log_dir, me=rank)
+
+
+def _release_report() -> None:
+    """The reserved space goes back: nothing to report."""
+    if _log_dir is not None:
+        error_report(_log_dir, this_rank()).with_suffix(".reserve").unlink(missing_ok=True)
 
 
 def _reserve_report() -> None:
@@ -235,6 +244,8 @@ def launched_failure(*, log_dir: Path, nprocs: int, returncode: int) -> RankFail
     if blamed:  # every report is a consequence of a rank that left none (killed, stopped)
         first, exits = min(reports, key=lambda r: r["time"]), _torchrun_exits(launcher_log)
         how = f" ({exits[blamed[0]]})" if blamed[0] in exits else ""
+        if _seen_stopped(reports, rank=blamed[0]):  # torchrun's SIGKILL came after, when it ended the job
+            how = " (its process was stopped: SIGSTOP or a debugger; it was killed when the job ended)"
         return RankFailure(f"rank {blamed[0]} of {nprocs} failed first{how}, without an error of its own (its "
                            f"output: {rank_log(log_dir, blamed[0])}); rank {first['rank']} on {first['host']} then "
                            f"saw: {first['message']}\n({logs})", exit_code=1)
@@ -263,6 +274,12 @@ def _own_error(first: dict, *, nprocs: int, others: int, logs: str) -> RankFailu
     trace = f"\n{first['traceback'].rstrip()}" if first["traceback"] else ""  # a bug, not a dsmt error: where
     return RankFailure(f"rank {first['rank']} of {nprocs} on {first['host']}: {first['message']}{trace}"
                        f"\n({logs}{also})", exit_code=int(first["exit_code"]) or 1)
+
+
+def _seen_stopped(reports: list[dict], *, rank: int) -> bool:
+    from toolkit.launch.heartbeat import STOPPED_PROCESS
+
+    return any(r.get("suspect_reasons", {}).get(str(rank), "").startswith(STOPPED_PROCESS) for r in reports)
 
 
 def _stalled_first(log_dir: Path) -> tuple[int, float] | None:

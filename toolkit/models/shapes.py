@@ -247,6 +247,9 @@ def load_model_shape(ref: str | Path) -> ModelShape:
             f"model {text!r} is neither a built-in shape nor an existing checkpoint directory or config.json.{hint} "
             f"Built-in shapes: {', '.join(sorted(BUILTIN_SHAPES))}."
         )
+    from toolkit.models.remote_code import refuse_remote_code
+
+    refuse_remote_code(path.parent)  # a folder that would run its own code is refused by name, whatever reads it
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:

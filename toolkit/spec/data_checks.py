@@ -3,9 +3,10 @@
 * records on this machine (a file, a folder, a dataset name in the local Hugging Face cache with
   `HF_HUB_OFFLINE=1`): every record is formatted by its `data.type` (toolkit/data/formats.py), and each bad one
   is an error naming the record, its line (jsonl) and the fix; nothing is tokenised here;
-* Megatron corpora (`format: megatron`, `data.blend`): `PREFIX.bin` / `PREFIX.idx` present, and the largest token
-  id `dsmt data prepare` recorded below the model's vocabulary (the tokenizer itself: `dsmt train --dry-run` and
-  every rank before reading);
+* Megatron corpora (`format: megatron`, `data.blend`): `PREFIX.bin` / `PREFIX.idx` present and consistent
+  (toolkit/data/corpus_check.py: the .idx against itself, the .bin's size, the sidecar's record; their digests
+  with `--deep`), and the largest token id `dsmt data prepare` recorded below the model's vocabulary (the
+  tokenizer itself: `dsmt train --dry-run` and every rank before reading);
 * sources that are not on this machine are a warning: the spec may be meant for the cluster.
 """
 
@@ -40,6 +41,7 @@ def check_data(*, spec, shape: ModelShape | None) -> list[Problem]:
 
 
 def corpus_problems(*, label: str, data: DataSpec, vocab_size: int | None) -> list[Problem]:
+    from toolkit.data.corpus_check import CorpusDamaged, check_corpus
     from toolkit.data.prepare import missing_corpus_files, read_sidecar
     from toolkit.errors import DsmtError
 
@@ -56,8 +58,14 @@ def corpus_problems(*, label: str, data: DataSpec, vocab_size: int | None) -> li
         except DsmtError as err:
             problems.append(Problem("error", "megatron_sidecar", f"{label}: {err}", ""))  # the fix: in the text
             continue
+        try:
+            index = check_corpus(prefix, sidecar=facts)
+        except CorpusDamaged as err:
+            problems.append(damaged_problem(label=label, err=err))
+            continue
         if facts is None:
-            problems.append(Problem("info", "megatron_corpus", f"{label}: Megatron corpus {prefix} (not prepared by "
+            problems.append(Problem("info", "megatron_corpus", f"{label}: Megatron corpus {prefix}: "
+                                    f"{index.num_sequences} documents, {index.num_tokens} tokens (not prepared by "
                                     "dsmt: its token ids are scanned against the vocabulary when training starts)"))
         elif vocab_size is not None and facts["max_token_id"] >= vocab_size:
             problems.append(Problem("error", "token_ids_vocab", f"{label}: Megatron corpus {prefix} holds token id "
@@ -67,6 +75,44 @@ def corpus_problems(*, label: str, data: DataSpec, vocab_size: int | None) -> li
         else:
             problems.append(Problem("info", "megatron_corpus", f"{label}: Megatron corpus {prefix}: "
                                     f"{facts['num_documents']} documents, {facts['num_tokens']} tokens"))
+    return problems
+
+
+def damaged_problem(*, label: str, err) -> Problem:
+    """A CorpusDamaged as `dsmt check` and the dry run both report it (one line in `dsmt check --deep`)."""
+    return Problem("error", err.rule, f"{label}: {err.detail}", err.fix)
+
+
+def corpus_digest_problems(*, data: DataSpec) -> list[Problem]:
+    """`dsmt check --deep`: every Megatron corpus's files hashed against the digests `dsmt data prepare` recorded
+    (corpora missing or refused by the cheap checks are reported by those)."""
+    import time
+
+    from toolkit.data.corpus_check import CorpusDamaged, check_corpus, check_digests
+    from toolkit.data.prepare import missing_corpus_files, read_sidecar
+    from toolkit.errors import DsmtError
+
+    problems = []
+    for label, source in data_sources(data):
+        for _, prefix in megatron_corpora(source) if source.is_megatron else []:
+            started = time.perf_counter()
+            try:
+                if missing_corpus_files(prefix):
+                    continue
+                sidecar = read_sidecar(prefix)
+                check_corpus(prefix, sidecar=sidecar)
+            except DsmtError:
+                continue  # CorpusDamaged, an unreadable sidecar: the cheap checks' line says it
+            try:
+                hashed = check_digests(prefix, sidecar=sidecar)
+            except CorpusDamaged as err:
+                problems.append(damaged_problem(label=label, err=err))
+                continue
+            seconds = time.perf_counter() - started
+            said = ("no digests recorded (no dsmt sidecar, or one written before dsmt recorded them): its .idx "
+                    "checked only" if hashed is None else
+                    f"{hashed / 1e6:,.1f} MB match their xxh3_128 digests ({seconds:.1f} s)")
+            problems.append(Problem("info", "corpus_digests", f"{label}: Megatron corpus {prefix}: {said}"))
     return problems
 
 

@@ -34,15 +34,53 @@ def read_spec(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) 
     return pin_spec_paths(apply_overrides(raw, overrides=overrides), base_dir=Path.cwd(), source=str(path))
 
 
+SPEC_MAX_BYTES = 1 << 20  # 1 MiB; the specs in configs/ are under 2 KB: a larger file is not a job spec
+
+
+class _AliasRefused(Exception):
+    def __init__(self, alias: str, line: int):
+        super().__init__(alias)
+        self.alias, self.line = alias, line
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses aliases. `*a` stands for the whole value anchored `&a`; aliases nested a few
+    levels deep ("billion laughs": a 1 KB file) stand for billions of values, and validating or printing them took
+    minutes and gigabytes. A job spec has no use for them."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _AliasRefused(event.anchor, event.start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
+def parse_spec_yaml(text: str | bytes, *, source: str) -> Any:
+    """The plain data of a YAML (or JSON) text, read without aliases; raises DsmtError naming `source`."""
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # JSON is YAML
+    except _AliasRefused as err:
+        raise DsmtError(f"[yaml_alias] {source} line {err.line}: alias *{err.alias} repeats the value anchored "
+                        f"&{err.alias}; dsmt reads job specs without YAML aliases (nested ones expand a small file "
+                        f"into billions of values)\nfix: write the values out where *{err.alias} stands") from None
+    except yaml.YAMLError as err:
+        raise DsmtError(f"{source} is not valid YAML/JSON: {err}") from err
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise DsmtError(f"[spec_too_deep] {source} nests lists or mappings hundreds of levels deep\nfix: a job spec "
+                        "has sections of settings, a few levels deep: write it as configs/tiny-cpu.yaml does") from None
+
+
 def read_spec_file(path: str | Path) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as file:
+            data = file.read(SPEC_MAX_BYTES + 1)  # never more: a huge or endless file (/dev/zero) is refused
     except OSError as err:
         raise DsmtError(f"cannot read job spec {path}: {err.strerror}") from err
-    try:
-        raw = yaml.safe_load(text)  # JSON is YAML
-    except yaml.YAMLError as err:
-        raise DsmtError(f"{path} is not valid YAML/JSON: {err}") from err
+    if len(data) > SPEC_MAX_BYTES:
+        raise DsmtError(f"[spec_too_large] job spec {path} is larger than {SPEC_MAX_BYTES:,} bytes (1 MiB, the "
+                        "most dsmt reads of a spec)\nfix: a spec holds settings: put data in files it names "
+                        "(data.path), and check that you passed the spec you meant")
+    raw = parse_spec_yaml(data, source=str(path))
     if not isinstance(raw, dict):
         raise DsmtError(f"{path}: a job spec is a mapping with sections model, cluster, parallel, training, ...")
     return raw
@@ -62,7 +100,7 @@ def apply_overrides(raw: dict[str, Any], *, overrides: list[str] | tuple[str, ..
             if not isinstance(child, dict):
                 raise DsmtError(f"--set {item!r}: {part!r} holds a value, not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        node[parts[-1]] = parse_spec_yaml(text, source=f"--set {item!r}") if text.strip() else None
     return result
 
 
@@ -87,7 +125,13 @@ def _problem_from(error: dict) -> Problem:
         return Problem("error", "missing_key", f"{dotted} is required", "")
     if kind in SCHEMA_RULES:  # raised by a section's own validator
         return Problem("error", kind, f"{dotted}: {error['msg']}", "")
-    return Problem("error", "bad_value", f"{dotted}={error.get('input')!r}: {error['msg']}", "")
+    return Problem("error", "bad_value", f"{dotted}={_shown(error.get('input'))}: {error['msg']}", "")
+
+
+def _shown(value: Any, *, max_chars: int = 200) -> str:
+    """`repr(value)`, cut: a wrong value may be a whole list of data, and the report line names it, not prints it."""
+    text = repr(value)
+    return text if len(text) <= max_chars else f"{text[:max_chars]}... ({len(text):,} characters)"
 
 
 def _field_names(loc: tuple[str, ...]) -> list[str]:
@@ -126,4 +170,11 @@ def absolutize_paths(spec: JobSpec, *, base_dir: Path) -> JobSpec:
 
 def dump_spec(spec: JobSpec) -> str:
     """The spec as YAML with every default written out (what the run directory's job.resolved.yaml holds)."""
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+    return yaml.dump(spec.model_dump(mode="json"), Dumper=_NoAliasDumper, sort_keys=False)
+
+
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes a value met twice out twice: the spec files dsmt writes are read back without aliases."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True

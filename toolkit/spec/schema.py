@@ -135,6 +135,7 @@ SBATCH_OWNED = {
     "-p": "cluster.slurm.partition", "--time": "cluster.slurm.time", "-t": "cluster.slurm.time",
     "--qos": "cluster.slurm.qos", "-q": "cluster.slurm.qos",
     "--cpus-per-task": "cluster.slurm.cpus_per_task", "-c": "cluster.slurm.cpus_per_task",
+    "--signal": "training.preemption_grace_s (job.sbatch asks for SIGTERM that many seconds before the time limit)",
 }
 
 
@@ -330,6 +331,13 @@ class TrainingSpec(Section):
     # How long a rank waits in a collective (the world group and megatron's groups; DeepSpeed's own keep torch's
     # default) before it fails and names the rank that stalled. null: 600 s on GPUs (NCCL), 180 s on the CPU.
     collective_timeout_s: float | None = Field(None, gt=0)
+    # Preemption: SLURM sends SIGTERM at preemption and this long before the time limit (job.sbatch asks for it
+    # with --signal=TERM@N), then SIGKILL after its grace period (KillWait, commonly 30-120 s). On SIGTERM the job
+    # finishes its current step, saves a checkpoint and exits with code 75 (EX_TEMPFAIL: run it again to resume).
+    # Set it above one step plus one checkpoint save of this job.
+    preemption_grace_s: int = Field(90, ge=1, le=65535)  # sbatch refuses a --signal time above 65535
+    # A rank whose heartbeat stops this long is named as stopped / hung and the job is ended (dsmt's launcher).
+    hang_timeout_s: float = Field(60.0, gt=0)
     seed: int = Field(1234, ge=0)
     output_dir: str = "runs/dsmt"
     tensorboard: bool = False

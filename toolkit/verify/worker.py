@@ -202,7 +202,8 @@ def _reference_model(info, hf_dir, task: str):
 
     auto_class = {"causal_lm": transformers.AutoModelForCausalLM, "masked_lm": transformers.AutoModelForMaskedLM,
                   "sequence_classification": transformers.AutoModelForSequenceClassification}[task]
-    return auto_class.from_pretrained(hf_dir or info.source_checkpoint(), dtype=torch.float32).eval()
+    return auto_class.from_pretrained(hf_dir or info.source_checkpoint(), dtype=torch.float32,
+                                      trust_remote_code=False).eval()
 
 
 def hf_outputs(model, inputs: list[dict]) -> torch.Tensor:

@@ -6,11 +6,14 @@ what makes a resumed run identical (step, per-rank RNG), and a completion marker
     <output_dir>/checkpoints/step_000010/layout-free/, dsmt_layout.json   the same state for any other layout
     <output_dir>/checkpoints/step_000010/dsmt_manifest.json   every file's size and xxh3-128 digest
     <output_dir>/checkpoints/step_000010/dsmt_complete.json   written by rank 0 after every rank has saved
-    <output_dir>/checkpoints/latest_complete     the newest complete tag (replaced atomically)
+    <output_dir>/checkpoints/latest_complete     the newest complete tag (replaced atomically): a hint only
 
 A save writes into `.partial-step_000010/` and rank 0 renames it to `step_000010/` once the manifest and the marker
-are in (toolkit/train/checkpoint/manifest.py); a resume checks the files against the manifest and falls back to
-the next older checkpoint when one differs (toolkit/train/checkpoint/integrity.py).
+are in (toolkit/train/checkpoint/manifest.py); a resume checks the marker, the manifest and the files as `dsmt
+checkpoint verify` does and falls back to the next older checkpoint when one is damaged
+(toolkit/train/checkpoint/integrity.py). It takes the newest tag that passes, whatever `latest_complete` names (a
+pointer naming another tag is said, not followed). DeepSpeed's files are unpickled with torch's weights-only loader
+(toolkit/train/checkpoint/pickles.py): a checkpoint cannot run code.
 
 A run resumes through DeepSpeed when its layout (TP, PP, VPP, CP, DP, ZeRO stage) is the one in the completion
 marker, and from the layout-free copy when it differs (toolkit/train/checkpoint/reshard.py); either way nothing in the
@@ -29,7 +32,6 @@ numpy's global generator (dsmt draws from neither; libraries might)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import shutil
@@ -41,8 +43,8 @@ import torch
 
 from toolkit.train.checkpoint.folders import (COMPLETE_MARKER, PARTIAL, on_rank0, publish, remove_leftovers,
                                               set_aside_damaged, write_small)
-
-LATEST = "latest_complete"
+from toolkit.train.checkpoint.manifest import LATEST, marker_text, pointer_note, read_marker
+from toolkit.train.checkpoint.pickles import deepspeed_loads_weights_only, refuse_unsafe
 
 
 def tag_for(step: int) -> str:
@@ -58,6 +60,7 @@ def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | Non
     renames it to `<tag>/`: a kill or a full disk at any point leaves no `<tag>/` a later save or resume trips on,
     and the leftover is removed before the next save (and at resume)."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from toolkit.train.checkpoint import space
 
@@ -77,9 +80,10 @@ def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | Non
         written = time.perf_counter()
         total_bytes = write_manifest(partial)
         hashed = time.perf_counter()
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # the layout-free copy's writer raises a BaseException
         # The partial folder stays (the other ranks may still write into it): the next start removes it.
-        full = space.as_disk_full(err, directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
+        full = space.as_disk_full(err, directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir),
+                                  partial=partial)
         if full is None:
             raise
         raise full from err
@@ -103,7 +107,7 @@ def _prepare_save(checkpoint_dir: Path, *, tag: str) -> str | None:
 def _finish_save(partial: Path, *, tag: str, record: dict, keep_checkpoints: int | None) -> None:
     """Rank 0, once every file and the manifest are written: the marker, the rename, the pointer, the pruning."""
     checkpoint_dir = partial.parent
-    write_small(partial / COMPLETE_MARKER, json.dumps(record))
+    write_small(partial / COMPLETE_MARKER, marker_text(partial, record))
     publish(partial, checkpoint_dir / tag)
     write_small(checkpoint_dir / f".{LATEST}.tmp", tag)
     os.replace(checkpoint_dir / f".{LATEST}.tmp", checkpoint_dir / LATEST)
@@ -163,7 +167,8 @@ def prune(checkpoint_dir: Path, *, keep: int) -> list[str]:
         raise DsmtError(f"keep_checkpoints={keep} must be >= 1 (or null to keep every checkpoint)")
     checkpoint_dir = Path(checkpoint_dir)
     tags = complete_tags(checkpoint_dir)
-    protected = {latest_complete(checkpoint_dir), *tags[-keep:]}
+    pointer = checkpoint_dir / LATEST
+    protected = {pointer.read_text().strip() if pointer.is_file() else None, *tags[-keep:]}
     doomed = [t for t in tags[:-keep] if t not in protected]
     for tag in doomed:
         (checkpoint_dir / tag / COMPLETE_MARKER).unlink()  # first: a crash mid-delete leaves an incomplete tag
@@ -213,12 +218,9 @@ def restore_rng_states(states: dict) -> None:
 
 
 def latest_complete(checkpoint_dir: Path) -> str | None:
-    """The newest tag with a completion marker (the `latest_complete` pointer, else a scan)."""
-    checkpoint_dir = Path(checkpoint_dir)
-    pointer = checkpoint_dir / LATEST
-    if pointer.is_file() and (checkpoint_dir / pointer.read_text().strip() / COMPLETE_MARKER).is_file():
-        return pointer.read_text().strip()
-    tags = sorted(p.parent.name for p in checkpoint_dir.glob(f"step_*/{COMPLETE_MARKER}"))
+    """The newest tag with a completion marker, by step number (not checked: `intact_tag` checks). The
+    `latest_complete` pointer is not read: it is a hint (see toolkit/train/checkpoint/manifest.py)."""
+    tags = complete_tags(checkpoint_dir)
     return tags[-1] if tags else None
 
 
@@ -242,7 +244,7 @@ def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_f
     if tag is None:
         return Resumed(step=0)
     tag_dir = Path(checkpoint_dir) / tag
-    marker = json.loads((tag_dir / COMPLETE_MARKER).read_text())
+    marker = read_marker(tag_dir)
     saved_layout = marker.get("layout")
     same = saved_layout == layout if saved_layout is not None else marker["world_size"] == dist.get_world_size()
     # DeepSpeed's module file keeps one EP rank's experts (toolkit/train/engine/moe.py): EP runs resume layout-free.
@@ -254,10 +256,11 @@ def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_f
     else:
         if layout_free is not None and (tag_dir / "dsmt_layout.json").is_file():
             layout_free.check(tag_dir)  # the same layout, another model: a named error before DeepSpeed's own
-        _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+        with deepspeed_loads_weights_only(engine):
+            _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
         step = int(client_state["dsmt_step"])
     # The writer's ranks are this run's: their RNG streams carry over.
-    restore_rng_states(torch.load(tag_dir / f"dsmt_rng_rank{dist.get_rank()}.pt"))
+    restore_rng_states(torch.load(tag_dir / f"dsmt_rng_rank{dist.get_rank()}.pt", weights_only=True))
     return Resumed(step=step)
 
 
@@ -282,34 +285,44 @@ def _load_layout_free(tag_dir: Path, *, marker: dict, layout: dict | None, layou
 
 
 def intact_tag(checkpoint_dir: Path, *, fallback: bool = True, owner: bool = False) -> str | None:
-    """The newest complete tag whose files match its manifest; None when there is no complete tag. Rank 0 lists the
-    candidates for every rank (on NFS two nodes' directory caches may differ); the ranks share the hashing and the
-    verdict. Collective."""
-    from toolkit.train.checkpoint import integrity
+    """The newest complete tag that passes the checks `dsmt checkpoint verify` runs (`integrity.verdict_collectively`:
+    marker, manifest, files); None when there is no complete tag. Rank 0 lists the candidates for every rank (on NFS
+    two nodes' directory caches may differ); the ranks share the hashing and the verdict. Collective."""
+    import torch.distributed as dist
 
-    candidates = on_rank0(lambda: _candidates(Path(checkpoint_dir), owner=owner),
+    from toolkit.train.checkpoint import integrity
+    from toolkit.train.checkpoint.manifest import USABLE
+
+    checkpoint_dir = Path(checkpoint_dir)
+    candidates = on_rank0(lambda: _candidates(checkpoint_dir, owner=owner),
                           what=f"listing the checkpoints in {checkpoint_dir}")
+    taken = None
     for index, tag in enumerate(candidates):
         started = time.perf_counter()
-        problems = integrity.problems_collectively(Path(checkpoint_dir) / tag)
-        if not problems:
-            _say_verified(Path(checkpoint_dir) / tag, seconds=time.perf_counter() - started)
-            return tag
+        status, problems = integrity.verdict_collectively(checkpoint_dir / tag)
+        if status in USABLE:
+            _say_verified(checkpoint_dir / tag, seconds=time.perf_counter() - started)
+            # Not a fallback: a crafted file is no accident of the disk, and a person should look at it.
+            on_rank0(lambda: refuse_unsafe(checkpoint_dir / tag), what=f"reading the pickles of {tag}")
+            taken = tag
+            break
         older = candidates[index + 1] if index + 1 < len(candidates) else None
         integrity.refuse_or_fall_back(tag=tag, problems=problems, older=older, fallback=fallback,
-                                      checkpoint_dir=Path(checkpoint_dir))
+                                      checkpoint_dir=checkpoint_dir)
         if owner:
-            on_rank0(lambda: _say_set_aside(set_aside_damaged(Path(checkpoint_dir), tag)), what=f"setting {tag} aside")
-    return None
+            on_rank0(lambda: _say_set_aside(set_aside_damaged(checkpoint_dir, tag)), what=f"setting {tag} aside")
+    note = on_rank0(lambda: pointer_note(checkpoint_dir, taken=taken), what=f"reading {checkpoint_dir / LATEST}")
+    if note and dist.get_rank() == 0:
+        print(f"dsmt train: {note}", flush=True)
+    return taken
 
 
 def _candidates(checkpoint_dir: Path, *, owner: bool) -> list[str]:
-    """Complete tags, newest first, from the `latest_complete` pointer's down (the owner first removes what
-    interrupted saves left)."""
+    """Every complete tag, newest first (the owner first removes what interrupted saves left). Not cut at the
+    `latest_complete` pointer: a stale or edited pointer must not rewind a run past an intact newer checkpoint."""
     if owner:
         _clear_leftovers(checkpoint_dir)
-    newest = latest_complete(checkpoint_dir)
-    return [t for t in reversed(complete_tags(checkpoint_dir)) if newest is None or _step(t) <= _step(newest)]
+    return list(reversed(complete_tags(checkpoint_dir)))
 
 
 def _say_verified(tag_dir: Path, *, seconds: float) -> None:

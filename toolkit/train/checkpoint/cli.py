@@ -2,14 +2,18 @@
 checkpoints/ directory or one step_NNNNNN tag) against its manifest (toolkit/train/checkpoint/manifest.py), before a
 resume, after a copy between machines, or when a run's disk had trouble.
 
-Exit 0 when every complete tag is intact (or predates manifests), 1 when one is damaged, 2 for a path that holds no
-checkpoints. Cheap to import: no torch (the manifest module reads files only)."""
+Exit 0 when every complete tag is intact (or predates manifests), 1 when one is damaged (its marker, its manifest or
+a file) or holds a pickle a resume refuses (`unsafe`), 2 for a path that holds no checkpoints. The verdicts are the
+ones a resume acts on (`manifest.judge`, `pickles.unsafe_files`), and the tag a resume would take is named, with the
+`latest_complete` pointer when it names another. Cheap to import: no torch (the pickle check imports it to run)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
+
+from toolkit.train.checkpoint.manifest import USABLE
 
 SHOWN_PROBLEMS = 10  # per tag; a tag copied from the wrong run would otherwise print every file
 
@@ -28,12 +32,16 @@ def register(subparsers) -> None:
 def run_verify(args) -> int:
     from toolkit.train.checkpoint.manifest import verify_run
 
+    from toolkit.train.checkpoint.manifest import checkpoints_dir_of, pointer_note
+
     verdicts = verify_run(args.dir)
+    checkpoint_dir = checkpoints_dir_of(Path(args.dir))  # None for one tag: no pointer to compare
+    note = pointer_note(checkpoint_dir, taken=resume_tag(verdicts)) if checkpoint_dir is not None else None
     if args.json:
         print(json.dumps([dataclasses.asdict(verdict) for verdict in verdicts], indent=2))
     else:
-        print(report(verdicts, path=args.dir))
-    return 1 if any(verdict.status == "damaged" for verdict in verdicts) else 0
+        print(report(verdicts, path=args.dir) + (f"\n{note}" if note else ""))
+    return 1 if any(verdict.status in ("damaged", "unsafe") for verdict in verdicts) else 0
 
 
 def tag_lines(verdict, *, width: int) -> list[str]:
@@ -52,12 +60,14 @@ def tag_lines(verdict, *, width: int) -> list[str]:
     lines = [problem.line() for problem in verdict.problems[:SHOWN_PROBLEMS]]
     if len(verdict.problems) > SHOWN_PROBLEMS:
         lines.append(f"and {len(verdict.problems) - SHOWN_PROBLEMS} more problems (--json lists every one)")
-    return [f"{name}  DAMAGED  {lines[0]}", *(f"{' ' * width}           {line}" for line in lines[1:])]
+    state = "DAMAGED" if verdict.status == "damaged" else "UNSAFE "
+    return [f"{name}  {state}  {lines[0]}", *(f"{' ' * width}           {line}" for line in lines[1:])]
 
 
 def resume_tag(verdicts) -> str | None:
-    """The newest complete tag that is not damaged: intact, or without a manifest (nothing says it is wrong)."""
-    usable = [verdict.tag for verdict in verdicts if verdict.status in ("intact", "no_manifest")]
+    """The tag a resume takes: the newest complete one that is not damaged (a resume sets damaged ones aside and
+    falls back), whether intact, without a manifest (nothing says it is wrong) or unsafe (a resume stops there)."""
+    usable = [verdict.tag for verdict in verdicts if verdict.status in (*USABLE, "unsafe")]
     return usable[-1] if usable else None
 
 
@@ -65,11 +75,15 @@ def summary(verdicts) -> str:
     damaged = [verdict.tag for verdict in verdicts if verdict.status == "damaged"]
     newest = resume_tag(verdicts)
     unverified = {verdict.tag for verdict in verdicts if verdict.status == "no_manifest"}
+    unsafe = {verdict.tag for verdict in verdicts if verdict.status == "unsafe"}
     if newest is None and damaged:
         line = ("no intact checkpoint: a resume stops with checkpoint_damaged (restore the files, or move the "
                 "checkpoints aside to start from the model)")
     elif newest is None:
         line = "no complete checkpoint: a resume would start from step 0"
+    elif newest in unsafe:
+        line = (f"newest undamaged: {newest}, which holds a pickle that would run code: a resume stops there "
+                "with unsafe_checkpoint")
     elif newest in unverified:
         line = f"newest usable: {newest} (not verified: no manifest), the tag a resume would take"
     else:

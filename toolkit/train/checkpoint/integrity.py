@@ -1,6 +1,7 @@
-"""A checkpoint's files against its manifest (toolkit/train/checkpoint/manifest.py) at resume, hashed by every rank
-in parallel, and what happens when they differ: the damaged file and tag named, then the next older checkpoint
-taken, or the named error with `--no-fallback`."""
+"""A checkpoint's marker, manifest and files checked at resume as `dsmt checkpoint verify` checks them
+(toolkit/train/checkpoint/manifest.py), the files hashed by every rank in parallel, and what happens when something
+differs: the damaged file and tag named, then the next older checkpoint taken, or the named error with
+`--no-fallback`."""
 
 from __future__ import annotations
 
@@ -12,34 +13,36 @@ SHOWN = 5  # damaged files listed in one message
 
 
 class CheckpointDamaged(DsmtError):
-    """A checkpoint whose files do not match its manifest (rule `checkpoint_damaged`)."""
+    """A checkpoint whose marker, manifest or files are damaged (rule `checkpoint_damaged`)."""
 
 
-def problems_collectively(tag_dir: Path) -> list[str]:
-    """Every difference between `tag_dir`'s files and its manifest, one line each (empty: intact, or a tag written
-    before dsmt wrote manifests). The same list on every rank. Collective."""
+def verdict_collectively(tag_dir: Path) -> tuple[str, list[str]]:
+    """(`manifest.judge`'s verdict on `tag_dir`, every problem one line each): the same checks and the same verdict
+    as `dsmt checkpoint verify`, with the hashing shared by the ranks. Rank 0 reads the marker and the manifest
+    for all (NFS directory caches may differ between nodes); the same answer on every rank. Collective."""
     import torch.distributed as dist
 
     from toolkit.train.checkpoint import manifest
 
     rank, world = dist.get_rank(), dist.get_world_size()
     shared = [None]
-    if rank == 0:  # a manifest that cannot be read is a damaged checkpoint, on every rank (never a hang)
+    if rank == 0:  # whatever goes wrong reading them is a damaged checkpoint on every rank, never a hang
         try:
             entries, problems = manifest.expected(tag_dir)
             shared = [(entries, [p.line() for p in problems])]
         except (DsmtError, OSError, KeyError, TypeError, ValueError) as err:
-            shared = [({}, [f"{manifest.MANIFEST}: unreadable ({type(err).__name__}: {err})"])]
+            shared = [(None, [f"{manifest.MANIFEST}: unreadable ({type(err).__name__}: {err})"])]
     dist.broadcast_object_list(shared, src=0)
     entries, extra = shared[0]
-    if entries is None:  # no manifest: written before dsmt wrote them (no lines), or one deleted (a line)
-        return extra
+    if entries is None:  # no manifest: written before dsmt wrote them (no lines), or damage (lines)
+        return manifest.judge(entries=None, problems=extra), extra
     names = sorted(entries)
     mine = manifest.share(names, [entries[n]["size"] for n in names], rank=rank, world_size=world)
     found = [p.line() for p in manifest.check_entries(tag_dir, {n: entries[n] for n in mine})]
     parts: list = [None] * world
     dist.all_gather_object(parts, found)
-    return sorted(line for part in parts for line in part) + extra
+    problems = sorted(line for part in parts for line in part) + extra
+    return manifest.judge(entries=entries, problems=problems), problems
 
 
 def refuse_or_fall_back(*, tag: str, problems: list[str], older: str | None, fallback: bool,
@@ -49,7 +52,7 @@ def refuse_or_fall_back(*, tag: str, problems: list[str], older: str | None, fal
     import torch.distributed as dist
 
     listed = "\n  ".join(problems[:SHOWN]) + (f"\n  ... {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
-    damaged = f"checkpoint {checkpoint_dir / tag} does not match its manifest:\n  {listed}"
+    damaged = f"checkpoint {checkpoint_dir / tag} is damaged (files, manifest or completion marker):\n  {listed}"
     verify = f"`dsmt checkpoint verify {checkpoint_dir}` lists every checkpoint's state"
     if not fallback:
         raise CheckpointDamaged(f"[checkpoint_damaged] {damaged}\nfix: restore the file(s) from a copy, or resume "

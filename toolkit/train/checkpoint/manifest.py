@@ -4,7 +4,16 @@ loads it (DeepSpeed and torch.load notice some of this, late and unnamed; a flip
 
     <tag>/dsmt_manifest.json   {"format": 1, "digest": "xxh3_128", "files": {relpath: {"size", "xxh3_128"}},
                                 "total_bytes": N}
-    <tag>/dsmt_complete.json   written after the manifest (toolkit/train/checkpoint/checkpoints.py)
+    <tag>/dsmt_complete.json   written after the manifest (toolkit/train/checkpoint/checkpoints.py): the save's
+                               record, the manifest's digest and its own digest (`marker_text`)
+    latest_complete            beside the tags: the newest tag as the last save saw it, a hint only
+
+What a tag is worth is decided here, once, for `dsmt checkpoint verify` and for resume alike (`expected` +
+`check_entries` -> `judge`): the marker must be a readable record of this tag's step whose own digest holds, the
+manifest must be the one the marker recorded, and every file must match the manifest. A resume takes the newest
+tag that passes, whatever `latest_complete` says: that pointer is rewritten after each save's rename, so a save
+interrupted in between leaves it one tag behind, and an edited one would silently rewind a run; when it names
+another tag than the one taken, both verify and resume say so (`pointer_note`).
 
 xxh3_128 rather than a cryptographic hash: the threat is a damaged disk or an interrupted copy, not an adversary,
 and it hashes at memory speed (benchmarks/manifest_cost.py compares it to zlib.crc32). Each rank hashes one
@@ -23,27 +32,17 @@ from pathlib import Path
 
 import xxhash
 
+from toolkit.data.files import digest_file  # shared with `dsmt data prepare`'s corpus sidecar
 from toolkit.errors import DsmtError
 
 MANIFEST = "dsmt_manifest.json"
 COMPLETE_MARKER = "dsmt_complete.json"  # checkpoints.COMPLETE_MARKER (that module imports torch)
+LATEST = "latest_complete"  # checkpoints.LATEST
+MARKER_REQUIRED = {"step": int, "world_size": int}  # what a resume reads from the marker
+USABLE = ("intact", "no_manifest")  # the verdicts a resume takes (`judge`)
 PARTIAL_PREFIX = ".partial-"  # an interrupted save's directory in the checkpoints dir
 FORMAT = 1
-CHUNK_BYTES = 8 * 2**20  # large enough that the per-call overhead vanishes, small enough to keep memory flat
 TAG = re.compile(r"step_(\d+)")
-
-
-def digest_file(path: Path) -> str:
-    """The xxh3_128 hex digest of a file, read in 8 MiB chunks (a checkpoint file may exceed memory) into one
-    reused buffer: a fresh 8 MiB bytes per chunk page-faults its memory in each time, which made hashing a
-    torch.save file from the page cache ~5x slower (benchmarks/manifest_cost.py)."""
-    hasher = xxhash.xxh3_128()
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as reader:
-        while count := reader.readinto(buffer):
-            hasher.update(view[:count])
-    return hasher.hexdigest()
 
 
 def list_files(tag_dir: Path) -> list[str]:
@@ -114,7 +113,7 @@ def read_manifest(tag_dir: Path) -> dict | None:
 @dataclasses.dataclass(frozen=True)
 class Problem:
     file: str
-    kind: str  # missing | size | digest | unlisted | unreadable (the manifest itself)
+    kind: str  # missing | size | digest | unlisted | unreadable | malformed (manifest, marker) | unsafe (a pickle)
     expected: int | str | None  # the manifest's size or digest
     found: int | str | None  # what is on disk
 
@@ -168,10 +167,82 @@ def unlisted(tag_dir: Path, entries: dict) -> list[Problem]:
             if name not in entries and (name.endswith((".pt", ".distcp")) or name.startswith("layout-free/"))]
 
 
+def _record_digest(record: dict) -> str:
+    return xxhash.xxh3_128(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def marker_text(tag_dir: Path, record: dict) -> str:
+    """The completion marker of `tag_dir`: the save's `record` (step, world_size, layout), the digest of the
+    manifest just written (so a manifest changed later is not trusted) and the digest of all that (so any change
+    to the marker itself is seen, not only a cut that breaks its JSON)."""
+    record = dict(record)
+    if (Path(tag_dir) / MANIFEST).is_file():
+        record["manifest_xxh3_128"] = digest_file(Path(tag_dir) / MANIFEST)
+    return json.dumps({**record, "xxh3_128": _record_digest(record)})
+
+
+def marker_problems(tag_dir: Path) -> tuple[dict | None, list[Problem]]:
+    """(the marker's record, what is wrong with it): not readable JSON, a required key missing or of another
+    type, another step than the tag's, or content that does not match its own digest. Markers of an older dsmt
+    carry no digests; they are checked for the rest."""
+    tag_dir = Path(tag_dir)
+    try:
+        record = json.loads((tag_dir / COMPLETE_MARKER).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, [Problem(file=COMPLETE_MARKER, kind="unreadable", expected=None,
+                              found=f"not readable JSON ({type(err).__name__}: {err})")]
+    if not isinstance(record, dict):
+        return None, [Problem(file=COMPLETE_MARKER, kind="malformed", expected=None,
+                              found=f"a JSON {type(record).__name__}, not the save's record")]
+    problems = []
+    wrong = [f"{key} ({kind.__name__})" for key, kind in MARKER_REQUIRED.items() if type(record.get(key)) is not kind]
+    if wrong:
+        problems.append(f"missing or malformed: {', '.join(wrong)}")
+    elif TAG.fullmatch(tag_dir.name) and record["step"] != _step(tag_dir.name):
+        problems.append(f"records step {record['step']}, not this tag's (a marker of another checkpoint)")
+    digest = record.get("xxh3_128")
+    if digest is not None and digest != _record_digest({k: v for k, v in record.items() if k != "xxh3_128"}):
+        problems.append("its content does not match its own digest (changed after the save)")
+    return (None if wrong else record), [Problem(file=COMPLETE_MARKER, kind="malformed", expected=None, found=line)
+                                         for line in problems]
+
+
+def read_marker(tag_dir: Path) -> dict:
+    """The marker's record, or DsmtError naming what is wrong (a resume reads it only after `expected` passed)."""
+    record, problems = marker_problems(tag_dir)
+    if problems:
+        raise DsmtError(f"[checkpoint_damaged] {Path(tag_dir) / COMPLETE_MARKER}: {problems[0].found}\nfix: "
+                        f"`dsmt checkpoint verify {Path(tag_dir).parent}` lists every checkpoint's state; resume "
+                        "again to fall back to the newest intact one")
+    return record
+
+
+def pointer_note(checkpoint_dir: Path, *, taken: str | None) -> str | None:
+    """One line when `latest_complete` names another tag than `taken` (the one a resume takes), else None."""
+    pointer = Path(checkpoint_dir) / LATEST
+    try:
+        named = pointer.read_text().strip()
+    except FileNotFoundError:
+        return None  # a first save cut before it wrote the pointer, or an older dsmt's directory
+    except (OSError, UnicodeDecodeError) as err:
+        named = f"<unreadable: {type(err).__name__}>"
+    if named == taken:
+        return None
+    if TAG.fullmatch(named) and taken is not None and _step(named) < _step(taken):
+        what = "an older checkpoint (a save cut between its rename and the pointer, or an edited pointer)"
+    elif not (TAG.fullmatch(named) and (Path(checkpoint_dir) / named / COMPLETE_MARKER).is_file()):
+        what = "no complete checkpoint"
+    else:
+        what = "a checkpoint that is not intact"
+    then = f"a resume takes {taken}, the newest intact one" if taken else "a resume starts from step 0"
+    return (f"{pointer} names {named!r}, {what}; {then} (the pointer is only a hint, rewritten at the next "
+            "save)")
+
+
 @dataclasses.dataclass
 class TagVerdict:
     tag: str
-    status: str  # intact | damaged | no_manifest | incomplete
+    status: str  # intact | damaged | no_manifest | incomplete | unsafe
     problems: list[Problem]
     total_bytes: int
     seconds: float
@@ -185,40 +256,62 @@ def _disk_bytes(tag_dir: Path) -> tuple[int, int]:
 
 
 def expected(tag_dir: Path) -> tuple[dict | None, list[Problem]]:
-    """(the manifest's entries, what is wrong before any file is hashed) of a complete tag. Entries None: no
-    manifest, which is damage (one problem) when the completion marker says one was written, else a checkpoint from
-    before dsmt wrote manifests (no problem). With entries, the problems are the unlisted files a resume would
-    read. A manifest that cannot be read or has malformed entries: DsmtError naming it."""
+    """(the manifest's entries, what is wrong before any file is hashed) of a complete tag: the marker's problems
+    (`marker_problems`), a manifest that cannot be read or is not the one the marker recorded, and the unlisted
+    files a resume would read. Entries None: no usable manifest, which is damage (a problem) when the marker says
+    one was written or the manifest cannot be read, else a checkpoint from before dsmt wrote manifests."""
     tag_dir = Path(tag_dir)
-    manifest = read_manifest(tag_dir)
-    if manifest is None:
-        promised = json.loads((tag_dir / COMPLETE_MARKER).read_text()).get("manifest")  # deleted, or not copied
-        return None, [Problem(file=MANIFEST, kind="missing", expected="written", found=None)] if promised else []
+    marker, problems = marker_problems(tag_dir)
     try:
-        entries = {str(name): {"size": int(entry["size"]), "xxh3_128": str(entry["xxh3_128"])}
-                   for name, entry in manifest["files"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise DsmtError(f"{tag_dir / MANIFEST}: malformed entries ({type(err).__name__}: {err})") from None
-    return entries, unlisted(tag_dir, entries)
+        manifest = read_manifest(tag_dir)
+        entries = None if manifest is None else {
+            str(name): {"size": int(entry["size"]), "xxh3_128": str(entry["xxh3_128"])}
+            for name, entry in manifest["files"].items()}
+        manifest_digest = None if manifest is None else digest_file(tag_dir / MANIFEST)
+    except (DsmtError, OSError, KeyError, TypeError, ValueError, AttributeError) as err:
+        found = str(err) if isinstance(err, DsmtError) else f"malformed entries ({type(err).__name__}: {err})"
+        return None, problems + [Problem(file=MANIFEST, kind="unreadable", expected=None, found=found)]
+    if entries is None:
+        promised = marker is None or marker.get("manifest")  # deleted, or not copied
+        return None, problems + ([Problem(file=MANIFEST, kind="missing", expected="written", found=None)]
+                                 if promised else [])
+    recorded = (marker or {}).get("manifest_xxh3_128")
+    if recorded is not None and manifest_digest != recorded:
+        problems.append(Problem(file=MANIFEST, kind="malformed", expected=recorded, found=(
+            f"not the manifest {COMPLETE_MARKER} recorded (its digest differs: changed after the save)")))
+    return entries, problems + unlisted(tag_dir, entries)
+
+
+def judge(*, entries: dict | None, problems: list) -> str:
+    """The verdict on a complete tag, the one `dsmt checkpoint verify` prints and a resume acts on: `damaged` with
+    any problem, else `intact` (it has a manifest) or `no_manifest` (written before dsmt wrote manifests: nothing
+    says it is wrong). A resume takes the newest tag whose verdict is in USABLE."""
+    if problems:
+        return "damaged"
+    return "intact" if entries is not None else "no_manifest"
 
 
 def verify_tag(tag_dir: Path) -> TagVerdict:
     """Check one tag against its manifest. `incomplete`: no completion marker, or a `.partial-*` directory (the save
-    did not finish; nothing to verify); `no_manifest`: complete, written before manifests existed."""
+    did not finish; nothing to verify); else `judge`'s verdict, and `unsafe` for a tag a resume would take but
+    refuses to unpickle (toolkit/train/checkpoint/pickles.py; torch is imported for that check only)."""
     tag_dir = Path(tag_dir)
     started = time.perf_counter()
     entries, problems, status = None, [], "incomplete"
     if (tag_dir / COMPLETE_MARKER).is_file() and not tag_dir.name.startswith(PARTIAL_PREFIX):
-        try:
-            entries, problems = expected(tag_dir)
-            status = "damaged" if problems and entries is None else "no_manifest"
-        except DsmtError as err:  # a damaged manifest is a damaged tag; one bad tag must not hide the others
-            problems, status = [Problem(file=MANIFEST, kind="unreadable", expected=None, found=str(err))], "damaged"
+        entries, problems = expected(tag_dir)
+        if entries is not None:
+            problems = check_entries(tag_dir, entries) + problems
+        status = judge(entries=entries, problems=problems)
+    if status in USABLE:
+        from toolkit.train.checkpoint.pickles import unsafe_files
+
+        unsafe = [Problem(file=name, kind="unsafe", expected=None, found=what) for name, what in unsafe_files(tag_dir)]
+        if unsafe:
+            status, problems = "unsafe", unsafe
     if entries is None:
         count, size = _disk_bytes(tag_dir)
     else:
-        problems = check_entries(tag_dir, entries) + problems
-        status = "damaged" if problems else "intact"
         count, size = len(entries), sum(entry["size"] for entry in entries.values())
     return TagVerdict(tag=tag_dir.name, status=status, problems=problems, total_bytes=size,
                       seconds=time.perf_counter() - started, files=count)

@@ -72,6 +72,7 @@ class LayoutFreeState:
                 value = full_value(self.engine, param, state_key=None if name == "master" else name)  # collective
                 sharded[f"{name}/{key}"] = make_sharded_optimizer_tensor(item, held_for_save(value, item), name)
         record = self._record(shards)
+        refuse_unless_it_fits(tag_dir, sharded=sharded)
         if dist.get_rank() == 0:
             (tag_dir / LAYOUT_FREE).mkdir(exist_ok=True)  # a fresh .partial- folder: nothing of another save
         dist.barrier()
@@ -139,6 +140,26 @@ class LayoutFreeState:
             self.engine.lr_scheduler.load_state_dict(record["lr_scheduler"])
         self.engine.global_steps, self.engine.global_samples = record["global_steps"], record["global_samples"]
         return record
+
+
+def refuse_unless_it_fits(tag_dir: Path, *, sharded: dict) -> None:
+    """The named `disk_full` on every rank, before a byte of the copy is written, when the filesystem has not room
+    for it: the copy's size is known here, unlike the engine checkpoint's before the first save, and a disk that
+    fills mid-write leaves torch.distributed.checkpoint's writer threads failing one after the other. Collective."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+    from toolkit.train.checkpoint import space
+    from toolkit.train.checkpoint.folders import on_rank0
+
+    mine = sum(item.data.numel() * item.data.element_size() for item in sharded.values()
+               if is_main_replica(item.replica_id))  # the other replicas are stand-ins megatron drops
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    refusal = on_rank0(lambda: space.copy_refusal(directory=tag_dir, needed=sum(every)),
+                       what=f"checking the free space for {tag_dir / LAYOUT_FREE}")
+    if refusal:
+        raise space.DiskFull(refusal)
 
 
 def held_for_save(value: torch.Tensor, item) -> torch.Tensor:

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from toolkit.errors import DsmtError
+from toolkit.train.checkpoint.folders import PARTIAL
 
 MARGIN = 1.05  # a checkpoint at the same layout is the same size; metadata and logs take a little more
 
@@ -40,32 +41,60 @@ def refusal(*, directory: Path, tag: str, needed: int | None) -> str | None:
             f"{directory} has {free / 1e6:,.1f} MB free; nothing of {tag} was written\n{_fix(directory)}")
 
 
-def as_disk_full(err: BaseException, *, directory: Path, tag: str, needed: int | None) -> DiskFull | None:
-    """The named error when `err` came from a full disk: ENOSPC anywhere in its chain, or any failed save with
-    less than 1 MiB left (torch.save says only "unexpected pos 299520 vs 299408" or "file write failed"); None for
-    any other error."""
+def copy_refusal(*, directory: Path, needed: int) -> str | None:
+    """Why the layout-free copy of the save in `directory` (a `.partial-<tag>` folder) does not fit (None: it
+    does). Checked at every save, the first too: the copy's size is known before it is written."""
+    free = free_bytes(directory)
+    if free >= needed * MARGIN:
+        return None
+    tag = Path(directory).name.removeprefix(PARTIAL)
+    return (f"[disk_full] the layout-free copy of checkpoint {tag} needs about {_size(needed)} and "
+            f"{Path(directory).parent} has {free / 1e6:,.1f} MB free; nothing of the copy was written, the rest of "
+            f"{tag} is removed at the next start and earlier checkpoints are intact\n{_fix(Path(directory).parent)}")
+
+
+def as_disk_full(err: BaseException, *, directory: Path, tag: str, needed: int | None,
+                 partial: Path | None = None) -> DiskFull | None:
+    """The named error when `err` came from a full disk: ENOSPC anywhere in its chain or in any rank's failure
+    that torch.distributed.checkpoint gathered (its CheckpointException), or any failed write with less than 1 MiB
+    left (torch.save says only "unexpected pos 299520 vs 299408" or "file write failed"); None for any other error.
+    The library's words quoted are those of the failure itself, never of the wrapper that names the rank which
+    hit the full disk first: the disk is full for every rank. `partial`: the save's folder, whose bytes so far say
+    what the checkpoint needs at least when no earlier checkpoint sizes it."""
     free = free_bytes(directory) if Path(directory).exists() else 0
-    if not (_enospc(err) or (isinstance(err, (OSError, RuntimeError)) and free < 1 << 20)):
+    # a wrapper (CheckpointException) says which rank failed, its inner failures say what failed
+    causes = [e for e in _chain(err) if not isinstance(getattr(e, "failures", None), dict)]
+    full = next((e for e in causes if _enospc(e)), None)
+    if full is None and free < 1 << 20:
+        full = next((e for e in causes if isinstance(e, (OSError, RuntimeError))), None)
+    if full is None:
         return None
     kept = "" if needed is None else " and the previous checkpoint is intact"
-    said = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    if needed is None and partial is not None and Path(partial).is_dir():
+        written = sum(path.stat().st_size for path in Path(partial).rglob("*") if path.is_file())
+        need = f"more than the {written / 1e6:,.1f} MB it had written"
+    else:
+        need = f"about {_size(needed)}"
+    said = str(full).strip().splitlines()[0][:200] if str(full).strip() else ""
     return DiskFull(f"[disk_full] the disk filled while saving checkpoint {tag} into {directory} "
-                    f"({free / 1e6:,.1f} MB free now; the checkpoint needs about {_size(needed)}); the incomplete "
-                    f"save is removed at the next start{kept} (the library said: "
-                    f"{type(err).__name__}: {said})\n{_fix(directory)}")
+                    f"({free / 1e6:,.1f} MB free now; the checkpoint needs {need}); the incomplete save is removed "
+                    f"at the next start{kept} (the library said: {type(full).__name__}: {said})\n{_fix(directory)}")
 
 
 def _chain(err: BaseException):
+    """`err`, its causes and contexts, and every rank's failure a CheckpointException (torch.distributed.checkpoint:
+    `failures`, rank -> (exception, traceback)) or megatron's dist_checkpointing carries, depth first."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         yield err
-        # megatron's dist_checkpointing wraps each rank's failure in CheckpointException.failures
-        for inner in getattr(err, "failures", {}).values() if isinstance(getattr(err, "failures", None), dict) else ():
-            yield from _chain(inner)
+        failures = getattr(err, "failures", None)
+        for inner in failures.values() if isinstance(failures, dict) else ():
+            inner = inner[0] if isinstance(inner, tuple) and inner else inner
+            if isinstance(inner, BaseException):
+                yield from _chain(inner)
         err = err.__cause__ or err.__context__
 
 
 def _enospc(err: BaseException) -> bool:
-    return any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left" in str(e)
-               for e in _chain(err))
+    return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left" in str(err)

@@ -27,6 +27,9 @@ def register(subparsers) -> None:
     parser.add_argument("--no-fallback", action="store_true",
                         help="when the newest checkpoint does not match its manifest, stop (exit 2) instead of "
                              "resuming from the newest intact one")
+    parser.add_argument("--continue-with-changes", action="store_true",
+                        help="continue the run in training.output_dir although the spec changed train_steps, "
+                             "min_lr, evaluation or the layout (other changes need a new output_dir)")
     parser.add_argument("--verbose", action="store_true", help="every rank's output and the libraries' warnings "
                         "on the console (default: rank 0 speaks; the others write OUTPUT/logs/rankN.log)")
     parser.set_defaults(func=run)
@@ -50,25 +53,28 @@ def run(args) -> int:
     if args.dry_run:
         from toolkit.train.job.dryrun import dry_run
 
-        report = dry_run(path, overrides=args.set, run_dir=args.run_dir)
+        report = dry_run(path, overrides=args.set, run_dir=args.run_dir, allow_changes=args.continue_with_changes)
         print(report.to_text())
         return 0 if report.ok else 2
-    launch_training(path=path, overrides=args.set, run_dir=args.run_dir, fallback=not args.no_fallback)
+    launch_training(path=path, overrides=args.set, run_dir=args.run_dir, fallback=not args.no_fallback,
+                    allow_changes=args.continue_with_changes)
     return 0
 
 
 def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None,
-                    fallback: bool = True, checked: bool = False) -> None:
+                    fallback: bool = True, checked: bool = False, allow_changes: bool = False) -> None:
     """Check the spec at `path` (unless the caller just did: `checked`), then run its ranks on this machine and
     wait (`dsmt train`, `toolkit.api.train`). The output directory's run lock is held from before the first rank
-    starts until the last one ended."""
+    starts until the last one ended; under it the spec is recorded as the directory's job, or refused as another
+    job's continuation (`allow_changes`: --continue-with-changes; toolkit/train/job/run_identity.py)."""
     from toolkit.launch.local import launch_local_workers
     from toolkit.spec.layout import world_size_of
     from toolkit.spec.load import load_spec
     from toolkit.train.job import prelaunch
 
     spec = (load_spec(path, overrides=overrides) if checked else
-            prelaunch.checked_before_launch(path=path, overrides=overrides, run_dir=run_dir))
+            prelaunch.checked_before_launch(path=path, overrides=overrides, run_dir=run_dir,
+                                            allow_changes=allow_changes))
     from toolkit.train.job.run import require_weights
 
     require_weights(spec)
@@ -90,13 +96,19 @@ def launch_training(*, path: str, overrides: list[str] | tuple[str, ...] = (), r
         if lock.took_over:
             print(lock.takeover_line(), flush=True)
             wait_for_gone_ranks(log_dir=output_dir / "logs")
+        from toolkit.train.job import run_identity
+
+        for line in run_identity.accepted_lines(run_identity.admit(spec=spec, allow_changes=allow_changes)):
+            print(line, flush=True)
         # The environment the generated scripts export (.deepspeed_env): NCCL presets and
         # CUDA_DEVICE_MAX_CONNECTIONS=1 on GPUs, DS_ACCELERATOR=cpu and one thread per rank on the CPU; the spec's
         # communication.extra_env last; the lock's path, so the ranks do not take it again.
         launch_local_workers(module="toolkit.train", args=["--config", str(path), *run_dir_args, *sets, *flags],
                              nprocs=world_size_of(spec), log_dir=output_dir / "logs",
                              timeout_s=None,  # a training run takes as long as it takes
-                             env={**environment(spec=spec), run_lock.LOCK_ENV: str(lock.path)})
+                             env={**environment(spec=spec), run_lock.LOCK_ENV: str(lock.path)},
+                             stop_grace_s=spec.training.preemption_grace_s,
+                             hang_timeout_s=spec.training.hang_timeout_s)
 
 
 def wait_for_gone_ranks(*, log_dir: Path, timeout_s: float = 60.0) -> None:

@@ -26,21 +26,26 @@ from toolkit.train.job.dryrun_data import data_problems
 LAYOUT_RULES = MODEL_RULES | {"world_size"}
 
 
-def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None) -> Report:
-    return prelaunch(path, overrides=overrides, run_dir=run_dir)[1]
+def dry_run(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (), run_dir: Path | None = None,
+            allow_changes: bool = False) -> Report:
+    return prelaunch(path, overrides=overrides, run_dir=run_dir, allow_changes=allow_changes)[1]
 
 
 def prelaunch(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (),
-              run_dir: Path | None = None) -> tuple[object, Report]:
+              run_dir: Path | None = None, allow_changes: bool = False) -> tuple[object, Report]:
     """(the spec or None, the report): the one pass `dsmt check --deep`, `dsmt train --dry-run` and `dsmt train`
-    (before any rank starts) run."""
+    (before any rank starts) run. `allow_changes`: --continue-with-changes (toolkit/train/job/run_identity.py)."""
     from toolkit.spec.checks import check_file
 
     spec, report = check_file(path, overrides=overrides)
     source = f"{path} (dsmt train --dry-run)"
     if spec is None:  # the schema refused it: nothing further can be read from it
         return None, Report(source=source, problems=report.problems)
+    from toolkit.train.job import run_identity
+
     problems = trainer_problems(spec=spec)
+    if not report.rules("error"):  # the spec's own errors first: a broken spec says nothing of the run it continues
+        problems += run_identity.problems(spec=spec, allow_changes=allow_changes)
     # no model at model.path (model_shape) or its weights unreadable (checkpoint_unreadable): dsmt check's line
     # says why, and nothing more (config, tokenizer) is read from it
     model_refused = bool({"model_shape", "checkpoint_unreadable"} & report.rules())

@@ -107,7 +107,9 @@ def record_length_problems(*, spec, label: str, data, records, tokenizer) -> lis
 def corpus_problems(*, spec, label: str, data) -> list[Problem]:
     """The corpora read by megatron-core's IndexedDataset and fitted to the model's tokenizer and vocabulary."""
     from toolkit.data import load_tokenizer
+    from toolkit.data.corpus_check import CorpusDamaged
     from toolkit.data.indexed import corpus_problems as read_and_fit
+    from toolkit.spec.data_checks import damaged_problem
     from toolkit.spec.load import model_shape
 
     fix = ("prepare the corpus with the model's tokenizer "
@@ -117,7 +119,9 @@ def corpus_problems(*, spec, label: str, data) -> list[Problem]:
         corpora, problems = read_and_fit(data=data, tokenizer=tokenizer, vocab_size=model_shape(spec.model).vocab_size)
     except DsmtError as err:  # no tokenizer, no model shape
         return [Problem("error", "megatron_corpus", f"{label}: {err}", fix)]
-    return [Problem("error", err.rule, f"{label}: {err}", fix) for err in problems] + [
+    # a damaged corpus: the same line as dsmt check's (the report shows it once)
+    return [damaged_problem(label=label, err=err) if isinstance(err, CorpusDamaged) else
+            Problem("error", err.rule, f"{label}: {err}", fix) for err in problems] + [
         Problem("info", "data", f"{label}: Megatron corpus {corpus.prefix}: {corpus.num_documents} documents, "
                 f"{corpus.num_tokens} tokens, ids up to {corpus.max_token_id}") for corpus in corpora]
 
@@ -163,7 +167,7 @@ def _head_task(spec) -> tuple[str | None, object]:
     if spec.model.path is None or not config_path.is_file():
         return None, None
     try:
-        config = AutoConfig.from_pretrained(spec.model.path)
+        config = AutoConfig.from_pretrained(spec.model.path, trust_remote_code=False)
         return task_of(config), config
     except (DsmtError, ValueError, OSError):
         return None, None

@@ -156,7 +156,7 @@ def task_validation_examples(*, spec, layout, hf_dir):
     if spec.data.synthetic:
         raise ValidationDataError("data.synthetic=true has no validation records; unset data.validation_path and "
                                   "data.validation_fraction, or train on data.path")
-    return task_examples(data=spec.data, model_config=AutoConfig.from_pretrained(hf_dir),
+    return task_examples(data=spec.data, model_config=AutoConfig.from_pretrained(hf_dir, trust_remote_code=False),
                          tokenizer_path=str(hf_dir), seq_length=layout.seq_length, seed=spec.training.seed,
                          part=VALIDATION)
 

@@ -3,6 +3,7 @@ stop on a diverged step, export, report. The same for every kind of trainer (meg
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from tqdm import tqdm
@@ -38,6 +39,9 @@ def run_to_end(*, trainer, batches, export, notice: str | None, spec, layout, ds
     if resumed.step == spec.training.train_steps and dist.get_rank() == 0:
         print(f"dsmt train: {output_dir} holds a checkpoint of step {resumed.step}, the last "
               "(training.train_steps): nothing left to train; exporting it again", flush=True)
+    from toolkit.data.corpus_check import finish_digest_checks
+
+    finish_digest_checks()  # a run shorter than its corpus's background digest check must not export on damage
     heartbeat.set_phase("export")
     export()
     log.finished()
@@ -76,9 +80,11 @@ def train_steps(*, trainer, batches, spec, log, start: int, output_dir: Path, va
     """Train steps start+1 .. train_steps. With validation: the validation loss before the first step (step 0),
     after every eval_interval steps and after the last, measured before that step's checkpoint is saved, so a run
     resumed from a checkpoint already has the validation loss of its step. `guard` stops the run at a step whose
-    loss or gradient norm is not finite, before anything of that step is saved."""
+    loss or gradient norm is not finite, before anything of that step is saved. After a SIGTERM every rank stops
+    after the same step, saves it and raises Preempted (toolkit/train/job/preemption.py)."""
     import torch.distributed as dist
 
+    from toolkit.train.job import preemption
     from toolkit.train.job.evaluate import eval_steps, evaluate
 
     total = spec.training.train_steps
@@ -86,6 +92,7 @@ def train_steps(*, trainer, batches, spec, log, start: int, output_dir: Path, va
                     if validation is not None else ())
     if start in evaluated:
         log.validation(step=start, result=evaluate(trainer=trainer, validation=validation), engine=trainer.engine)
+    save = functools.partial(_save, trainer=trainer, spec=spec, output_dir=output_dir, saving=saving, guard=guard)
     # Rank 0's bar, on a terminal only (disable=None): in a log file its redraws would be noise.
     with tqdm(total=total, initial=start, desc="training", disable=True if dist.get_rank() != 0 else None,
               leave=False) as bar:
@@ -99,9 +106,20 @@ def train_steps(*, trainer, batches, spec, log, start: int, output_dir: Path, va
             if step + 1 in evaluated:
                 log.validation(step=step + 1, result=evaluate(trainer=trainer, validation=validation),
                                engine=trainer.engine)
-            if (step + 1) % spec.training.checkpoint_interval == 0 or step + 1 == total:
-                heartbeat.set_phase(f"saving {checkpoints.tag_for(step + 1)}")
-                checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step + 1,
-                                 keep_checkpoints=spec.training.keep_checkpoints, **(saving or {}))
-                if guard is not None:
-                    guard.saved(checkpoints.tag_for(step + 1))
+            stop = preemption.agreed_stop()  # collective: all ranks stop after the same step
+            if stop and dist.get_rank() == 0:
+                preemption.announce(step=step + 1)
+            if stop or (step + 1) % spec.training.checkpoint_interval == 0 or step + 1 == total:
+                save(step=step + 1)
+            if stop:
+                saved = output_dir / "checkpoints" / checkpoints.tag_for(step + 1)
+                heartbeat.set_phase(heartbeat.stopped_phase(saved=saved), now=True)  # the launcher reads it
+                raise preemption.Preempted(step=step + 1)
+
+
+def _save(*, trainer, spec, output_dir: Path, step: int, saving=None, guard: StepGuard | None = None) -> None:
+    heartbeat.set_phase(f"saving {checkpoints.tag_for(step)}")
+    checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step,
+                     keep_checkpoints=spec.training.keep_checkpoints, **(saving or {}))
+    if guard is not None:
+        guard.saved(checkpoints.tag_for(step))

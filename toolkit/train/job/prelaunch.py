@@ -31,14 +31,28 @@ def refuse_a_running_run(*, path: str, overrides) -> None:
     run_lock.refuse_if_held(output_dir=output_dir)
 
 
-def checked_before_launch(*, path: str, overrides, run_dir: Path | None):
+def refuse_another_job(*, path: str, overrides, allow_changes: bool) -> None:
+    """DsmtError `another_run_in_output_dir` at once when the spec would continue another job's checkpoints
+    (toolkit/train/job/run_identity.py): a mistake the pass below would name only after its seconds of work."""
+    from toolkit.spec.load import load_spec
+    from toolkit.train.job import run_identity
+
+    try:
+        spec = load_spec(path, overrides=overrides)
+    except DsmtError:
+        return  # the pass names what is wrong with the spec
+    run_identity.check(spec=spec, allow_changes=allow_changes)
+
+
+def checked_before_launch(*, path: str, overrides, run_dir: Path | None, allow_changes: bool = False):
     """The spec, once the pass finds no error; else SpecError listing the errors and warnings (RunLocked first,
     when a live run holds the output directory)."""
     from toolkit.train.job.dryrun import prelaunch
 
     refuse_a_running_run(path=path, overrides=overrides)
+    refuse_another_job(path=path, overrides=overrides, allow_changes=allow_changes)
     started = time.monotonic()
-    spec, report = prelaunch(path, overrides=overrides, run_dir=run_dir)
+    spec, report = prelaunch(path, overrides=overrides, run_dir=run_dir, allow_changes=allow_changes)
     if spec is None or not report.ok:
         shown = tuple(p for p in report.problems if p.severity != "info")
         raise SpecError(Report(source=f"{path}: nothing was started; `dsmt train --dry-run` finds the same",

@@ -304,6 +304,8 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
     parser.add_argument("--no-fallback", action="store_true", help="stop when the newest checkpoint is damaged "
                         "instead of resuming from the newest intact one")
+    parser.add_argument("--continue-with-changes", action="store_true", help="continue the run in "
+                        "training.output_dir although train_steps, min_lr, evaluation or the layout changed")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = parser.parse_args(argv)
     from toolkit.parallel.groups import adopt_mpi_ranks
@@ -328,7 +330,11 @@ def main(argv=None) -> int:
     from toolkit.launch.rank_output import LOG_DIR_ENV, quiet_other_ranks
 
     backends.select(device=spec.cluster.device)  # CUDA asked for but broken: exit 2 before the run writes anything
-    with claim_output_dir(spec=spec):  # before this run writes anything there (its logs included)
+    from toolkit.train.job.preemption import stop_on_sigterm
+
+    # From here on SIGTERM (preemption, a time limit) stops the ranks after a step, saved, with exit code 75; the
+    # output directory is claimed before anything is written there.
+    with stop_on_sigterm(), claim_output_dir(spec=spec, allow_changes=args.continue_with_changes):
         log_dir = Path(spec.training.output_dir) / "logs"
         quiet_other_ranks(log_dir=log_dir)  # rank 0 speaks (toolkit/launch/rank_output.py)
         watch_this_rank(log_dir=Path(os.environ.get(LOG_DIR_ENV) or log_dir))
@@ -346,10 +352,12 @@ def watch_this_rank(*, log_dir: Path) -> None:
     heartbeat.start(log_dir=log_dir, rank=this_rank())
 
 
-def claim_output_dir(*, spec):
-    """The output directory's run lock: held by `dsmt train` for its ranks (nothing to do here). Under a cluster
-    launcher rank 0 takes it (and renews its lease) before any process group exists, and every other rank stops
-    first if another launch's live run holds it: a second run exits 2 without touching the first one's files."""
+def claim_output_dir(*, spec, allow_changes: bool = False):
+    """The output directory's run lock: held by `dsmt train` for its ranks (nothing to do here: it also recorded
+    the run's identity). Under a cluster launcher rank 0 takes it (and renews its lease) before any process group
+    exists, and every other rank stops first if another launch's live run holds it: a second run exits 2 without
+    touching the first one's files. Rank 0 then refuses a spec that would continue another job's checkpoints
+    (toolkit/train/job/run_identity.py); the other ranks end with it (their launcher stops them)."""
     import contextlib
 
     from toolkit.launch import run_lock
@@ -364,4 +372,13 @@ def claim_output_dir(*, spec):
     lock = run_lock.acquire(output_dir=output_dir, command="python -m toolkit.train (rank 0)").keep_renewed()
     if lock.took_over:
         print(lock.takeover_line(), flush=True)
+    from toolkit.train.job import run_identity
+
+    try:
+        accepted = run_identity.admit(spec=spec, allow_changes=allow_changes)
+    except BaseException:
+        lock.__exit__(None, None, None)
+        raise
+    for line in run_identity.accepted_lines(accepted):
+        print(line, flush=True)
     return lock

@@ -95,9 +95,9 @@ def load_plain_model(hf_dir: Path, *, dtype: torch.dtype):
     architectures = config.get("architectures") or []
     model_class = getattr(transformers, architectures[0], None) if architectures else None
     if model_class is not None:
-        return model_class.from_pretrained(hf_dir, dtype=dtype)
+        return model_class.from_pretrained(hf_dir, dtype=dtype, trust_remote_code=False)
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+        return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, trust_remote_code=False)
     except (ValueError, KeyError) as err:
         raise DsmtError(
             f"{hf_dir}: config.json names architectures={architectures} (model_type {config.get('model_type')!r}); "

@@ -17,6 +17,14 @@ command -v deepspeed >/dev/null || { echo 'deepspeed not found on PATH: pip inst
 HOSTFILE="$HERE/hostfile"
 MASTER_ADDR=gpu-a.cluster.local
 command -v pdsh >/dev/null || { echo 'pdsh not found on PATH: apt-get install pdsh, or regenerate with --set cluster.launcher=no_ssh' >&2; exit 127; }
+# DeepSpeed's pdsh runner writes this directory unquoted into the command each node's shell runs (`cd DIR;`,
+# --run-dir DIR). `dsmt generate` refuses such a path; this catches a run directory moved (or reached through a
+# link) since.
+PHYSICAL_DIR="$(pwd -P)"
+if [[ "$HERE" == *[!a-zA-Z0-9/._+,@=-]* || "$PHYSICAL_DIR" == *[!a-zA-Z0-9/._+,@=-]* ]]; then
+  echo "$(basename "$0"): [unsafe_path] the run directory $PHYSICAL_DIR holds a character DeepSpeed's pdsh runner passes unquoted to each node's shell; move it to a path of letters, digits and / . _ - + , @ =, or regenerate with --set cluster.launcher=no_ssh" >&2
+  exit 2
+fi
 exec deepspeed \
   --hostfile "$HOSTFILE" \
   --master_addr "$MASTER_ADDR" \

@@ -22,6 +22,14 @@ HOSTFILE="$HERE/hostfile.slurm.${SLURM_JOB_ID:-0}"
 scontrol show hostnames "$SLURM_JOB_NODELIST" | sed 's/$/ slots=8/' >"$HOSTFILE"
 MASTER_ADDR="$(head -n 1 "$HOSTFILE" | cut -d " " -f 1)"
 command -v pdsh >/dev/null || { echo 'pdsh not found on PATH: apt-get install pdsh, or regenerate with --set cluster.launcher=no_ssh' >&2; exit 127; }
+# DeepSpeed's pdsh runner writes this directory unquoted into the command each node's shell runs (`cd DIR;`,
+# --run-dir DIR). `dsmt generate` refuses such a path; this catches a run directory moved (or reached through a
+# link) since.
+PHYSICAL_DIR="$(pwd -P)"
+if [[ "$HERE" == *[!a-zA-Z0-9/._+,@=-]* || "$PHYSICAL_DIR" == *[!a-zA-Z0-9/._+,@=-]* ]]; then
+  echo "$(basename "$0"): [unsafe_path] the run directory $PHYSICAL_DIR holds a character DeepSpeed's pdsh runner passes unquoted to each node's shell; move it to a path of letters, digits and / . _ - + , @ =, or regenerate with --set cluster.launcher=no_ssh" >&2
+  exit 2
+fi
 exec deepspeed \
   --hostfile "$HOSTFILE" \
   --master_addr "$MASTER_ADDR" \
