@@ -155,3 +155,28 @@ def test_a_killed_conversions_temporary_is_removed_by_the_next(llama, tmp_path, 
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_links_into_a_hub_blob_store_are_the_checkpoints_own_and_the_dry_run_names_an_outside_link(tmp_path):
+    """A `--local-dir` download of older huggingface_hub links big files into the cache's blobs, and a model may sit
+    in a snapshot's subfolder: both are the checkpoint's own files. A link elsewhere is named before training (the
+    export would otherwise refuse it after the last step)."""
+    from toolkit.convert.checkpoint import side_files
+    from toolkit.spec.load import validate_spec
+    from toolkit.train.job.dryrun import side_file_problems
+
+    blobs = tmp_path / "hub" / "models--org--tiny" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / "abc123").write_text("{}")
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "tokenizer.json").symlink_to(blobs / "abc123")
+    sub = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "rev" / "sub"
+    sub.mkdir(parents=True)
+    (sub / "tokenizer.json").symlink_to("../../../blobs/abc123")
+    assert side_files(local) == ["tokenizer.json"] and side_files(sub) == ["tokenizer.json"]
+    (tmp_path / "secret.txt").write_text("not the model's\n")
+    (local / "merges.txt").symlink_to(tmp_path / "secret.txt")
+    spec = validate_spec({"model": {"path": str(local)}, "data": {"synthetic": True}}, source="x")
+    [problem] = side_file_problems(spec=spec)
+    assert problem.rule == "side_file_outside_source" and f"{local}/merges.txt -> {tmp_path}/secret.txt" in problem.message

@@ -136,3 +136,26 @@ def test_a_sidecar_with_a_malformed_files_entry_is_refused(corpus):
     (found,) = corpus_problems(label="data", data=DataSpec(format="megatron", path=str(corpus)), vocab_size=250)
     assert (found.severity, found.rule) == ("error", "megatron_sidecar")
     assert 'files is {"bin": 12}, not {"bin": {"size": BYTES, "xxh3_128": HEX}' in found.message
+
+
+def test_the_end_of_training_raises_found_damage_and_waits_a_bounded_time(monkeypatch, capsys):
+    """Rank 0 alone hashes while the others go on into the export's collectives: the wait before the export is
+    bounded (a 1 TB corpus would outlast their collective timeout), and damage found by then fails the run."""
+    import threading
+
+    import toolkit.data.corpus_check as corpus_check
+
+    release = threading.Event()
+    monkeypatch.setattr(corpus_check, "check_digests", lambda prefix, *, sidecar: release.wait(10))
+    corpus_check.DigestWatch(corpora=[("slow", None)])
+    corpus_check.finish_digest_checks(wait_s=0.1)
+    assert "had not finished 0 s after the last step" in capsys.readouterr().err
+    release.set()
+
+    def damaged(prefix, *, sidecar):
+        raise corpus_check.CorpusDamaged("its digest differs", prefix=prefix)
+
+    monkeypatch.setattr(corpus_check, "check_digests", damaged)
+    corpus_check.DigestWatch(corpora=[("bad", None)])
+    with pytest.raises(corpus_check.CorpusDamaged, match="its digest differs"):
+        corpus_check.finish_digest_checks(wait_s=10)

@@ -12,6 +12,7 @@ from toolkit.train.job import preemption
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 with preemption.stop_on_sigterm():
+    preemption.training_started()
     answers = [preemption.agreed_stop()]  # nobody asked yet
     if rank == 1:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -19,11 +19,13 @@ def fresh_flag():
     preemption._requested.clear()
     yield
     preemption._requested.clear()
+    preemption._training.clear()
 
 
 def test_sigterm_raises_the_flag_and_the_handler_is_put_back(fresh_flag):
     before = signal.getsignal(signal.SIGTERM)
     with preemption.stop_on_sigterm():
+        preemption.training_started()
         assert not preemption.agreed_stop()  # no process group: this process alone decides
         os.kill(os.getpid(), signal.SIGTERM)  # the process lives on
         deadline = time.monotonic() + 10
@@ -39,3 +41,15 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step():
     output = result.stdout + result.stderr
     assert "rank 0: requested=False agreed=[False, True]" in output, output[-3000:]
     assert "rank 1: requested=True agreed=[False, True]" in output, output[-3000:]
+
+
+def test_before_training_starts_sigterm_ends_the_rank_at_once():
+    """A peer that failed early (rank 0 refusing the output directory) leaves the others blocked in
+    init_process_group, where no step boundary comes: torchrun's SIGTERM must end them as it always did."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\nfrom toolkit.train.job import preemption\n"
+            "with preemption.stop_on_sigterm():\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM

@@ -94,6 +94,30 @@ def test_global_batch_and_model_shape_are_refused_and_logging_is_free(data):
     assert "log_interval" not in text and "checkpoint_interval" not in text
 
 
+def test_plumbing_is_free_sections_whole_and_an_older_record_is_read_with_todays_defaults(data):
+    """cluster.slurm / hosts / wandb change between a preemption and its resume; a record written by an older dsmt
+    lacks the settings added since (they take their defaults); communication dtypes pick DeepSpeed's optimizer
+    wrapper (its state's layout), so they are not free; a derived global batch says how to keep it."""
+    a_finished_run(data, raw_spec(data))
+    plumbing = raw_spec(data, wandb={"project": "p"})
+    plumbing["cluster"].update(hosts=["node9"], slurm={"time": "48:00:00", "partition": "long"})
+    assert run_identity.check(spec=spec_of(plumbing))[1] == []
+    path = data / "out" / run_identity.IDENTITY_FILE
+    record = json.loads(path.read_text())
+    del record["spec"]["training"]["seed"], record["settings"]["training.seed"]  # as if seed came later
+    path.write_text(json.dumps(record))
+    assert run_identity.check(spec=spec_of(raw_spec(data)))[1] == []
+    dtype = raw_spec(data)
+    dtype["communication"] = {"grad_accum_dtype": "bf16"}
+    with pytest.raises(DsmtError, match=r"communication.grad_accum_dtype: None -> 'bf16'"):
+        run_identity.check(spec=spec_of(dtype), allow_changes=True)
+    (data / "out" / run_identity.IDENTITY_FILE).unlink()
+    run_identity.admit(spec=spec_of(raw_spec(data, global_batch_size=None)))  # one micro-batch of 2 per rank: 4
+    derived = raw_spec(data, global_batch_size=None, micro_batch_size=4)
+    with pytest.raises(DsmtError, match=r"global_batch_size: 4 -> 8  \(derived .* set training.global_batch_size: 4"):
+        run_identity.check(spec=spec_of(derived), allow_changes=True)
+
+
 def test_a_directory_without_a_run_takes_any_spec_and_an_older_runs_resolved_spec_is_compared(data):
     run_identity.admit(spec=spec_of(raw_spec(data)))  # a first launch that failed before its first checkpoint
     assert run_identity.admit(spec=spec_of(raw_spec(data, lr=1e-3))) == []

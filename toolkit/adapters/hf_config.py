@@ -61,7 +61,8 @@ def load_hf_config(checkpoint_dir: Path):
         raw = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise AdapterError(f"{config_path} is not readable JSON ({err}); re-save the config with save_pretrained") from err
-    refuse_remote_code(checkpoint_dir)  # before the family: its model_type may be the folder's own code's
+    # before the family: its model_type may be the folder's own code's
+    refuse_remote_code(checkpoint_dir, only=("config.json",))
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if not model_type:
         raise AdapterError(f"{config_path} has no 'model_type'; it is not an HF model config")

@@ -111,7 +111,7 @@ def side_files(source_dir: Path) -> list[str]:
         path = source_dir / name
         if not path.is_file():  # follows links: absent, dangling, a folder, a FIFO or a device is not copied
             continue
-        if path.resolve().is_relative_to(root):
+        if path.resolve().is_relative_to(root) or _in_hub_blobs(path.resolve()):
             names.append(name)
         else:
             outside.append(f"{path} -> {path.resolve()}")
@@ -129,9 +129,16 @@ def checkpoint_root(source_dir: Path) -> Path:
     hub cache the model's whole cache folder (`models--org--name/snapshots/<revision>/config.json` links to
     `../../blobs/<sha256>`)."""
     resolved = Path(source_dir).resolve()
-    if resolved.parent.name == "snapshots" and resolved.parent.parent.name.startswith("models--"):
-        return resolved.parent.parent
+    for folder in resolved.parents:  # a snapshot, or a folder inside one (snapshots/<revision>/sub)
+        if folder.name == "snapshots" and folder.parent.name.startswith("models--"):
+            return folder.parent
     return resolved
+
+
+def _in_hub_blobs(target: Path) -> bool:
+    """A file of a Hugging Face hub cache's blob store (`models--org--name/blobs/<hash>`): what a snapshot's links
+    and, before huggingface_hub 0.23, `--local-dir` downloads' links point at."""
+    return target.parent.name == "blobs" and target.parent.parent.name.startswith("models--")
 
 
 def copy_side_files(source_dir: Path, target_dir: Path) -> list[str]:

@@ -264,11 +264,22 @@ class DigestWatch:
     def wait(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
 
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
-def finish_digest_checks() -> None:
-    """Wait for this process's digest checks and raise the damage one found: called before a run exports, so a
-    run shorter than the hashing of its corpus does not end 0 on a damaged corpus."""
+
+FINISH_WAIT_S = 60.0  # well inside the collective timeout (180 s CPU, 600 s NCCL) the other ranks export under
+
+
+def finish_digest_checks(*, wait_s: float = FINISH_WAIT_S) -> None:
+    """Before a run exports: raise the damage this process's digest checks found, waiting up to `wait_s` for one
+    still hashing (a run shorter than the hashing of its corpus must not end 0 on a damaged corpus). Only rank 0
+    hashes while the others go on into the export's collectives, so the wait is bounded: past it, one line says
+    the check was not finished and how to run it."""
     while DigestWatch.started:
         watch = DigestWatch.started.pop()
-        watch.wait()
+        watch.wait(wait_s)
         watch.raise_if_damaged()
+        if watch.running():
+            print(f"dsmt: the corpus digest check had not finished {wait_s:.0f} s after the last step; the export "
+                  "goes on without it (`dsmt check --deep SPEC` checks the digests)", file=sys.stderr, flush=True)

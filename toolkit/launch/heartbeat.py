@@ -143,21 +143,23 @@ def _launch_of(log_dir: Path) -> str:
     return max(beats, key=lambda r: float(r["time"])).get("launch", "") if beats else ""
 
 
-def suspects(log_dir: Path, *, me: int) -> list[tuple[int, str]]:
+def suspects(log_dir: Path, *, me: int, this_machine_only: bool = False) -> list[tuple[int, str]]:
     """(rank, how) of every other rank that went silent, the longest-silent first (a rank that stopped on SIGTERM
-    after saving exited on purpose: not one)."""
+    after saving exited on purpose: not one). `this_machine_only`: only ranks whose process this machine can see
+    (another node's heartbeat may only look late: a shared filesystem's cache, a long save)."""
     now, beats, launch = time.time(), read_all(log_dir), identity.launch_id()
     found = [(float(r["time"]), rank, why_silent(r, now=now)) for rank, r in beats.items()
              if rank != me and r.get("launch", launch) == launch  # this launch's ranks only
-             and not str(r.get("phase", "")).startswith(STOPPED_ON_SIGTERM)]
+             and not str(r.get("phase", "")).startswith(STOPPED_ON_SIGTERM)
+             and (identity.same_machine(r) or not this_machine_only)]
     return [(rank, why) for _, rank, why in sorted(found) if why is not None]
 
 
-def my_suspects() -> list[tuple[int, str]]:
+def my_suspects(*, this_machine_only: bool = False) -> list[tuple[int, str]]:
     """`suspects` of this rank's own log directory (none before `start`)."""
     if _beat_file is None:
         return []
-    return suspects(_beat_file.parent, me=int(_record["rank"]))
+    return suspects(_beat_file.parent, me=int(_record["rank"]), this_machine_only=this_machine_only)
 
 
 def hung_on_this_machine(log_dir: Path, *, older_than_s: float) -> list[tuple[int, dict, float]]:

@@ -57,7 +57,10 @@ class JobWatch:
 
     def _watch_hangs(self) -> None:
         while not self._done.wait(POLL_S):
-            hung = heartbeat.hung_on_this_machine(self.log_dir, older_than_s=self.hang_timeout_s)
+            hung = [(rank, record, late_s) for rank, record, late_s
+                    in heartbeat.hung_on_this_machine(self.log_dir, older_than_s=self.hang_timeout_s)
+                    # a rank that stopped on SIGTERM after saving beats no more while its process ends
+                    if heartbeat.saved_checkpoint(str(record.get("phase", ""))) is None]
             if hung:
                 rank, record, late_s = hung[0]
                 self.hung = hung_message(rank=rank, record=record, late_s=late_s, nprocs=self.nprocs,
@@ -98,14 +101,14 @@ class JobWatch:
 
     def verdict(self) -> DsmtError | None:
         """What ended the job (it failed), when it was a hung rank or a SIGTERM; None: read the ranks' own reports."""
-        if self.hung is not None:
-            return RankHung(self.hung)
         beats = heartbeat.read_all(self.log_dir)
         saved = {rank: heartbeat.saved_checkpoint(str(r.get("phase", ""))) for rank, r in beats.items()}
         if len(beats) == self.nprocs and None not in saved.values():
             return Preempted(f"[preempted] SIGTERM (preemption or time limit): every rank stopped after the same "
                              f"step, saved as {saved[min(saved)]}; exit code {EXIT_PREEMPTED}\n"
                              "fix: run the same command again: it resumes from that checkpoint (nothing is lost)")
+        if self.hung is not None:
+            return RankHung(self.hung)
         if self.sigterm_at is None or not beats or any(self.log_dir.glob("rank*.error.json")):
             return None  # not a training run's ranks (no heartbeats), or a rank failed with its own error
         phases = ", ".join(f"rank {rank} at {r.get('phase')}" for rank, r in sorted(beats.items()))

@@ -99,6 +99,8 @@ def run_ranks(command: list[str], *, target: list[str], args: list[str], nprocs:
                                    preexec_fn=parent_death_signal())
         if watch is not None:
             watch.torchrun = process
+            if watch.sigterm_at is not None:  # SIGTERM came while torchrun was starting: pass it on now
+                process.send_signal(signal.SIGTERM)
         try:
             return process.wait(timeout=timeout_s)
         except BaseException:  # a timeout, Ctrl-C, SIGTERM: torchrun stops its ranks on SIGTERM, given the time

@@ -34,11 +34,15 @@ class RemoteCodeRefused(DsmtError):
         self.rule, self.detail, self.fix = "remote_code_refused", message, fix
 
 
-def refuse_remote_code(model_dir: str | Path) -> None:
+def refuse_remote_code(model_dir: str | Path, *, only: tuple[str, ...] | None = None) -> None:
     """Raise RemoteCodeRefused when a config of `model_dir` has an `auto_map` and names no class transformers ships.
-    Unreadable or absent configs pass: the loaders name those."""
+    `only`: the config files the caller's load reads (the model's config.json for a model: a folder's custom
+    tokenizer is refused where a tokenizer is loaded from it, not when only its weights are read). Unreadable or
+    absent configs pass: the loaders name those."""
     model_dir = Path(model_dir)
     for file_name, class_keys in CODE_CONFIGS:
+        if only is not None and file_name not in only:
+            continue
         config = _json_dict(model_dir / file_name)
         auto_map = config.get("auto_map")
         if not auto_map:

@@ -249,7 +249,8 @@ def load_model_shape(ref: str | Path) -> ModelShape:
         )
     from toolkit.models.remote_code import refuse_remote_code
 
-    refuse_remote_code(path.parent)  # a folder that would run its own code is refused by name, whatever reads it
+    # a folder that would run its own code is refused by name, whatever reads it
+    refuse_remote_code(path.parent, only=("config.json",))
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:

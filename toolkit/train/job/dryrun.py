@@ -43,7 +43,7 @@ def prelaunch(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (),
         return None, Report(source=source, problems=report.problems)
     from toolkit.train.job import run_identity
 
-    problems = trainer_problems(spec=spec)
+    problems = trainer_problems(spec=spec) + side_file_problems(spec=spec)
     if not report.rules("error"):  # the spec's own errors first: a broken spec says nothing of the run it continues
         problems += run_identity.problems(spec=spec, allow_changes=allow_changes)
     # no model at model.path (model_shape) or its weights unreadable (checkpoint_unreadable): dsmt check's line
@@ -67,6 +67,21 @@ def prelaunch(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (),
     said = {(p.rule, p.message) for p in report.problems}
     return spec, Report(source=source, problems=(*report.problems,
                                                  *(p for p in problems if (p.rule, p.message) not in said)))
+
+
+def side_file_problems(*, spec) -> list[Problem]:
+    """model.path's tokenizer and config side files that link outside the checkpoint: the export copies them, so
+    they are named here rather than after the last step (toolkit/convert/checkpoint.py side_files)."""
+    from toolkit.convert.checkpoint import CheckpointError, side_files
+
+    if spec.model.path is None or not Path(spec.model.path).is_dir():
+        return []
+    try:
+        side_files(Path(spec.model.path))
+    except CheckpointError as err:
+        message, _, fix = str(err).removeprefix("[side_file_outside_source] ").partition("\nfix: ")
+        return [Problem("error", "side_file_outside_source", message, fix)]
+    return []
 
 
 def trainer_problems(*, spec) -> list[Problem]:

@@ -41,6 +41,7 @@ def run_to_end(*, trainer, batches, export, notice: str | None, spec, layout, ds
               "(training.train_steps): nothing left to train; exporting it again", flush=True)
     from toolkit.data.corpus_check import finish_digest_checks
 
+    heartbeat.set_phase("checking corpus digests")
     finish_digest_checks()  # a run shorter than its corpus's background digest check must not export on damage
     heartbeat.set_phase("export")
     export()
@@ -93,6 +94,7 @@ def train_steps(*, trainer, batches, spec, log, start: int, output_dir: Path, va
     if start in evaluated:
         log.validation(step=start, result=evaluate(trainer=trainer, validation=validation), engine=trainer.engine)
     save = functools.partial(_save, trainer=trainer, spec=spec, output_dir=output_dir, saving=saving, guard=guard)
+    preemption.training_started()  # SIGTERM now stops at a step boundary (before: at once)
     # Rank 0's bar, on a terminal only (disable=None): in a log file its redraws would be noise.
     with tqdm(total=total, initial=start, desc="training", disable=True if dist.get_rank() != 0 else None,
               leave=False) as bar:

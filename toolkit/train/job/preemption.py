@@ -24,6 +24,7 @@ import threading
 
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure; the same command again resumes the run
 _requested = threading.Event()
+_training = threading.Event()  # set once the training loop runs (training_started)
 
 
 class Preempted(SystemExit):
@@ -64,12 +65,22 @@ def _listen(read_fd: int) -> None:
                 on_sigterm()
 
 
+def training_started() -> None:
+    """From here on SIGTERM stops the rank at a step boundary; before (process groups, model build, resume) it ends
+    the rank at once: a peer that failed early leaves the others blocked where no step boundary comes."""
+    _training.set()
+
+
 def on_sigterm() -> None:
-    """A preemption raises the flag; SIGTERM after another rank failed ends this rank now."""
+    """A preemption raises the flag; SIGTERM before training started, or after another rank failed on this machine,
+    ends this rank now. (A failure on another node is seen at the next step's collective, which then fails.)"""
     from toolkit.launch import heartbeat, watchdog
     from toolkit.launch.rank_output import LOG_DIR_ENV, this_rank
 
-    failed = heartbeat.my_suspects()
+    if not _training.is_set():
+        watchdog.kill_descendants()
+        os._exit(128 + signal.SIGTERM)
+    failed = heartbeat.my_suspects(this_machine_only=True)
     if failed:  # torchrun (or the warm ranks' manager) stopping the survivors of a failure: stop now, as ever
         if this_rank() != 0 or not os.environ.get(LOG_DIR_ENV):  # else dsmt's launcher names the failed rank
             rank, why = failed[0]

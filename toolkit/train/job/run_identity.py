@@ -37,16 +37,19 @@ FORMAT = 1
 RULE = "another_run_in_output_dir"
 SAMPLE_WHOLE_BYTES = 4 * 2**20
 SAMPLE_BLOCK_BYTES = 64 * 2**10
-MAX_FOLDER_FILES = 2000  # a dataset folder of more shards is fingerprinted by its first ones and its totals
+MAX_FOLDER_FILES = 2000  # a folder of more files (an image folder) is fingerprinted by its first ones
 
+# A pattern names a setting or a whole section ("cluster.slurm": every key under it).
 FREE = ("training.log_interval", "training.tensorboard", "training.wandb", "training.checkpoint_interval",
         "training.keep_checkpoints", "training.collective_timeout_s", "training.preemption_grace_s",
         "training.hang_timeout_s", "training.max_skipped_steps", "training.output_dir", "data.cache_dir",
-        "communication.", "cluster.gpu", "cluster.hosts", "cluster.master_addr", "cluster.master_port",
+        "communication", "cluster.gpu", "cluster.hosts", "cluster.master_addr", "cluster.master_port",
         "cluster.network_interface", "cluster.interconnect", "cluster.launcher", "cluster.job_name",
         "cluster.slurm")
+# ... except these communication settings: they choose DeepSpeed's optimizer wrapper, hence its state's layout
+NOT_FREE = ("communication.communication_data_type", "communication.grad_accum_dtype")
 CHANGEABLE = ("training.train_steps", "training.min_lr", "training.eval_interval", "data.validation_path",
-              "parallel.", "training.micro_batch_size", "training.recompute", "training.attention",
+              "parallel", "training.micro_batch_size", "training.recompute", "training.attention",
               "cluster.nodes", "cluster.gpus_per_node", "cluster.device")
 # spec keys that name files or folders, compared by fingerprint ("*": any list index)
 PATH_KEYS = ("model.path", "data.path", "data.validation_path", "data.tokenizer", "data.mix.*.path",
@@ -54,7 +57,11 @@ PATH_KEYS = ("model.path", "data.path", "data.validation_path", "data.tokenizer"
 
 
 def _matches(key: str, patterns) -> bool:
-    return any(key == p or (p.endswith(".") and key.startswith(p)) or _star(key, p) for p in patterns)
+    return any(key == p or key.startswith(f"{p}.") or _star(key, p) for p in patterns)
+
+
+def _free(key: str) -> bool:
+    return _matches(key, FREE) and not _matches(key, NOT_FREE)
 
 
 def _star(key: str, pattern: str) -> bool:
@@ -99,12 +106,27 @@ def fingerprint_path(path: Path) -> str | None:
         return fingerprint_file(path)
     if not path.is_dir():
         return None
-    files = sorted(p for p in path.rglob("*") if p.is_file())
-    hasher = xxhash.xxh3_128()
-    for file in files[:MAX_FOLDER_FILES]:
-        hasher.update(f"{file.relative_to(path).as_posix()}={fingerprint_file(file)};".encode())
-    total = sum(file.stat().st_size for file in files)
-    return f"{len(files)} files, {total}:{hasher.hexdigest()}"
+    hasher, count, total = xxhash.xxh3_128(), 0, 0
+    for file in _folder_files(path):
+        printed = fingerprint_file(file)
+        hasher.update(f"{file.relative_to(path).as_posix()}={printed};".encode())
+        count, total = count + 1, total + int(printed.partition(":")[0])
+    return f"{count} files, {total}:{hasher.hexdigest()}"
+
+
+def _folder_files(path: Path):
+    """The first MAX_FOLDER_FILES regular files under `path` in sorted order (links followed: a hub cache snapshot),
+    skipping hidden entries (`.cache/huggingface/` metadata that `huggingface-cli download` rewrites)."""
+    count = 0
+    for root, dirs, names in os.walk(path, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(n for n in names if not n.startswith(".")):
+            file = Path(root) / name
+            if file.is_file():
+                yield file
+                count += 1
+                if count == MAX_FOLDER_FILES:
+                    return
 
 
 def _paths_of(key: str, value: str, *, megatron: bool) -> list[Path]:
@@ -119,8 +141,8 @@ def identity_of(spec, *, fingerprints: bool = True) -> dict:
     (without: a run of an older dsmt, whose files are no longer known)."""
     from toolkit.spec.layout import derive_layout
 
-    settings = {key: value for key, value in flatten(spec.model_dump(mode="json")).items()
-                if not _matches(key, FREE)}
+    raw = spec.model_dump(mode="json")
+    settings = {key: value for key, value in flatten(raw).items() if not _free(key)}
     # the global batch the layout derives (global_batch_tokens / seq_length, or the default): what the data
     # position and the LR schedule count in
     try:
@@ -135,7 +157,7 @@ def identity_of(spec, *, fingerprints: bool = True) -> dict:
                 prints = [fingerprint_path(p) for p in _paths_of(key, value, megatron=megatron)]
                 if all(prints):
                     files[key] = " + ".join(prints)
-    return {"format": FORMAT, "settings": settings, "files": files}
+    return {"format": FORMAT, "settings": settings, "files": files, "spec": raw}
 
 
 def differences(*, recorded: dict, current: dict) -> list[tuple[str, object, object]]:
@@ -145,14 +167,33 @@ def differences(*, recorded: dict, current: dict) -> list[tuple[str, object, obj
     old_files, new_files = recorded.get("files", {}), current["files"]
     found = []
     for key in sorted(set(old) | set(new)):
-        if _matches(key, FREE):
-            continue
+        if _free(key) or ((key not in old or key not in new) and not _indexed(key)):
+            continue  # a setting one of the two dsmt versions does not have (a list entry counts: mix, blend)
         if key in old_files and key in new_files:
             if old_files[key] != new_files[key]:
                 found.append((key, f"{old.get(key)} ({old_files[key]})", f"{new.get(key)} ({new_files[key]})"))
         elif old.get(key, "(not set)") != new.get(key, "(not set)"):
             found.append((key, old.get(key, "(not set)"), new.get(key, "(not set)")))
     return found
+
+
+def _indexed(key: str) -> bool:
+    return any(part.isdigit() for part in key.split("."))
+
+
+def _as_this_version(recorded: dict) -> dict:
+    """The record's settings as this dsmt reads the spec it holds: a field added since it was written gets its
+    default, so an upgrade does not make every output directory another job's. A spec this dsmt no longer accepts
+    keeps the record's own settings (compared where both versions have them)."""
+    from toolkit.spec.load import validate_spec
+
+    if not isinstance(recorded.get("spec"), dict):
+        return recorded
+    try:
+        spec = validate_spec(recorded["spec"], source=IDENTITY_FILE)
+    except DsmtError:
+        return recorded
+    return {**recorded, "settings": identity_of(spec, fingerprints=False)["settings"]}
 
 
 def holds_a_run(output_dir: Path) -> bool:
@@ -178,7 +219,7 @@ def recorded_identity(output_dir: Path) -> dict | None:
         if not isinstance(recorded, dict) or not isinstance(recorded.get("settings"), dict):
             raise DsmtError(f"[{RULE}] {path} is not a run record (no settings)\nfix: restore it, or train into "
                             "a new training.output_dir")
-        return recorded
+        return _as_this_version(recorded)
     legacy = Path(output_dir) / "resolved" / "job.resolved.yaml"
     if legacy.is_file():
         try:
@@ -188,14 +229,18 @@ def recorded_identity(output_dir: Path) -> dict | None:
     return None
 
 
+def _note(key: str, old) -> str:
+    if key == "training.global_batch_size":
+        return f"  (derived from the layout when not set: set training.global_batch_size: {old} to keep it)"
+    return "  (may change with --continue-with-changes)" if _matches(key, CHANGEABLE) else ""
+
+
 def refusal(*, output_dir: Path, found: list, allow_changes: bool) -> str | None:
     """The refusal's message for the differences `found`, or None when they may continue."""
     blocking = [item for item in found if not (allow_changes and _matches(item[0], CHANGEABLE))]
     if not blocking:
         return None
-    lines = "\n".join(f"  {key}: {old!r} -> {new!r}" + ("  (may change with --continue-with-changes)"
-                                                         if _matches(key, CHANGEABLE) else "")
-                      for key, old, new in blocking)
+    lines = "\n".join(f"  {key}: {old!r} -> {new!r}" + _note(key, old) for key, old, new in blocking)
     changeable_only = all(_matches(key, CHANGEABLE) for key, _, _ in blocking)
     ways = ("train into a new training.output_dir (the exported final-hf of this one can be its model.path)"
             + ("; or, to continue this run with these changes on purpose, add --continue-with-changes (to "
