@@ -421,3 +421,23 @@ def test_every_process_group_gets_the_collective_timeout(monkeypatch):
     assert collective_timeout_s(spec=spec(collective_timeout_s=7), dist_backend="gloo") == 7.0
     assert collective_timeout_s(spec=spec(), dist_backend="nccl") == 600.0
     assert collective_timeout_s(spec=spec(), dist_backend="gloo") == 180.0
+
+
+def test_the_disk_full_search_visits_each_failure_once_and_skips_the_wrapper():
+    """torch's CheckpointException carries each rank's failure, whose context may lead back to the wrapper: the
+    search ends (it recursed without end) and answers with the failure, not the wrapper naming a rank."""
+    import errno
+
+    from toolkit.errors import disk_full_cause
+
+    class Wrapper(BaseException):
+        def __init__(self, failures):
+            super().__init__("CheckpointException ranks:dict_keys([0]) No space left on device (RANK 0)")
+            self.failures = failures
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    other = OSError("disk went away")
+    for inner, expected in ((full, full), (other, None)):
+        wrapper = Wrapper({0: (inner, "traceback")})
+        inner.__context__ = wrapper  # the cycle
+        assert disk_full_cause(wrapper) is expected

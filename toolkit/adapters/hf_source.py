@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from toolkit.adapters.family import AdapterError
+from toolkit.errors import RuleError
 
 INDEX_NAME = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3: `X.weight` (fp8) has `X.weight_scale_inv` (fp32 block scales)
@@ -25,12 +26,8 @@ DEQUANTIZED_DTYPE = torch.bfloat16  # what DeepSeek's own dequantisation (fp8_ca
 _FP8_FIX = "dsmt convert hf-to-mcore {dir} DST --dequantize-fp8"
 
 
-class QuantizedCheckpointError(AdapterError):
+class QuantizedCheckpointError(RuleError, AdapterError):
     """A quantised checkpoint dsmt does not read as it is: `[rule] message`, then the fix."""
-
-    def __init__(self, message: str, *, rule: str, fix: str):
-        super().__init__(f"[{rule}] {message}\nfix: {fix}")
-        self.rule, self.detail, self.fix = rule, message, fix
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, *, block_size: tuple[int, int],

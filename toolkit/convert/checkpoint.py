@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import json
 import os
@@ -22,7 +21,8 @@ from pathlib import Path
 import torch
 
 from toolkit import __version__
-from toolkit.errors import DsmtError
+from toolkit.errors import DsmtError, RuleError, disk_full_cause
+from toolkit.launch.identity import pid_running
 
 FORMAT_NAME = "dsmt-mcore"
 FORMAT_VERSION = 1
@@ -39,6 +39,10 @@ MEGATRON_MARKERS = (METADATA_FILE, "model", "latest_checkpointed_iteration.txt",
 
 class CheckpointError(DsmtError):
     """A checkpoint directory that is not what the command expects."""
+
+
+class SideFileOutsideSource(RuleError, CheckpointError):
+    """A tokenizer / config side file that links outside its checkpoint (rule `side_file_outside_source`)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -116,11 +120,10 @@ def side_files(source_dir: Path) -> list[str]:
         else:
             outside.append(f"{path} -> {path.resolve()}")
     if outside:
-        raise CheckpointError(
-            f"[side_file_outside_source] {len(outside)} file(s) of {source_dir} link outside it ({root}): "
-            f"{'; '.join(outside)}; dsmt copies only the checkpoint's own files into its output\n"
-            "fix: replace each link with the file it should be (cp --remove-destination REAL_FILE LINK), or "
-            "remove it")
+        raise SideFileOutsideSource(
+            f"{len(outside)} file(s) of {source_dir} link outside it ({root}): {'; '.join(outside)}; dsmt copies "
+            "only the checkpoint's own files into its output", rule="side_file_outside_source",
+            fix="replace each link with the file it should be (cp --remove-destination REAL_FILE LINK), or remove it")
     return names
 
 
@@ -204,15 +207,8 @@ def remove_stale_temporaries(out_dir: Path) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
-    if pid <= 0 or pid == os.getpid():
-        return True  # ours (atomic_output_dir replaces its own), or not a process id
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+    # ours (atomic_output_dir replaces its own), or not a process id: never removed
+    return pid <= 0 or pid == os.getpid() or pid_running(pid)
 
 
 def _disk_fix(directory: Path) -> str:
@@ -233,7 +229,7 @@ def refuse_too_small(out_dir: Path, *, needed_bytes: int | None) -> None:
 
 def disk_full_error(err: BaseException, *, out_dir: Path, needed_bytes: int | None) -> DsmtError | None:
     """`[disk_full]` when `err` came from a full disk (ENOSPC / EDQUOT anywhere in its chain); None otherwise."""
-    cause = _disk_full_cause(err)
+    cause = disk_full_cause(err)
     if cause is None:
         return None
     free = shutil.disk_usage(out_dir.parent).free
@@ -242,25 +238,6 @@ def disk_full_error(err: BaseException, *, out_dir: Path, needed_bytes: int | No
     return DsmtError(f"[disk_full] the disk filled while writing {out_dir} ({free / 1e6:,.1f} MB free now on "
                      f"{out_dir.parent}; the output needs {needed}); nothing of it was kept (the library said: "
                      f"{type(cause).__name__}: {said})\n{_disk_fix(out_dir.parent)}")
-
-
-def _disk_full_cause(err: BaseException) -> BaseException | None:
-    """The ENOSPC / EDQUOT error behind `err`: itself, its cause or context, or a failure that torch's
-    CheckpointException carries (`failures`: rank -> (exception, traceback)); else one that says so in words only
-    (Rust writers: safetensors)."""
-    chain, pending = [], [err]
-    while pending:
-        current = pending.pop(0)
-        if current is None or any(current is seen for seen in chain):
-            continue
-        chain.append(current)
-        failures = getattr(current, "failures", None)
-        if isinstance(failures, dict):
-            pending += [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
-        pending += [current.__cause__, current.__context__]
-    by_errno = [e for e in chain if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)]
-    by_words = [e for e in chain if "No space left on device" in str(e)]
-    return (by_errno or by_words[-1:] or [None])[0]
 
 
 # ---- one rank works, the others wait on a status file ------------------------------------------------------------

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from toolkit.data.files import digest_file
-from toolkit.errors import DsmtError
+from toolkit.errors import RuleError
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"  # megatron-core's _INDEX_HEADER
 INDEX_VERSION = 1
@@ -50,16 +50,14 @@ SIDECAR_FILES = ("bin", "idx")  # the keys of the sidecar's `files` entry
 SIDECAR_FILES_SHAPE = '{"bin": {"size": BYTES, "xxh3_128": HEX}, "idx": {"size": BYTES, "xxh3_128": HEX}}'
 
 
-class CorpusDamaged(DsmtError):
+class CorpusDamaged(RuleError):
     """A corpus whose files contradict themselves or what `dsmt data prepare` recorded (rule `corpus_damaged`)."""
 
-    rule = "corpus_damaged"
-
     def __init__(self, detail: str, *, prefix: str):
-        self.detail = detail
-        self.fix = (f"run dsmt data prepare again for {prefix} (its sidecar {prefix}.dsmt.json, where there is one, "
-                    "names the inputs and the tokenizer), or copy the corpus again from where it was made")
-        super().__init__(f"[{self.rule}] {detail}\nfix: {self.fix}")
+        super().__init__(detail, rule="corpus_damaged",
+                         fix=f"run dsmt data prepare again for {prefix} (its sidecar {prefix}.dsmt.json, where there "
+                             "is one, names the inputs and the tokenizer), or copy the corpus again from where it was "
+                             "made")
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,14 @@ toolkit/train/checkpoint/space.py's) instead of a library's traceback."""
 
 from __future__ import annotations
 
-import errno
 import glob
 import os
 import re
 import shutil
 from pathlib import Path
 
-from toolkit.errors import DsmtError
+from toolkit.errors import DsmtError, disk_full_cause
+from toolkit.launch.identity import pid_running
 
 TEMP_SUFFIXES = (".bin", ".idx", ".dsmt.json")
 HEADER_BYTES, BYTES_PER_DOCUMENT = 34, 20  # .idx: header, then int32 length + int64 pointer + int64 document index
@@ -33,7 +33,7 @@ def remove_stale_temporaries(prefix: str) -> str | None:
         match = pattern.fullmatch(path.name)
         if match is not None and path.is_file():
             pid = int(match.group(1))
-            (kept if _running(pid) else stale).setdefault(pid, []).append(path)
+            (kept if pid_running(pid) else stale).setdefault(pid, []).append(path)
     removed_bytes = 0
     for paths in stale.values():
         for path in paths:
@@ -49,16 +49,6 @@ def remove_stale_temporaries(prefix: str) -> str | None:
         said.append(f"kept {names}: pid {', '.join(map(str, kept))} is running (another dsmt data prepare into "
                     "the same --output?)")
     return f"dsmt data prepare: {'; '.join(said)}" if said else None
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def temporary_bytes(temp: str) -> int:
@@ -80,7 +70,7 @@ def disk_full_error(err: BaseException, *, prefix: str, written_bytes: int, coun
     `counts`: the documents tokenised so far, their tokens and the characters of text they came from; the bytes
     the whole corpus needs are estimated from them and the size of `inputs` (an estimate: JSON syntax counts as
     text, compressed inputs as less)."""
-    if not _enospc(err):
+    if disk_full_cause(err) is None:
         return None
     inputs_bytes = input_bytes(inputs)
     directory = Path(prefix).parent
@@ -99,13 +89,3 @@ def disk_full_error(err: BaseException, *, prefix: str, written_bytes: int, coun
                      f"{prefix}.* is as it was (the library said: {type(err).__name__}: {said})\n"
                      f"fix: free space on the filesystem of {directory}, or give --output a prefix on a larger disk; "
                      "then run the same command again")
-
-
-def _enospc(err: BaseException) -> bool:
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        err = err.__cause__ or err.__context__
-    return False

@@ -34,6 +34,18 @@ def same_machine(record: dict) -> bool:
     return all(record.get(key, mine[key]) == mine[key] for key in mine)
 
 
+def pid_running(pid: int) -> bool:
+    """Whether a process `pid` exists on this machine (another user's counts: kill answers EPERM). A pid means
+    nothing on another host: callers that may see one say so (see `same_machine`)."""
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def launch_id(environ=None) -> str:
     """The same on every rank of one launch, different for another launch: the rendezvous address and the
     launcher's job id (torchrun's run id, SLURM's job id)."""

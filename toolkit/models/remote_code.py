@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from toolkit.errors import DsmtError
+from toolkit.errors import RuleError
 
 # (file, the keys naming the class it makes): the configs transformers' Auto classes read an auto_map from.
 CODE_CONFIGS = (
@@ -25,13 +25,12 @@ CODE_CONFIGS = (
 )
 
 
-class RemoteCodeRefused(DsmtError):
+class RemoteCodeRefused(RuleError):
     """A model folder whose configs would make transformers import Python files from it (rule
     `remote_code_refused`)."""
 
     def __init__(self, message: str, *, fix: str):
-        super().__init__(f"[remote_code_refused] {message}\nfix: {fix}")
-        self.rule, self.detail, self.fix = "remote_code_refused", message, fix
+        super().__init__(message, rule="remote_code_refused", fix=fix)
 
 
 def refuse_remote_code(model_dir: str | Path, *, only: tuple[str, ...] | None = None) -> None:

@@ -3,11 +3,10 @@ disk during a save turned into one named error (rule `disk_full`) instead of a l
 
 from __future__ import annotations
 
-import errno
 import shutil
 from pathlib import Path
 
-from toolkit.errors import DsmtError
+from toolkit.errors import DsmtError, disk_full_cause, failure_chain
 from toolkit.train.checkpoint.folders import PARTIAL
 
 MARGIN = 1.05  # a checkpoint at the same layout is the same size; metadata and logs take a little more
@@ -62,11 +61,9 @@ def as_disk_full(err: BaseException, *, directory: Path, tag: str, needed: int |
     hit the full disk first: the disk is full for every rank. `partial`: the save's folder, whose bytes so far say
     what the checkpoint needs at least when no earlier checkpoint sizes it."""
     free = free_bytes(directory) if Path(directory).exists() else 0
-    # a wrapper (CheckpointException) says which rank failed, its inner failures say what failed
-    causes = [e for e in _chain(err) if not isinstance(getattr(e, "failures", None), dict)]
-    full = next((e for e in causes if _enospc(e)), None)
+    full = disk_full_cause(err)
     if full is None and free < 1 << 20:
-        full = next((e for e in causes if isinstance(e, (OSError, RuntimeError))), None)
+        full = next((e for e in failure_chain(err) if isinstance(e, (OSError, RuntimeError))), None)
     if full is None:
         return None
     kept = "" if needed is None else " and the previous checkpoint is intact"
@@ -79,22 +76,3 @@ def as_disk_full(err: BaseException, *, directory: Path, tag: str, needed: int |
     return DiskFull(f"[disk_full] the disk filled while saving checkpoint {tag} into {directory} "
                     f"({free / 1e6:,.1f} MB free now; the checkpoint needs {need}); the incomplete save is removed "
                     f"at the next start{kept} (the library said: {type(full).__name__}: {said})\n{_fix(directory)}")
-
-
-def _chain(err: BaseException):
-    """`err`, its causes and contexts, and every rank's failure a CheckpointException (torch.distributed.checkpoint:
-    `failures`, rank -> (exception, traceback)) or megatron's dist_checkpointing carries, depth first."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        failures = getattr(err, "failures", None)
-        for inner in failures.values() if isinstance(failures, dict) else ():
-            inner = inner[0] if isinstance(inner, tuple) and inner else inner
-            if isinstance(inner, BaseException):
-                yield from _chain(inner)
-        err = err.__cause__ or err.__context__
-
-
-def _enospc(err: BaseException) -> bool:
-    return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left" in str(err)

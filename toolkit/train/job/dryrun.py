@@ -72,15 +72,14 @@ def prelaunch(path: str | Path, *, overrides: list[str] | tuple[str, ...] = (),
 def side_file_problems(*, spec) -> list[Problem]:
     """model.path's tokenizer and config side files that link outside the checkpoint: the export copies them, so
     they are named here rather than after the last step (toolkit/convert/checkpoint.py side_files)."""
-    from toolkit.convert.checkpoint import CheckpointError, side_files
+    from toolkit.convert.checkpoint import SideFileOutsideSource, side_files
 
     if spec.model.path is None or not Path(spec.model.path).is_dir():
         return []
     try:
         side_files(Path(spec.model.path))
-    except CheckpointError as err:
-        message, _, fix = str(err).removeprefix("[side_file_outside_source] ").partition("\nfix: ")
-        return [Problem("error", "side_file_outside_source", message, fix)]
+    except SideFileOutsideSource as err:
+        return [Problem("error", err.rule, err.detail, err.fix)]
     return []
 
 

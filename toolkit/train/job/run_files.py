@@ -21,7 +21,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from toolkit.errors import DsmtError
+from toolkit.errors import DsmtError, RuleError
 
 DS_CONFIG, MEGATRON = "ds_config.json", "megatron.json"
 RULE = "run_files_contradict_spec"
@@ -78,12 +78,11 @@ class Difference:
                 f"({winner}{source})")
 
 
-class RunFilesError(DsmtError):
+class RunFilesError(RuleError):
     """The run directory's files are unreadable, or contradict the spec (rule `run_files_contradict_spec`)."""
 
     def __init__(self, message: str, *, rule: str = RULE, fix: str = ""):
-        super().__init__(f"[{rule}] {message}" + (f"\nfix: {fix}" if fix else ""))
-        self.rule, self.detail, self.fix = rule, message, fix
+        super().__init__(message, rule=rule, fix=fix)
 
 
 @dataclasses.dataclass(frozen=True)

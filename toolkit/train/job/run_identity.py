@@ -23,6 +23,7 @@ freely."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -30,11 +31,13 @@ from pathlib import Path
 
 import xxhash
 
-from toolkit.errors import DsmtError
+from toolkit.data.files import digest_file
+from toolkit.errors import DsmtError, RuleError
 
 IDENTITY_FILE = "dsmt_run.json"
 FORMAT = 1
 RULE = "another_run_in_output_dir"
+RECORD_FIX = "restore it, or train into a new training.output_dir"
 SAMPLE_WHOLE_BYTES = 4 * 2**20
 SAMPLE_BLOCK_BYTES = 64 * 2**10
 MAX_FOLDER_FILES = 2000  # a folder of more files (an image folder) is fingerprinted by its first ones
@@ -85,16 +88,22 @@ def flatten(value, prefix: str = "") -> dict[str, object]:
 
 def fingerprint_file(path: Path) -> str:
     """size:xxh3_128 of the whole file, or of its head, tail and 16 spaced blocks past SAMPLE_WHOLE_BYTES."""
-    size = path.stat().st_size
+    stat = Path(path).stat()
+    return _fingerprint(str(Path(path).resolve()), size=stat.st_size, mtime_ns=stat.st_mtime_ns, inode=stat.st_ino)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fingerprint(path: str, *, size: int, mtime_ns: int, inode: int) -> str:
+    """Read once per process while the file's stat stays the same: `dsmt train` compares before its pre-launch
+    pass (to refuse in a second, not after it), in it (what `--dry-run` reports) and records under the run lock."""
+    if size <= SAMPLE_WHOLE_BYTES:
+        return f"{size}:{digest_file(Path(path))}"
     hasher = xxhash.xxh3_128()
     with open(path, "rb") as reader:
-        if size <= SAMPLE_WHOLE_BYTES:
-            hasher.update(reader.read())
-        else:
-            last = size - SAMPLE_BLOCK_BYTES
-            for offset in [0, *(last * i // 17 for i in range(1, 17)), last]:
-                reader.seek(offset)
-                hasher.update(reader.read(SAMPLE_BLOCK_BYTES))
+        last = size - SAMPLE_BLOCK_BYTES
+        for offset in [0, *(last * i // 17 for i in range(1, 17)), last]:
+            reader.seek(offset)
+            hasher.update(reader.read(SAMPLE_BLOCK_BYTES))
     return f"{size}:{hasher.hexdigest()}"
 
 
@@ -214,11 +223,10 @@ def recorded_identity(output_dir: Path) -> dict | None:
         try:
             recorded = json.loads(path.read_text())
         except (OSError, ValueError) as err:
-            raise DsmtError(f"[{RULE}] {path} is unreadable ({err}): it records which job this output directory "
-                            "belongs to\nfix: restore it, or train into a new training.output_dir") from None
+            raise RuleError(f"{path} is unreadable ({err}): it records which job this output directory belongs "
+                            "to", rule=RULE, fix=RECORD_FIX) from None
         if not isinstance(recorded, dict) or not isinstance(recorded.get("settings"), dict):
-            raise DsmtError(f"[{RULE}] {path} is not a run record (no settings)\nfix: restore it, or train into "
-                            "a new training.output_dir")
+            raise RuleError(f"{path} is not a run record (no settings)", rule=RULE, fix=RECORD_FIX)
         return _as_this_version(recorded)
     legacy = Path(output_dir) / "resolved" / "job.resolved.yaml"
     if legacy.is_file():
@@ -235,8 +243,8 @@ def _note(key: str, old) -> str:
     return "  (may change with --continue-with-changes)" if _matches(key, CHANGEABLE) else ""
 
 
-def refusal(*, output_dir: Path, found: list, allow_changes: bool) -> str | None:
-    """The refusal's message for the differences `found`, or None when they may continue."""
+def refusal(*, output_dir: Path, found: list, allow_changes: bool) -> RuleError | None:
+    """The refusal for the differences `found`, or None when they may continue."""
     blocking = [item for item in found if not (allow_changes and _matches(item[0], CHANGEABLE))]
     if not blocking:
         return None
@@ -247,8 +255,8 @@ def refusal(*, output_dir: Path, found: list, allow_changes: bool) -> str | None
                "`dsmt train`, or to the `python -m toolkit.train` line of a generated launch script)"
                if changeable_only else "; --continue-with-changes accepts only train_steps, min_lr, evaluation "
                "and layout changes, not these"))
-    return (f"[{RULE}] {output_dir} holds the checkpoints of another job: this spec differs from the one that "
-            f"wrote them in {len(blocking)} setting(s); nothing was started\n{lines}\nfix: {ways}")
+    return RuleError(f"{output_dir} holds the checkpoints of another job: this spec differs from the one that wrote "
+                     f"them in {len(blocking)} setting(s); nothing was started\n{lines}", rule=RULE, fix=ways)
 
 
 def check(*, spec, allow_changes: bool = False) -> tuple[dict | None, list]:
@@ -261,9 +269,9 @@ def check(*, spec, allow_changes: bool = False) -> tuple[dict | None, list]:
         return None, []
     current = identity_of(spec)
     found = differences(recorded=recorded, current=current)
-    message = refusal(output_dir=output_dir, found=found, allow_changes=allow_changes)
-    if message:
-        raise DsmtError(message)
+    refused = refusal(output_dir=output_dir, found=found, allow_changes=allow_changes)
+    if refused is not None:
+        raise refused
     return current, found
 
 
@@ -296,7 +304,6 @@ def problems(*, spec, allow_changes: bool = False) -> list:
 
     try:
         check(spec=spec, allow_changes=allow_changes)
-    except DsmtError as err:
-        message, _, fix = str(err).removeprefix(f"[{RULE}] ").partition("\nfix: ")
-        return [Problem("error", RULE, message, fix)]
+    except RuleError as err:
+        return [Problem("error", err.rule, err.detail, err.fix)]
     return []
