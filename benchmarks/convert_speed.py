@@ -17,11 +17,15 @@ import os
 import re
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from toolkit.convert.measure import import_baseline_rss, run_dsmt, write_random_checkpoint
+# convert_measure.py beside this file, whether it runs as a script or as `-m benchmarks.convert_speed`
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from convert_measure import import_baseline_rss, run_dsmt, write_random_checkpoint  # noqa: E402
 
 
 def timed_copy(source: Path, target: Path, *, in_kernel: bool) -> float:

@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # save_pretrained's bar; read when the hub is imported
 
 from toolkit.data.prepare import prepare_corpus  # noqa: E402
-from toolkit.demo.tiny import make_tiny_checkpoint  # noqa: E402
+from toolkit.models.tiny import make_tiny_checkpoint  # noqa: E402
 
 BATCH_TEXTS = 1000
 

@@ -12,7 +12,7 @@ import time
 from toolkit.plan.hardware import get_gpu
 from toolkit.plan.layout import Cluster, TrainingShape
 from toolkit.plan.search import plan
-from toolkit.models.shapes import load_model_shape
+from toolkit.adapters.model_shape import load_model_shape
 
 BUDGET_S = 1.0
 

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tests/plan/test_live_engine.py checks every case)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))  # DeepSpeed's JIT op cache
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as scratch:
         root = args.out or Path(scratch)

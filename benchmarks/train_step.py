@@ -58,10 +58,10 @@ def worker(args) -> None:
 
     from toolkit import backend as backends
     from toolkit.data import MicroBatches, synthetic_examples
-    from toolkit.models.chunks import load_model_chunks
+    from toolkit.convert.chunks import load_model_chunks
     from toolkit.parallel.groups import Layout, init_process_groups
     from toolkit.train.engine.hybrid import HybridEngine
-    from toolkit.train.engine.mpu import MegatronMpu
+    from toolkit.parallel.mpu import MegatronMpu
 
     layout = Layout(**LAYOUTS[args.layout])
     backend = backends.current()
@@ -105,7 +105,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
     from toolkit.launch.local import launch_local_workers
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = make_tiny_checkpoint(Path(scratch) / "hf", hidden_size=256, intermediate_size=512,

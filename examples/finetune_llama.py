@@ -3,7 +3,7 @@
     python examples/finetune_llama.py --model /models/Llama-3.2-1B --data my.jsonl --tp 2 --dp 2 \
         --device cuda --gpu h100-80gb --output runs/llama-ft [--lora-rank 16]
 
-Without --model it makes a tiny random Llama (toolkit/demo/tiny.py, character tokenizer) so the script runs on any
+Without --model it makes a tiny random Llama (toolkit/models/tiny.py, character tokenizer) so the script runs on any
 machine; without --data it trains on examples/data/tiny_stories.jsonl. The script builds the job spec as a dict,
 checks it (the same rules as `dsmt check`), trains on this machine's ranks (`dsmt train`) with a validation loss on
 a held-out tenth of the records, and loads the exported checkpoint back into transformers to show it is an
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu", default="cpu", help="GPU type for the memory check (h100-80gb, a100-80gb, ...)")
     args = parser.parse_args(argv)
     if args.model is None:
-        from toolkit.demo.tiny import make_tiny_checkpoint
+        from toolkit.models.tiny import make_tiny_checkpoint
 
         args.model = make_tiny_checkpoint(args.output / "tiny-llama")
         print(f"no --model: a tiny random Llama in {args.model}")

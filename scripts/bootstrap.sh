@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import toolkit, torch, megatron.core, deepspeed, transformers, datasets, peft, pytest, wandb" 2>/dev/null; then
+if ! .venv/bin/python -c "import toolkit, torch, megatron.core, deepspeed, transformers, datasets, peft, pytest, wandb, ruff" 2>/dev/null; then
     .venv/bin/pip install -q --upgrade pip
     .venv/bin/pip install -q -c constraints.txt torch==2.13.0
     .venv/bin/pip install -q -c constraints.txt -e ".[test]"

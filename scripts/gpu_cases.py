@@ -46,7 +46,7 @@ def tiny_gpt_neox(root: Path) -> Path:
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     make_tiny_checkpoint(root)  # its tokenizer files; the model is replaced
     vocab_size = json.loads((root / "config.json").read_text())["vocab_size"]
@@ -59,7 +59,7 @@ def tiny_gpt_neox(root: Path) -> Path:
 
 def training_cases(work: Path) -> dict[str, dict]:
     """name -> job spec; the models are written under `work`."""
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     llama = make_tiny_checkpoint(work / "models" / "llama", max_position_embeddings=256)
     gpt2 = make_tiny_checkpoint(work / "models" / "gpt2", model_type="gpt2", n_positions=256)
@@ -94,7 +94,7 @@ def losses_finite(output_dir: Path) -> tuple[bool, str]:
 
 
 def verify_cases(work: Path, *, gpus: int) -> list[tuple[str, list[str]]]:
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(work / "models" / "verify-llama")
     layouts = [(1, 1)] + ([(2, 2)] if gpus >= 4 else [])
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         path = work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(fields))
         if args.dry_run:  # in this process: the checks `dsmt train --dry-run` makes, without a start-up per case
-            from toolkit.train.job.dryrun import dry_run
+            from toolkit.check.dryrun import dry_run
 
             report = dry_run(path)
             ok, message = report.ok, "; ".join(p.message for p in report.problems if p.severity == "error") or "ok"

@@ -25,7 +25,7 @@ from pathlib import Path
 from toolkit.plan.search import evaluate
 from toolkit.plan.layout import Cluster
 from toolkit.plan.timing import training_flops
-from toolkit.spec.checks import planner_inputs  # the spec -> planner mapping `dsmt check` uses
+from toolkit.check.checks import planner_inputs  # the spec -> planner mapping `dsmt check` uses
 from toolkit.spec.load import load_spec, model_shape
 
 run_dir = Path(sys.argv[1])

@@ -9,7 +9,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("pathlib").Path(__f
 os.environ["PATH"] = os.path.dirname(__import__("sys").executable) + os.pathsep + os.environ.get("PATH", "")
 
 
-# --- warm ranks (toolkit/launch/warm_ranks.py): one fork server per local rank for the whole session ----------------
+# --- warm ranks (tests/harness/warm_ranks.py): one fork server per local rank for the whole session -----------------
 import json  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -24,26 +24,31 @@ _servers: list = []
 
 def pytest_sessionstart(session):
     """Start the servers in the background (~6 s of imports each); a launch waits for those it needs.
-    DSMT_COLD_RANKS=1 runs every launch through torchrun, as a user's would be."""
-    from toolkit.launch.warm_ranks import SERVERS_ENV
+    DSMT_COLD_RANKS=1 runs every launch through torchrun, as a user's would be. dsmt's launcher reaches them through
+    its DSMT_RANK_RUNNER hook, in this process and in the `dsmt` processes tests start: the repository goes on
+    PYTHONPATH for those to import the harness."""
+    from tests.harness.warm_ranks import RUNNER, SERVERS_ENV
+    from toolkit.launch.local import RANK_RUNNER_ENV
 
     if os.environ.get("DSMT_COLD_RANKS") or SERVERS_ENV in os.environ:
         return
     import torch
 
-    if torch.cuda.is_available():  # forks cannot use CUDA once a server has looked for it (toolkit/launch/warm_ranks.py)
+    if torch.cuda.is_available():  # forks cannot use CUDA once a server has looked for it (tests/harness/warm_ranks.py)
         return
     # dsmt's CLI sets it for its ranks (toolkit/cli.py); huggingface_hub reads it at import, so the servers need it
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     directory = tempfile.mkdtemp(prefix="dsmt-warm-ranks-")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     log = open(os.path.join(directory, "servers.log"), "w")
     for local_rank in range(WARM_RANKS):
-        _servers.append(subprocess.Popen([sys.executable, "-m", "toolkit.launch.warm_ranks", "--dir", directory,
+        _servers.append(subprocess.Popen([sys.executable, "-m", "tests.harness.warm_ranks", "--dir", directory,
                                           "--local-rank", str(local_rank)], env=env, cwd=repo,
                                          stdout=log, stderr=log))
     os.environ[SERVERS_ENV] = directory
+    os.environ[RANK_RUNNER_ENV] = RUNNER
 
 
 @pytest.fixture(autouse=True)
@@ -51,25 +56,32 @@ def _cold_ranks_where_marked(request, monkeypatch):
     """Tests of torchrun's own launch path (`@pytest.mark.cold_ranks`) keep it."""
     if request.node.get_closest_marker("cold_ranks"):
         monkeypatch.delenv("DSMT_RANK_SERVERS", raising=False)
+        monkeypatch.delenv("DSMT_RANK_RUNNER", raising=False)
 
 
-_seconds_per_directory: dict[str, float] = {}
+# tests/<dir>[/<subdir>] -> [seconds, tests]: the suite's time budget by the test file's directory (the package
+# tree's mirror: tests/train/job, tests/train/engine, ...), printed at the end (pytest_terminal_summary).
+_budget_per_directory: dict[str, list] = {}
 
 
 def pytest_runtest_logreport(report):
-    """Setup, call and teardown seconds, summed per test directory (tests/<dir>), for the session's summary."""
+    """Setup, call and teardown seconds, summed per test file's directory (tests/*.py for the top level)."""
     parts = report.nodeid.split("::")[0].split("/")
-    directory = "/".join(parts[:2]) if len(parts) > 2 else parts[0]
-    _seconds_per_directory[directory] = _seconds_per_directory.get(directory, 0.0) + report.duration
+    directory = "/".join(parts[:-1]) if len(parts) > 2 else f"{parts[0]}/*.py"
+    budget = _budget_per_directory.setdefault(directory, [0.0, 0])
+    budget[0] += report.duration
+    budget[1] += report.when == "setup"  # every test that ran has one setup report, a skipped one too
 
 
 def pytest_terminal_summary(terminalreporter):
     """Seconds per test directory; how many launches started warm, and why the others paid their imports."""
-    if _seconds_per_directory:
-        total = sum(_seconds_per_directory.values())
-        terminalreporter.write_line(f"seconds per test directory (setup + call + teardown), {total:.0f} s in all:")
-        for name, seconds in sorted(_seconds_per_directory.items(), key=lambda item: -item[1]):
-            terminalreporter.write_line(f"  {seconds:7.1f}  {name}")
+    if _budget_per_directory:
+        total_seconds = sum(seconds for seconds, _ in _budget_per_directory.values())
+        total_tests = sum(tests for _, tests in _budget_per_directory.values())
+        terminalreporter.write_line(f"seconds per test directory (setup + call + teardown): {total_seconds:.0f} s, "
+                                    f"{total_tests} tests in all")
+        for name, (seconds, tests) in sorted(_budget_per_directory.items(), key=lambda item: -item[1][0]):
+            terminalreporter.write_line(f"  {seconds:7.1f} s  {tests:4d} tests  {name}")
     directory = os.environ.get("DSMT_RANK_SERVERS")
     launches_file = os.path.join(directory, "launches.jsonl") if directory else ""
     if not _servers or not os.path.exists(launches_file):
@@ -90,5 +102,29 @@ def pytest_unconfigure(config):
     for server in _servers:
         server.wait(timeout=30)
     directory = os.environ.pop("DSMT_RANK_SERVERS", None)
+    if _servers:
+        os.environ.pop("DSMT_RANK_RUNNER", None)
     if _servers and directory:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- fixtures shared by several test directories ------------------------------------------------------------------
+
+@pytest.fixture
+def write_spec(tmp_path):
+    """Write a raw spec dict as YAML and return its path (tests/spec, tests/check)."""
+    import yaml
+
+    def write(raw: dict, *, name: str = "job.yaml") -> str:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(raw))
+        return str(path)
+    return write
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """The tiny GQA Llama (vocab 250, padded to 256) with its word-level tokenizer (tests/train, tests/check)."""
+    from toolkit.models.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("train-hf") / "llama")

@@ -1,6 +1,6 @@
 """One way for tests to start a script on N local gloo ranks: `torchrun` on 127.0.0.1 (or the same on the test
-session's warm rank servers, toolkit/launch/warm_ranks.py), one BLAS thread per rank, warnings off, the repository
-importable; a failed launch fails the test with the output's tail."""
+session's warm rank servers, tests/harness/warm_ranks.py), one BLAS thread per rank, warnings off, the repository
+and the test's helper folders importable; a failed launch fails the test with the output's tail."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def helper_dirs(script: Path | str) -> list[str]:
+    """The directories under tests/ above `script` that hold a conftest.py: pytest (prepend import mode) puts them
+    on sys.path, so a test file imports their helpers by name (tests/train/job/x.py: tests/train's train_helpers).
+    A rank that runs the file as a script gets only the script's own directory."""
+    script = (REPO / script).resolve()  # a relative script is relative to the launch's cwd, the repository
+    return [str(folder) for folder in script.parents[1:]
+            if folder != TESTS and TESTS in folder.parents and (folder / "conftest.py").exists()]
 
 
 def run_on_ranks(script: Path | str, *args: str, nprocs: int, timeout: int = 600,
@@ -19,8 +29,9 @@ def run_on_ranks(script: Path | str, *args: str, nprocs: int, timeout: int = 600
     from toolkit.launch.local import run_ranks
     from toolkit.launch.ports import free_port
 
+    python_path = [*helper_dirs(script), str(REPO), os.environ.get("PYTHONPATH")]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})}
+                "PYTHONPATH": os.pathsep.join(filter(None, python_path)), **(env or {})}
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nprocs}",
                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(script), *map(str, args)]
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:

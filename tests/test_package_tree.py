@@ -5,6 +5,7 @@ inside a function, so a circle cannot hide behind a function-level import."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 TOOLKIT = Path(__file__).resolve().parents[1] / "toolkit"
@@ -90,12 +91,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+@functools.lru_cache(maxsize=1)
+def toolkit_graph() -> dict[str, frozenset[str]]:
+    """The import graph of this checkout's toolkit, parsed once per session (each parse of ~200 files takes ~2 s)."""
+    return {name: frozenset(edges) for name, edges in import_graph(module_files()).items()}
+
+
 def describe(component: list[str], graph: dict[str, set[str]]) -> str:
     return "\n".join(f"  {module} -> {', '.join(sorted(graph[module] & set(component)))}" for module in component)
 
 
 def test_no_import_cycles_between_toolkit_modules():
-    graph = import_graph(module_files())
+    graph = toolkit_graph()
     found = cycles(graph)
     assert not found, "import cycles (strongly connected components), each module -> its imports inside it:\n" + \
         "\n\n".join(describe(component, graph) for component in found)
@@ -104,9 +111,9 @@ def test_no_import_cycles_between_toolkit_modules():
 def test_the_graph_sees_every_kind_of_import():
     """Guards the test above against passing on an empty graph: module-level, function-level, `from package import
     module` and `from module import name` imports all give edges."""
-    graph = import_graph(module_files())
+    graph = toolkit_graph()
     assert "toolkit.errors" in graph["toolkit.cli"]  # from toolkit.errors import DsmtError (module level)
-    assert "toolkit.spec.checks" in graph["toolkit.api"]  # inside a function
+    assert "toolkit.check.checks" in graph["toolkit.api"]  # inside a function
     assert "toolkit.adapters.transforms" in graph["toolkit.convert.hf_to_mcore"]  # from toolkit.adapters import transforms
     assert "toolkit.backend" in graph["toolkit.adapters.build"]  # from toolkit import backend as backends
     assert "toolkit.train.job.run" in graph["toolkit.train.__main__"]
@@ -134,3 +141,66 @@ def test_every_folder_of_code_is_a_package_an_install_ships():
     shipped = set(find_packages(where=str(TOOLKIT.parent), include=["toolkit*"]))
     folders = {".".join(path.parent.relative_to(TOOLKIT.parent).parts) for path in TOOLKIT.rglob("*.py")}
     assert folders <= shipped, sorted(folders - shipped)
+
+
+# The floors, bottom first: a package imports only the packages below it (and its own modules). `spec` sits above
+# `models` and `adapters` because a spec names its model (its shape and family are read through them), and the
+# checks (`check`) sit above everything they check, `train` included: they hand the runners below a CheckedJob
+# (toolkit/spec/checked.py). errors is toolkit/errors.py: the exception and Problem / Report types every floor uses;
+# below it `toolkit` itself (its __init__: the version, no imports).
+PACKAGE_ORDER = ("errors", "backend", "models", "parallel", "launch", "adapters", "spec", "convert", "data", "plan",
+                 "generate", "train", "check", "verify", "demo", "api", "cli")
+# The few modules that import above their floor, each with its reason (module -> reason).
+ABOVE_ITS_FLOOR = {
+    "toolkit.train.__main__": "`python -m toolkit.train`, the per-rank entry point the generated scripts start, must "
+                              "live in toolkit/train; it checks the spec (toolkit/check/job.py) before the rank runs",
+}
+
+
+def floor_of(module: str) -> int:
+    """The floor of a toolkit module: its package's place in PACKAGE_ORDER (toolkit itself below all)."""
+    parts = module.split(".")
+    if module == "toolkit":
+        return -1
+    return PACKAGE_ORDER.index(parts[1] if len(parts) > 1 else "api")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import (module level or inside a function) of a module on a higher floor than the importer's."""
+    return sorted(f"{module} ({_floor_name(module)}) imports {target} ({_floor_name(target)})"
+                  for module, targets in graph.items() for target in targets
+                  if module.split(".")[:2] != target.split(".")[:2] and floor_of(target) > floor_of(module)
+                  and module not in ABOVE_ITS_FLOOR)
+
+
+def _floor_name(module: str) -> str:
+    return PACKAGE_ORDER[floor_of(module)]
+
+
+def test_toolkit_init_imports_nothing():
+    """`toolkit` is below every floor (toolkit.generate.templates finds launch/ through it)."""
+    assert not toolkit_graph()["toolkit"]
+
+
+def test_every_package_has_a_floor():
+    packages = {name.split(".")[1] for name in module_files() if name.count(".") >= 1}
+    assert packages == set(PACKAGE_ORDER), "place each package in PACKAGE_ORDER: " + \
+        ", ".join(sorted(packages ^ set(PACKAGE_ORDER)))
+
+
+def test_imports_go_only_downward():
+    found = upward_imports(toolkit_graph())
+    assert not found, "imports that go up the floors (tests/test_package_tree.py PACKAGE_ORDER):\n  " + \
+        "\n  ".join(found)
+
+
+def test_an_upward_import_inside_a_function_is_found(tmp_path):
+    """Guards the test above: a function-level import from a lower floor up is reported; one of ABOVE_ITS_FLOOR's is
+    not."""
+    for relative, text in {"errors.py": "", "spec/__init__.py": "", "spec/load.py": "def f():\n    import toolkit.check.x\n",
+                           "check/__init__.py": "", "check/x.py": "from toolkit.spec import load\n",
+                           "train/__init__.py": "", "train/__main__.py": "def main():\n    from toolkit.check import x\n"}.items():
+        (tmp_path / "toolkit" / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "toolkit" / relative).write_text(text)
+    found = upward_imports(import_graph(module_files(tmp_path / "toolkit")))
+    assert found == ["toolkit.spec.load (spec) imports toolkit.check.x (check)"]

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from toolkit.spec.report import Report, SpecError
+from toolkit.errors import Report
 from toolkit.spec.schema import JobSpec
 
 
@@ -43,7 +43,7 @@ def load_job(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -
 
 def check(spec: JobSpec, *, source: str = "job spec") -> Report:
     """`dsmt check`: every cross-section problem of the spec (layout rules, batch arithmetic, memory, data)."""
-    from toolkit.spec.checks import run_checks
+    from toolkit.check.checks import run_checks
 
     return run_checks(spec=spec, source=source)
 
@@ -56,13 +56,14 @@ def generate(spec: JobSpec, *, out_dir: Path, overwrite: bool = False,
     raises DsmtError, again with nothing written. Relative paths of the spec (output_dir's default included) are
     taken against the working directory, as `dsmt generate` does: the run directory's copy holds absolute ones, so
     job.sbatch and the launch scripts find the same directories whatever directory they run from."""
+    from toolkit.check.job import check_job
     from toolkit.generate.templates import load_templates
     from toolkit.generate.writer import write_run_dir
     from toolkit.spec.load import absolutize_paths
 
     site_templates = load_templates(site_dir=Path(templates) if templates is not None else None)
     spec = absolutize_paths(spec, base_dir=Path.cwd())  # read back against the run dir, they would mean another one
-    return write_run_dir(spec=spec, out_dir=Path(out_dir), overwrite=overwrite, templates=site_templates)
+    return write_run_dir(job=check_job(spec), out_dir=Path(out_dir), overwrite=overwrite, templates=site_templates)
 
 
 def train(spec: JobSpec, *, spec_file: Path | None = None, continue_with_changes: bool = False) -> list[dict]:
@@ -71,24 +72,20 @@ def train(spec: JobSpec, *, spec_file: Path | None = None, continue_with_changes
     training.output_dir/metrics.jsonl: `validation_history` has the evaluations). The spec, its relative paths
     taken against the working directory, is written to `spec_file` (default OUTPUT_DIR/job.yaml) for the ranks.
     `continue_with_changes`: as `dsmt train --continue-with-changes` (toolkit/train/job/run_identity.py)."""
-    import tempfile
-
-    from toolkit.launch.rank_output import quiet_library_warnings, this_rank
+    from toolkit.check.prelaunch import checked_before_launch
+    from toolkit.launch.rank_output import quiet_library_warnings
     from toolkit.spec.load import absolutize_paths, dump_spec
-    from toolkit.train.job.cli import launch_training
-    from toolkit.train.job.prelaunch import checked_before_launch
+    from toolkit.train.job.launch import SPEC_FILE, launch_training
 
     quiet_library_warnings()
     spec = absolutize_paths(spec, base_dir=Path.cwd())  # the file below must not depend on its own folder
-    with tempfile.TemporaryDirectory(prefix="dsmt-spec-") as staging:  # checked before anything is written
-        staged = Path(staging) / "job.yaml"
-        staged.write_text(dump_spec(spec))
-        checked_before_launch(path=str(staged), overrides=(), run_dir=None, allow_changes=continue_with_changes)
     output_dir = Path(spec.training.output_dir)
-    spec_file = Path(spec_file) if spec_file is not None else output_dir / "job.yaml"
+    spec_file = Path(spec_file) if spec_file is not None else output_dir / SPEC_FILE
+    # named by the file the ranks will read (written once the checks pass): `dsmt train FILE --dry-run` runs again
+    job = checked_before_launch(spec=spec, source=str(spec_file), allow_changes=continue_with_changes)
     spec_file.parent.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(dump_spec(spec))
-    launch_training(path=str(spec_file), checked=True, allow_changes=continue_with_changes)
+    launch_training(job=job, spec_file=spec_file)
     return [record for record in _metrics(output_dir) if "loss" in record]
 
 
@@ -107,7 +104,7 @@ def initialize(spec: JobSpec | dict[str, Any] | str | Path, *, overrides: list[s
     `spec`: a JobSpec, a mapping with the YAML's sections, or a YAML / JSON path; `overrides` as `--set`. Under a
     launcher its process count is the cluster (rank 0 says so where the spec's differs; toolkit/spec/launched.py).
     A spec that fails its checks raises SpecError on every rank before any process group exists."""
-    from toolkit.launch.rank_output import quiet_library_warnings
+    from toolkit.launch.rank_output import quiet_library_warnings, this_rank
 
     quiet_library_warnings(only_libraries=True)  # before megatron's imports: ~20 "Apex is not installed" per rank
     from toolkit.spec.launched import fit_to_launch
@@ -122,12 +119,10 @@ def initialize(spec: JobSpec | dict[str, Any] | str | Path, *, overrides: list[s
     spec, launch_line = fit_to_launch(spec, environ=os.environ)  # the launch's process count wins over the spec's
     if launch_line and this_rank() == 0:
         print(launch_line, flush=True)
-    report = check(spec, source="initialize(spec)")
+    from toolkit.check.job import check_job
+
     # No data.path is no error here: the script brings its batches.
-    problems = tuple(p for p in report.problems if p.rule != "data_source")
-    if any(p.severity == "error" for p in problems):
-        raise SpecError(Report(source=report.source, problems=problems))
-    return start_run(spec=spec)
+    return start_run(job=check_job(spec, source="initialize(spec)", ignore_rules=frozenset({"data_source"})))
 
 
 def validation_history(spec: JobSpec) -> list[dict]:

@@ -12,33 +12,22 @@ import os
 import sys
 
 from toolkit.errors import DsmtError
-from toolkit.launch.rank_output import VERBOSE_ENV, quiet_library_warnings, verbose
+from toolkit.launch.rank_output import VERBOSE_ENV, quiet_library_warnings, warnings_shown
 
 # Each module defines `register(subparsers)`, which adds its sub-command(s) and sets `func` on the parser
 # (`func(args) -> int`, the exit code).
 COMMAND_MODULES = [
     "toolkit.convert.cli",         # dsmt convert hf-to-mcore | mcore-to-hf
     "toolkit.verify.cli",          # dsmt verify
-    "toolkit.train.job.cli",       # dsmt train
+    "toolkit.check.train_cli",     # dsmt train
     "toolkit.train.checkpoint.cli",  # dsmt checkpoint verify
     "toolkit.demo.run",            # dsmt demo
-    "toolkit.spec.cli",            # dsmt check, dsmt generate
+    "toolkit.check.cli",            # dsmt check, dsmt generate
     "toolkit.plan.cli",            # dsmt plan
-    "toolkit.launch.preflight",    # dsmt preflight
+    "toolkit.check.preflight",    # dsmt preflight
     "toolkit.launch.env_report",   # dsmt env
     "toolkit.data.cli",            # dsmt data prepare
 ]
-
-
-def workers_count(text: str) -> int:
-    """`--workers N` of the commands that run work in parallel: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--workers must be a whole number >= 1, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "verbose", False):  # every rank speaks, libraries included (toolkit/launch/rank_output.py)
         os.environ[VERBOSE_ENV] = "1"
     quiet_library_warnings()  # megatron/torch fallback and deprecation noise
-    if not (os.environ.get("DSMT_SHOW_WARNINGS") or verbose()):
+    if not warnings_shown():
         _hide_hf_progress_bars()
     try:
         return int(args.func(args) or 0)

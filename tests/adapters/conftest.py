@@ -2,7 +2,7 @@
 
 import pytest
 
-from toolkit.demo.tiny import make_tiny_checkpoint
+from toolkit.models.tiny import make_tiny_checkpoint
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

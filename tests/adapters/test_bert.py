@@ -91,7 +91,7 @@ def megatron_outputs(checkpoint, inputs: dict) -> torch.Tensor:
 
     from toolkit import backend as backends
     from toolkit.launch.local import single_process_group
-    from toolkit.models.chunks import load_model_chunks
+    from toolkit.convert.chunks import load_model_chunks
     from toolkit.parallel.groups import Layout
 
     with single_process_group(dist_backend="gloo"):
@@ -136,7 +136,7 @@ def test_gradients_equal_hf_for_every_parameter(name, tiny_berts):
     from toolkit.adapters import transforms
     from toolkit.adapters.load import canonical_parameters
     from toolkit.launch.local import single_process_group
-    from toolkit.models.chunks import load_model_chunks
+    from toolkit.convert.chunks import load_model_chunks
     from toolkit.parallel.groups import Layout
 
     inputs = encoder_inputs()
@@ -170,7 +170,7 @@ def test_embedding_norm_runs_before_dropout(tiny_berts):
     from megatron.core import parallel_state
 
     from toolkit.launch.local import single_process_group
-    from toolkit.models.chunks import load_model_chunks
+    from toolkit.convert.chunks import load_model_chunks
     from toolkit.parallel.groups import Layout
 
     with single_process_group(dist_backend="gloo"):

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from toolkit.cli import main as dsmt
 from tests.adapters.conftest import VARIANTS
-from toolkit.demo.tiny import make_tiny_checkpoint
+from toolkit.models.tiny import make_tiny_checkpoint
 
 
 def hf_state(directory):
@@ -185,7 +185,7 @@ def test_rank0_task_status_done_failed_and_dead(tmp_path):
     0's error, a rank 0 that stops beating is reported after the stale time, another run's file is ignored."""
     import threading
 
-    from toolkit.convert.checkpoint import RankTaskError, lead_task, wait_for_task
+    from toolkit.launch.rank0 import RankTaskError, lead_task, wait_for_task
 
     status = tmp_path / "status.json"
 

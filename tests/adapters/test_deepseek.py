@@ -10,7 +10,7 @@ from toolkit.adapters.hf_config import model_settings
 from toolkit.adapters.load import check_hf_coverage
 from toolkit.adapters.routing import GroupLimitedTopk
 from toolkit.adapters.transforms import Kind
-from toolkit.demo.tiny import make_tiny_checkpoint, tiny_config
+from toolkit.models.tiny import make_tiny_checkpoint, tiny_config
 
 NEW_FAMILIES = ["deepseek_v2", "deepseek_v3", "qwen2_moe"]
 
@@ -200,7 +200,7 @@ def test_packed_records_attend_as_alone_with_mla(model_type, tmp_path):
     from toolkit import backend as backends
     from toolkit.adapters.packed import packed_attention_mask
     from toolkit.launch.local import single_process_group
-    from toolkit.models.chunks import load_model_chunks
+    from toolkit.convert.chunks import load_model_chunks
     from toolkit.parallel.groups import Layout
 
     path = make_tiny_checkpoint(tmp_path / model_type, model_type=model_type, num_hidden_layers=2)

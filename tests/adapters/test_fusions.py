@@ -11,7 +11,7 @@ from toolkit.adapters import fusions
 from toolkit.adapters.build import transformer_config
 from toolkit.adapters.hf_config import model_settings
 from toolkit.parallel.groups import Layout
-from toolkit.demo.tiny import tiny_config
+from toolkit.models.tiny import tiny_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -65,11 +65,12 @@ def test_a_gpu_node_with_transformer_engine_builds_a_config_megatron_accepts(mon
 
 
 def test_the_dry_run_names_the_fusions_of_the_specs_device():
+    from toolkit.check import dryrun
     from toolkit.spec.load import load_spec
 
     spec = load_spec(CONFIGS / "llama3-8b-finetune-1x8-h100.yaml")
-    problem = fusions.fusion_problem(spec=spec, settings=settings_of("llama"))
+    problem = dryrun.fusion_problem(spec=spec, settings=settings_of("llama"))
     assert problem.message == ("cluster.device=cuda, Transformer Engine layers: fused kernels on: bias_activation, "
                                "bias_dropout, rope; off: none")
-    cpu = fusions.fusion_problem(spec=load_spec(CONFIGS / "tiny-cpu.yaml"), settings=settings_of("llama"))
+    cpu = dryrun.fusion_problem(spec=load_spec(CONFIGS / "tiny-cpu.yaml"), settings=settings_of("llama"))
     assert cpu.message.endswith("fused kernels on: none; off: bias_activation, bias_dropout, rope")

@@ -10,7 +10,7 @@ import torch
 
 from tests.adapters.conftest import PHI3_LONGROPE
 from toolkit.adapters.hf_config import rope_settings
-from toolkit.demo.tiny import tiny_config
+from toolkit.models.tiny import tiny_config
 
 ORIGINAL = PHI3_LONGROPE["original_max_position_embeddings"]
 

@@ -8,7 +8,7 @@ from toolkit.adapters.family import AdapterError, WeightMapping, get_family
 from toolkit.adapters.hf_config import model_settings
 from toolkit.adapters.load import check_hf_coverage
 from toolkit.adapters.transforms import Kind
-from toolkit.demo.tiny import make_tiny_checkpoint, tiny_config
+from toolkit.models.tiny import make_tiny_checkpoint, tiny_config
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])

@@ -10,7 +10,7 @@ all-to-all dispatcher. Measured: <= 3.0e-7 (fp32)."""
 import pytest
 
 from toolkit.cli import main as dsmt
-from toolkit.demo.tiny import make_tiny_checkpoint
+from toolkit.models.tiny import make_tiny_checkpoint
 from toolkit.verify.run import run_verify_many
 
 TOLERANCE = 1e-4  # fp32, the issue's bound; observed ~3e-7

@@ -7,7 +7,7 @@ import torch
 
 from toolkit.adapters.family import AdapterError
 from toolkit.adapters.hf_config import model_settings
-from toolkit.demo.tiny import tiny_config
+from toolkit.models.tiny import tiny_config
 
 
 def test_granite_reads_its_four_scalars():
@@ -106,10 +106,11 @@ def test_granite_embedding_and_logits_hooks():
 
 
 def test_olmo2_tp_that_would_replicate_kv_heads_is_refused_before_ranks_start():
+    from toolkit.adapters.model_shape import model_facts
     from toolkit.parallel.layout import Layout
-    from toolkit.parallel.rules import ModelFacts, layout_problems
+    from toolkit.parallel.rules import layout_problems
 
-    olmo2, llama = (ModelFacts.from_settings(model_settings(tiny_config(t, num_key_value_heads=2)))
+    olmo2, llama = (model_facts(tiny_config(t, num_key_value_heads=2), vocab_pad_multiple=128)
                     for t in ("olmo2", "llama"))
     layout = Layout(tp=4, pp=1, dp=1)
     problems = layout_problems(layout=layout, model=olmo2)
@@ -200,10 +201,10 @@ def test_linear_rope_scaling_divides_the_inverse_frequencies_as_hf_does():
 
 
 def test_check_and_dry_run_refuse_softcapped_attention_on_transformer_engine(tmp_path):
-    from toolkit.spec.checks import run_checks
+    from toolkit.check.checks import run_checks
     from toolkit.spec.load import validate_spec
-    from toolkit.demo.tiny import make_tiny_checkpoint
-    from toolkit.train.job.dryrun import dry_run
+    from toolkit.models.tiny import make_tiny_checkpoint
+    from toolkit.check.dryrun import dry_run
 
     checkpoint = make_tiny_checkpoint(tmp_path / "gemma2", model_type="gemma2")
     raw = {"model": {"path": str(checkpoint)},
@@ -244,7 +245,7 @@ def test_plan_of_a_softcapped_model_counts_the_local_attention_it_will_run(tmp_p
 
 
 def test_check_names_a_config_field_the_family_cannot_reproduce(tmp_path):
-    from toolkit.spec.checks import run_checks
+    from toolkit.check.checks import run_checks
     from toolkit.spec.load import validate_spec
 
     tiny_config("gemma2", use_bidirectional_attention=True).save_pretrained(tmp_path / "gemma2")
@@ -301,13 +302,13 @@ def test_gemma_configs_dsmt_cannot_read_as_hf_does_are_refused():
 
 
 def test_check_applies_the_family_layout_rules_from_the_shape(tmp_path):
-    from toolkit.models.shapes import load_model_shape
+    from toolkit.adapters.model_shape import load_model_shape
 
     tiny_config("olmo2", num_key_value_heads=2).save_pretrained(tmp_path / "olmo2")
     tiny_config("llama", num_key_value_heads=2).save_pretrained(tmp_path / "llama")
     assert not load_model_shape(tmp_path / "olmo2").kv_heads_replicable
     assert load_model_shape(tmp_path / "llama").kv_heads_replicable
-    from toolkit.spec.checks import run_checks
+    from toolkit.check.checks import run_checks
     from toolkit.spec.load import validate_spec
 
     raw = {"model": {"path": str(tmp_path / "olmo2")}, "parallel": {"tp": 4},

@@ -6,7 +6,7 @@ import torch
 from toolkit.adapters.family import AdapterError, expand_table, get_family, supported_model_types
 from toolkit.adapters.hf_config import model_settings, rope_settings
 from toolkit.adapters.load import check_hf_coverage
-from toolkit.demo.tiny import tiny_config
+from toolkit.models.tiny import tiny_config
 
 
 def test_registry_lists_supported_model_types_for_unknown_ones():

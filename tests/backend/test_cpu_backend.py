@@ -16,7 +16,7 @@ def test_megatron_forward_runs_and_the_redirected_sites_are_listed(tmp_path):
     from toolkit.adapters.hf_config import model_settings
     from toolkit.launch.local import single_process_group
     from toolkit.parallel.groups import Layout
-    from toolkit.demo.tiny import tiny_config
+    from toolkit.models.tiny import tiny_config
 
     backend = backends.current()
     assert (backend.name, backend.dist_backend, backend.use_transformer_engine) == ("cpu", "gloo", False)
@@ -76,7 +76,7 @@ def test_activation_recompute_runs_on_cpu_and_matches(recompute):
     from toolkit.adapters.hf_config import model_settings
     from toolkit.launch.local import single_process_group
     from toolkit.parallel.groups import Layout
-    from toolkit.demo.tiny import tiny_config
+    from toolkit.models.tiny import tiny_config
 
     backend = backends.current()
     settings = model_settings(tiny_config("llama"))

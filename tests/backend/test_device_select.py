@@ -113,7 +113,7 @@ def test_model_build_puts_the_chunks_on_the_ranks_own_gpu(fake_cuda, clean_env):
 
     from toolkit.adapters import build
     from toolkit.adapters.hf_config import model_settings
-    from toolkit.demo.tiny import tiny_config
+    from toolkit.models.tiny import tiny_config
 
     moved_to = []
 
@@ -179,13 +179,15 @@ def test_train_refuses_a_cuda_spec_on_this_cpu_machine_before_any_process_group(
     """`train()`'s first step; before the fix it trained on the CPU with gloo."""
     import toolkit.parallel.groups
     from toolkit.spec.schema import JobSpec
+    from toolkit.check.job import job_of
+    from toolkit.errors import Report
     from toolkit.train.job.run import train
 
     clean_env.setattr(torch.cuda, "is_available", lambda: False)
     clean_env.setattr(toolkit.parallel.groups, "init_process_groups", lambda **kw: calls.append(("init_process_groups", kw)))
     spec = JobSpec.model_validate(cuda_spec(tmp_path / "out"))
     with pytest.raises(backends.DeviceError, match="cluster.device=cuda"):
-        train(spec=spec)
+        train(job=job_of(spec=spec, report=Report(source="test", problems=())))
     assert calls == []
 
 
@@ -236,7 +238,7 @@ def test_dsmt_train_launches_with_the_generated_scripts_environment(fake_cuda, c
     import toolkit.launch.local
     from toolkit.generate.env import environment
     from toolkit.spec.schema import JobSpec
-    from toolkit.train.job import cli as train_cli
+    from toolkit.train.job import launch as train_launch
 
     spec_fields = cuda_spec(tmp_path / "out")
     spec_fields["cluster"]["gpus_per_node"] = 4
@@ -247,13 +249,10 @@ def test_dsmt_train_launches_with_the_generated_scripts_environment(fake_cuda, c
     launched = {}
     clean_env.setattr(toolkit.launch.local, "launch_local_workers", lambda **kw: launched.update(kw))
     # The pre-launch pass builds the model on a fake process group, which this test's mocked dist cannot serve
-    # (tests/spec/test_prelaunch.py runs it); the spec as the pass would hand it on.
-    from toolkit.spec.load import load_spec
-    from toolkit.train.job import prelaunch
+    # (tests/check/test_prelaunch.py runs it); the job `dsmt check`'s checks make of it.
+    from toolkit.check.job import check_job_file
 
-    clean_env.setattr(prelaunch, "checked_before_launch",
-                      lambda *, path, overrides, run_dir, allow_changes: load_spec(path))
-    train_cli.launch_training(path=str(path))
+    train_launch.launch_training(job=check_job_file(path), spec_file=path)
     expected = environment(spec=JobSpec.model_validate(spec_fields))
     from toolkit.launch.run_lock import LOCK_ENV, lock_path
 

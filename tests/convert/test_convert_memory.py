@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from toolkit.adapters.hf_source import SafetensorsSource
-from toolkit.convert.measure import run_dsmt, run_python, write_random_checkpoint
+from benchmarks.convert_measure import run_dsmt, run_python, write_random_checkpoint
 
 pytestmark = pytest.mark.multiproc
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from toolkit.adapters import family as families
 from toolkit.adapters.hf_source import QuantizedCheckpointError, SafetensorsSource, dequantize_fp8_blocks
 from toolkit.cli import main as dsmt
-from toolkit.demo.tiny import make_tiny_checkpoint
+from toolkit.models.tiny import make_tiny_checkpoint
 
 BLOCK = (24, 40)  # rows x columns: not square, cut at every tiny weight's edges (64, 96, 16), QKV groups cross blocks
 PASSTHROUGH = ("model.layers.2.*",)  # the tiny models have 2 layers: "layer 2" is the MTP layer
@@ -117,7 +117,7 @@ def test_fp8_checkpoint_dequantized_on_conversion_exports_bf16_bit_exact(fp8_lla
 
 
 def test_fp8_checkpoint_refused_by_name_without_the_option(fp8_llama, tmp_path, capsys):
-    from toolkit.models.chunks import inspect_checkpoint
+    from toolkit.convert.chunks import inspect_checkpoint
 
     path, _ = fp8_llama
     target = tmp_path / "mcore"
@@ -190,7 +190,7 @@ def test_passthrough_round_trip_bit_exact(mtp_llama, passthrough_llama, tmp_path
 
 def test_passthrough_tensors_neither_unexpected_nor_loaded(mtp_llama, passthrough_llama):
     from toolkit.adapters.load import check_hf_coverage, passthrough_names
-    from toolkit.models.chunks import inspect_checkpoint
+    from toolkit.convert.chunks import inspect_checkpoint
 
     settings = inspect_checkpoint(mtp_llama).settings
     assert settings.passthrough_hf == PASSTHROUGH

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from toolkit.cli import main as dsmt
-from toolkit.demo.tiny import make_tiny_checkpoint
+from toolkit.models.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_links_into_a_hub_blob_store_are_the_checkpoints_own_and_the_dry_run_nam
     export would otherwise refuse it after the last step)."""
     from toolkit.convert.checkpoint import side_files
     from toolkit.spec.load import validate_spec
-    from toolkit.train.job.dryrun import side_file_problems
+    from toolkit.check.dryrun import side_file_problems
 
     blobs = tmp_path / "hub" / "models--org--tiny" / "blobs"
     blobs.mkdir(parents=True)

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from toolkit.cli import main as dsmt
 from toolkit.convert.dcp_writer import TensorChunk, write_torch_dist
 from toolkit.convert.mcore_reader import STACKED_EXPERTS, McoreReader
-from toolkit.demo.tiny import make_tiny_checkpoint
+from toolkit.models.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_streamed_writer_matches_megatron_save_of_the_loaded_model(hf_model, tmp
     from megatron.core import parallel_state
 
     from toolkit.launch.local import single_process_group
-    from toolkit.models.chunks import load_model_chunks, save_mcore_checkpoint
+    from toolkit.convert.chunks import load_model_chunks, save_mcore_checkpoint
     from toolkit.parallel.groups import Layout
 
     assert dsmt(["convert", "hf-to-mcore", str(hf_model), str(tmp_path / "streamed"), "--quiet"]) == 0
@@ -194,7 +194,7 @@ def test_the_meta_build_touches_no_gpu_on_a_cuda_backend(llama, monkeypatch):
     from toolkit import backend as backends
     from toolkit.convert.hf_to_mcore import meta_sharded_state
     from toolkit.launch.local import single_process_group
-    from toolkit.models.chunks import inspect_checkpoint
+    from toolkit.convert.chunks import inspect_checkpoint
 
     info = inspect_checkpoint(llama)
     with single_process_group(dist_backend="gloo"):

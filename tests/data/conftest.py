@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama")
 

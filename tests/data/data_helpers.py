@@ -1,4 +1,4 @@
-"""Helpers shared by the data tests (imported by name, like spec/spec_helpers.py)."""
+"""Helpers shared by the data tests (imported by name, like tests/spec_helpers.py)."""
 
 from pathlib import Path
 

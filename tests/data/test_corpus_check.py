@@ -14,7 +14,7 @@ import pytest
 from toolkit.cli import main as dsmt
 from toolkit.data import corpus_check
 from toolkit.data.corpus_check import CorpusDamaged
-from toolkit.spec.data_checks import corpus_digest_problems, corpus_problems, damaged_problem
+from toolkit.check.data_checks import corpus_digest_problems, corpus_problems, damaged_problem
 from toolkit.spec.schema import DataSpec
 
 NUM_DOCUMENTS = 40
@@ -120,7 +120,7 @@ def test_deep_check_compares_the_digests(corpus):
     (found,) = corpus_digest_problems(data=data)
     assert (found.severity, found.rule) == ("error", "corpus_damaged")
     assert found.message.startswith(f"data: {corpus}.bin: its xxh3_128 digest is ") and "but dsmt data prepare " \
-        f"recorded" in found.message and "its bytes changed after it was prepared" in found.message
+        "recorded" in found.message and "its bytes changed after it was prepared" in found.message
 
 
 def test_the_format_constants_are_megatron_cores():

@@ -13,10 +13,10 @@ import pytest
 import torch
 from data_helpers import EXAMPLES
 
-from toolkit.convert.checkpoint import lead_task
 from toolkit.data import MicroBatches, build_examples, cache, open_cache, prepare_cache
 from toolkit.errors import DsmtError
 from toolkit.launch.ports import free_port
+from toolkit.launch.rank0 import lead_task
 from toolkit.spec.schema import DataSpec
 
 REPO = Path(__file__).parents[2]

@@ -128,7 +128,7 @@ def test_missing_corpus_and_foreign_ids_are_named(corpora, tmp_path, tiny_checkp
 
 
 def test_check_names_a_damaged_sidecar(corpora, tmp_path):
-    from toolkit.spec.data_checks import corpus_problems
+    from toolkit.check.data_checks import corpus_problems
 
     (tmp_path / "corpus_a.dsmt.json").write_text("{not json")
     found = corpus_problems(label="data", data=DataSpec(format="megatron", path=str(tmp_path / "corpus_a")),

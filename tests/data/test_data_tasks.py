@@ -162,7 +162,7 @@ def test_task_batches_split_the_global_batch_over_ranks_and_micro_batches(mlm_di
 
 
 def test_causal_lm_windows_label_every_token(tmp_path):
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     model_dir = make_tiny_checkpoint(tmp_path / "llama")
     examples = examples_for(model_dir, [{"text": t} for t in sentences(20)], tmp_path)

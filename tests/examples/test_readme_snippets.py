@@ -96,7 +96,7 @@ def test_own_loop_snippet_saves_and_exports_as_a_plain_script(tmp_path):
 def test_adapters_snippet_builds_the_deepspeed_engine_at_tp2_pp2(tmp_path):
     """The snippet's inputs as a user has them: an HF checkpoint `llama-hf` and `run/` from `dsmt generate`."""
     from toolkit import api
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     make_tiny_checkpoint(tmp_path / "llama-hf")
     spec = api.job_spec({"model": {"path": str(tmp_path / "llama-hf")}, "data": {"synthetic": True},

@@ -7,6 +7,8 @@ from pathlib import Path
 import yaml
 
 from toolkit.generate.writer import render_all
+
+from toolkit.check.job import check_job
 from toolkit.spec.load import validate_spec
 
 REPO = Path(__file__).parents[2]
@@ -71,7 +73,7 @@ def spec_of(name: str):
 
 
 def render(name: str, *, run_dir: str = GOLDEN_RUN_DIR, train_module: str = "toolkit.train") -> dict[str, str]:
-    return render_all(spec=spec_of(name), run_dir=run_dir, train_module=train_module)
+    return render_all(job=check_job(spec_of(name)), run_dir=run_dir, train_module=train_module)
 
 
 def fake_launchers(bin_dir: Path) -> None:

@@ -17,7 +17,7 @@ from toolkit.generate.deepspeed_config import build_deepspeed_config
 from toolkit.generate.megatron_settings import build_megatron_settings
 from toolkit.spec.layout import derive_layout
 from toolkit.spec.load import load_spec, model_shape, validate_spec
-from toolkit.spec.report import SpecError
+from toolkit.errors import SpecError
 
 # Spec fields the run files carry as given, whatever the layout: a difference here would be a silent adjustment
 # (add it to JSON_MIRRORS with its reason instead). spec field -> (file, dotted key).

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from gen_helpers import VARIANTS, render, spec_of
 from toolkit.generate.deepspeed_config import build_deepspeed_config
-from toolkit.spec.checks import run_checks
+from toolkit.check.checks import run_checks
 from toolkit.spec.layout import derive_layout
 from toolkit.spec.load import validate_spec
 

@@ -20,7 +20,7 @@ def test_artifacts_match_golden(name):
         for file_name, text in files.items():
             (golden / file_name).write_text(text)
     expected = {p.name: p.read_text() for p in golden.iterdir()} if golden.is_dir() else {}
-    assert sorted(files) == sorted(expected), f"golden set differs; regenerate with DSMT_UPDATE_GOLDEN=1"
+    assert sorted(files) == sorted(expected), "golden set differs; regenerate with DSMT_UPDATE_GOLDEN=1"
     for file_name, text in files.items():
         assert text == expected[file_name], f"{name}/{file_name} differs from golden; DSMT_UPDATE_GOLDEN=1 to accept"
 

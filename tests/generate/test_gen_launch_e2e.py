@@ -15,6 +15,7 @@ import pytest
 
 from gen_helpers import VARIANTS
 from toolkit.generate.writer import write_run_dir
+from toolkit.check.job import check_job
 from toolkit.launch.ports import free_port
 from toolkit.spec.load import validate_spec
 
@@ -28,7 +29,7 @@ def _tiny_run_dir(tmp_path: Path, *, train_module: str, **training) -> Path:
     raw["cluster"] = {**raw["cluster"], "master_port": free_port()}
     raw["training"] = {**raw["training"], "output_dir": str(tmp_path / "out"), **training}
     run = tmp_path / "run"
-    write_run_dir(spec=validate_spec(raw, source="tiny-cpu"), out_dir=run, train_module=train_module)
+    write_run_dir(job=check_job(validate_spec(raw, source="tiny-cpu")), out_dir=run, train_module=train_module)
     return run
 
 

@@ -13,11 +13,11 @@ import yaml
 
 from gen_helpers import REPO, SCRIPTS, VARIANTS, fake_launchers, spec_of
 from toolkit.cli import main
-from toolkit.errors import DsmtError
+from toolkit.errors import DsmtError, SpecError
 from toolkit.generate.remote_shell import SAFE_CLASS
 from toolkit.generate.writer import write_run_dir
+from toolkit.check.job import check_job
 from toolkit.spec.load import validate_spec
-from toolkit.spec.report import SpecError
 
 SHELLCHECK = shutil.which("shellcheck")
 PDSH_SPEC = REPO / "configs" / "llama3-70b-8x8-h100.yaml"  # 8 nodes, cluster.launcher: pdsh
@@ -77,12 +77,12 @@ def test_generate_checks_the_run_dir_as_the_kernel_resolves_it(tmp_path):
     (tmp_path / "shared disk").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "shared disk")
     with pytest.raises(DsmtError, match=r"^\[unsafe_path\] run directory '.*/link/run' \(resolved: '.*/shared disk/run'\)"):
-        write_run_dir(spec=spec_of("llama3-70b-8x8-h100"), out_dir=tmp_path / "link" / "run")
+        write_run_dir(job=check_job(spec_of("llama3-70b-8x8-h100")), out_dir=tmp_path / "link" / "run")
     assert list((tmp_path / "shared disk").iterdir()) == []
 
 
 def test_launch_deepspeed_refuses_a_run_dir_moved_to_an_unsafe_path(tmp_path):
-    write_run_dir(spec=spec_of("llama3-70b-8x8-h100"), out_dir=tmp_path / "run")
+    write_run_dir(job=check_job(spec_of("llama3-70b-8x8-h100")), out_dir=tmp_path / "run")
     moved = tmp_path / f"moved {PWN}"
     (tmp_path / "run").rename(moved)
     fake_launchers(tmp_path / "bin")
@@ -105,7 +105,7 @@ def test_other_launches_take_any_path_quoted(name, node_rank, tmp_path):
     output_dir = str(tmp_path / f"out {HOSTILE}")
     raw = {**VARIANTS[name], "training": {**VARIANTS[name]["training"], "output_dir": output_dir}}
     run = tmp_path / f"run {HOSTILE}"
-    write_run_dir(spec=validate_spec(raw, source=name), out_dir=run)
+    write_run_dir(job=check_job(validate_spec(raw, source=name)), out_dir=run)
     scripts = [str(run / script) for script in SCRIPTS]
     for script in scripts:
         assert subprocess.run(["bash", "-n", script], capture_output=True).returncode == 0, script
@@ -134,7 +134,7 @@ def test_sbatch_asks_for_sigterm_preemption_grace_s_before_the_time_limit(tmp_pa
     timeout as long (else it SIGKILLs the ranks 30 s after the signal); srun stays in the foreground."""
     raw = {**VARIANTS["slurm-pp2-site"]}
     raw["training"] = {**raw["training"], "preemption_grace_s": 300}
-    write_run_dir(spec=validate_spec(raw, source="x"), out_dir=tmp_path / "run")
+    write_run_dir(job=check_job(validate_spec(raw, source="x")), out_dir=tmp_path / "run")
     lines = (tmp_path / "run" / "job.sbatch").read_text().splitlines()
     directives = lines[1:lines.index("set -euo pipefail")]
     assert all(line.startswith("#") for line in directives)  # sbatch stops reading #SBATCH at the first command
@@ -162,7 +162,7 @@ def test_sbatch_exits_75_when_the_ranks_stopped_on_sigterm_after_saving(tmp_path
     assert scripts.RANK0_HEARTBEAT == f"logs/{heartbeat.heartbeat_file(Path('.'), 0).name}"
     raw = {**VARIANTS["tiny-cpu"]}
     raw["training"] = {**raw["training"], "output_dir": str(tmp_path / "out dir")}
-    write_run_dir(spec=validate_spec(raw, source="x"), out_dir=tmp_path / "run")
+    write_run_dir(job=check_job(validate_spec(raw, source="x")), out_dir=tmp_path / "run")
     beat = tmp_path / "out dir" / "logs" / "rank0.heartbeat.json"
     beat.parent.mkdir(parents=True)
     phase = heartbeat.stopped_phase(saved=tmp_path / "out dir" / "checkpoints" / "step_000007")

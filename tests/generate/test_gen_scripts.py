@@ -13,6 +13,7 @@ from toolkit.errors import DsmtError
 from toolkit.generate.scripts import render_sbatch
 from toolkit.generate.templates import load_templates
 from toolkit.generate.writer import write_run_dir
+from toolkit.check.job import check_job
 from toolkit.spec.layout import derive_layout
 
 SHELLCHECK = shutil.which("shellcheck")
@@ -38,7 +39,7 @@ def test_scripts_are_strict(name):
 
 
 def test_written_scripts_are_executable(tmp_path):
-    write_run_dir(spec=spec_of("tiny-cpu"), out_dir=tmp_path / "run")
+    write_run_dir(job=check_job(spec_of("tiny-cpu")), out_dir=tmp_path / "run")
     for script in SCRIPTS:
         assert (tmp_path / "run" / script).stat().st_mode & stat.S_IXUSR
 
@@ -70,7 +71,7 @@ def test_hostile_run_dir_stays_one_word(moved, tmp_path):
 ])
 def test_launch_deepspeed_passes_the_right_arguments(name, args, expected, tmp_path):
     run = tmp_path / "run"
-    write_run_dir(spec=spec_of(name), out_dir=run)
+    write_run_dir(job=check_job(spec_of(name)), out_dir=run)
     fake_launchers(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "HOME": str(tmp_path)}
     out = subprocess.run(["bash", str(run / "launch_deepspeed.sh"), *args], capture_output=True, text=True, env=env)
@@ -85,7 +86,7 @@ def test_launch_deepspeed_passes_the_right_arguments(name, args, expected, tmp_p
 def test_one_node_openmpi_runs_mpirun_without_ssh(tmp_path):
     """launcher openmpi on one node: DeepSpeed's multi-node runner (mpirun forks locally), not --no_ssh."""
     run = tmp_path / "run"
-    write_run_dir(spec=spec_of("openmpi-1x2-cpu"), out_dir=run)
+    write_run_dir(job=check_job(spec_of("openmpi-1x2-cpu")), out_dir=run)
     fake_launchers(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "HOME": str(tmp_path)}
     out = subprocess.run(["bash", str(run / "launch_deepspeed.sh")], capture_output=True, text=True, env=env)
@@ -98,7 +99,7 @@ def test_one_node_openmpi_runs_mpirun_without_ssh(tmp_path):
 
 
 def test_per_node_script_demands_a_node_rank(tmp_path):
-    write_run_dir(spec=spec_of("no-ssh-2x8-tcp"), out_dir=tmp_path / "run")
+    write_run_dir(job=check_job(spec_of("no-ssh-2x8-tcp")), out_dir=tmp_path / "run")
     fake_launchers(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     out = subprocess.run(["bash", str(tmp_path / "run" / "launch_deepspeed.sh")], capture_output=True, text=True, env=env)
@@ -109,7 +110,7 @@ def test_per_node_script_demands_a_node_rank(tmp_path):
 def test_missing_launcher_is_named(name, missing, tmp_path):
     """PATH is a bin dir holding only what the script runs before that check (the fake deepspeed and coreutils'
     dirname), so the launcher is missing whatever this machine has installed."""
-    write_run_dir(spec=spec_of(name), out_dir=tmp_path / "run")
+    write_run_dir(job=check_job(spec_of(name)), out_dir=tmp_path / "run")
     bin_dir = tmp_path / "bin"
     fake_launchers(bin_dir)
     for name_in_bin in ("torchrun", "pdsh", "mpirun"):
@@ -124,7 +125,7 @@ def test_missing_launcher_is_named(name, missing, tmp_path):
 
 
 def test_slurm_scripts_refuse_to_run_outside_an_allocation(tmp_path):
-    write_run_dir(spec=spec_of("qwen2-7b-2x8-a100"), out_dir=tmp_path / "run")
+    write_run_dir(job=check_job(spec_of("qwen2-7b-2x8-a100")), out_dir=tmp_path / "run")
     fake_launchers(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     for script in ("launch_deepspeed.sh", "launch_torchrun.sh"):
@@ -133,7 +134,7 @@ def test_slurm_scripts_refuse_to_run_outside_an_allocation(tmp_path):
 
 
 def test_torchrun_script_uses_c10d_rendezvous(tmp_path):
-    write_run_dir(spec=spec_of("llama3-70b-8x8-h100"), out_dir=tmp_path / "run")
+    write_run_dir(job=check_job(spec_of("llama3-70b-8x8-h100")), out_dir=tmp_path / "run")
     fake_launchers(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     out = subprocess.run(["bash", str(tmp_path / "run" / "launch_torchrun.sh")], capture_output=True, text=True, env=env)
@@ -148,19 +149,19 @@ def test_writer_refuses_a_non_empty_out_dir_and_overwrites_on_request(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(DsmtError, match="--overwrite"):
-        write_run_dir(spec=spec_of("tiny-cpu"), out_dir=out)
+        write_run_dir(job=check_job(spec_of("tiny-cpu")), out_dir=out)
     assert (out / "keep.txt").exists()
-    write_run_dir(spec=spec_of("tiny-cpu"), out_dir=out, overwrite=True)
+    write_run_dir(job=check_job(spec_of("tiny-cpu")), out_dir=out, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "ds_config.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging or retired dirs left
 
 
 def test_writer_writes_nothing_for_a_failing_spec(tmp_path):
     from toolkit.spec.load import validate_spec
-    from toolkit.spec.report import SpecError
+    from toolkit.errors import SpecError
     raw = {**VARIANTS["tiny-cpu"], "parallel": {"pp": 3}}
     with pytest.raises(SpecError, match="layers_vs_pp"):
-        write_run_dir(spec=validate_spec(raw, source="x"), out_dir=tmp_path / "run")
+        write_run_dir(job=check_job(validate_spec(raw, source="x")), out_dir=tmp_path / "run")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -14,6 +14,7 @@ from toolkit.cli import main
 from toolkit.errors import DsmtError
 from toolkit.generate.templates import SHIPPED_DIR, TEMPLATE_NAMES, LaunchTemplates, load_templates
 from toolkit.generate.writer import render_all
+from toolkit.check.job import check_job
 
 SHELLCHECK = shutil.which("shellcheck")
 TINY_SPEC = REPO / "configs" / "tiny-cpu.yaml"
@@ -57,7 +58,7 @@ def test_every_shipped_template_renders_its_file(tmp_path):
     for path in SHIPPED_DIR.iterdir():
         (site / path.name).write_text(path.read_text() + f"MARKER_{path.name.replace('.', '_').upper()}=1\n")
     shipped = render("slurm-site-extras")
-    marked = render_all(spec=spec_of("slurm-site-extras"), run_dir=GOLDEN_RUN_DIR,
+    marked = render_all(job=check_job(spec_of("slurm-site-extras")), run_dir=GOLDEN_RUN_DIR,
                         templates=load_templates(site_dir=site))
     for name, output in TEMPLATE_NAMES.items():
         assert marked[output] == shipped[output] + f"MARKER_{name.replace('.', '_').upper()}=1\n"

@@ -16,7 +16,7 @@ def test_backend_is_cuda_nccl_and_installs_no_cpu_redirection():
 
 
 def test_verify_tp1_on_cuda(tmp_path):
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
     from toolkit.verify.run import run_verify
 
     result = run_verify(checkpoint=make_tiny_checkpoint(tmp_path / "hf"), tp=1, pp=1)
@@ -29,7 +29,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPU
 @two_gpus
 def test_verify_tp2_puts_each_rank_on_its_own_gpu(tmp_path):
     """Before ranks selected cuda:<LOCAL_RANK>, both TP ranks built their shard on cuda:0."""
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
     from toolkit.verify.run import run_verify
 
     result = run_verify(checkpoint=make_tiny_checkpoint(tmp_path / "hf"), tp=2, pp=1)
@@ -48,7 +48,7 @@ def test_train_tp2_runs_a_few_steps_on_two_gpus(tmp_path):
 
     import yaml
 
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     repo = Path(__file__).resolve().parents[2]
     spec = {
@@ -87,7 +87,7 @@ def test_context_parallel_cp2_matches_cp1(tmp_path):
 
     import yaml
 
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     repo = Path(__file__).resolve().parents[2]
     hf = make_tiny_checkpoint(tmp_path / "hf")

@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from toolkit.generate.writer import write_run_dir
+
+from toolkit.check.job import check_job
 from toolkit.launch.ports import free_port
 from toolkit.spec.load import validate_spec
 
@@ -61,7 +63,7 @@ def tiny_spec(*, output_dir: Path, train_steps: int, cluster: dict | None = None
 
 def write_run(raw: dict, run: Path, *, source: str) -> Path:
     """Validate the spec `raw` and write its run directory `run`; returns `run`."""
-    write_run_dir(spec=validate_spec(raw, source=source), out_dir=run)
+    write_run_dir(job=check_job(validate_spec(raw, source=source)), out_dir=run)
     return run
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from launch_helpers import require_programs, write_run
 from sshd_nodes import NODES, UNREACHABLE, two_node_spec, write_two_node_run
-from toolkit.launch.preflight import compare_nodes
+from toolkit.check.preflight import compare_nodes
 
 pytestmark = pytest.mark.multiproc  # launches probes on two "nodes" through pdsh / mpirun / srun
 

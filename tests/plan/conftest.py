@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="session")
 def live_model(tmp_path_factory):
     """The tiny GQA Llama (hidden 64, 4 layers, 8 heads / 2 KV heads, vocab 250 padded to 256)."""
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("live-memory") / "llama")
 

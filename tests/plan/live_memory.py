@@ -11,7 +11,7 @@ and every rank writes OUT_DIR/rank{r}.json. A case is either
   * "activations": one megatron-core forward + loss of the chunk (no DeepSpeed), measured by `live_tensors`'
     saved-tensor hooks and live-storage tracker.
 Every case carries the planner's figures for this rank's pipeline stage from the same job spec `dsmt check` reads
-(`toolkit.spec.checks.planner_inputs`).
+(`toolkit.check.checks.planner_inputs`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def planner_figures(*, spec, stage: int, dp_rank: int) -> dict:
     """The planner's per-GPU figures for pipeline stage `stage` and data-parallel rank `dp_rank` of `spec`, with
     `dsmt check`'s inputs (the planner itself reports each stage's worst rank)."""
     from toolkit.plan.memory import stage_memory
-    from toolkit.spec.checks import planner_inputs
+    from toolkit.check.checks import planner_inputs
     from toolkit.spec.load import model_shape
 
     layout, training, _, assumptions = planner_inputs(spec)
@@ -90,7 +90,7 @@ def states_case(case: dict, *, model_dir: str) -> dict:
 
     from live_tensors import BuildTracker, Moments
     from toolkit.generate.deepspeed_config import build_deepspeed_config
-    from toolkit.models.chunks import load_model_chunks
+    from toolkit.convert.chunks import load_model_chunks
     from toolkit.parallel.groups import Layout
     from toolkit.spec.layout import derive_layout
     from toolkit.spec.load import validate_spec
@@ -130,7 +130,7 @@ def activations_case(case: dict, *, model_dir: str, world: int) -> dict:
     import torch
 
     from live_tensors import measure_forward
-    from toolkit.models.chunks import load_model_chunks
+    from toolkit.convert.chunks import load_model_chunks
     from toolkit.parallel.groups import Layout
     from toolkit.plan.memory import stage_activation_bytes, stage_memory, stage_params_per_gpu
     from toolkit.spec.load import validate_spec
@@ -145,7 +145,7 @@ def activations_case(case: dict, *, model_dir: str, world: int) -> dict:
                                      recompute=case["recompute"])
     [batch] = random_batches(count=1, micro=case["micro"], seq=case["seq"], vocab=info.settings.vocab_size, seed=3)
     measured = measure_forward(chunks[0], batch=batch, vocab_size=info.settings.vocab_size)
-    from toolkit.spec.checks import planner_inputs
+    from toolkit.check.checks import planner_inputs
     from toolkit.spec.load import model_shape
 
     layout, training, _, assumptions = planner_inputs(spec)
@@ -186,7 +186,7 @@ SMOKE_LAUNCHES = ((2, {"states": _states([(1, 1, 2)], zeros_pp1=(1, 3), precisio
 
 
 def run_launch(*, model_dir: Path, out_dir: Path, processes: int, cases: dict, timeout_s: float = 600) -> list[dict]:
-    """Run one launch of this file under torchrun (or the test session's warm ranks: toolkit/launch/warm_ranks.py);
+    """Run one launch of this file under torchrun (or the test session's warm ranks: tests/harness/warm_ranks.py);
     the per-rank results."""
     import os
     import tempfile

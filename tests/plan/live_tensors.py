@@ -143,7 +143,8 @@ class Moments:
 class BuildTracker:
     """Peak bytes of parameter data (whole tensors plus ZeRO-3 partitions) while chunks are built and loaded,
     sampled whenever a parameter is registered (a module under construction) and inside every ZeRO-3 gather (the
-    load writes one gathered parameter at a time); tests/train/test_train_zero3.py tracks elements the same way."""
+    load writes one gathered parameter at a time); tests/train/engine/test_train_zero3.py tracks elements the same
+    way."""
 
     def __init__(self):
         self.params, self.peak_bytes = [], 0

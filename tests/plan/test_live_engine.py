@@ -65,7 +65,7 @@ def test_parameter_count_per_rank_is_exact(rows):
 
 
 def test_zero3_build_peak_is_the_partition_plus_the_largest_tensor(rows):
-    """zero.Init + one-parameter-at-a-time load (toolkit/train/engine/zero3.py): the peak bytes of parameter data while
+    """zero.Init + one-parameter-at-a-time load (toolkit/adapters/zero3.py): the peak bytes of parameter data while
     the chunks are built and loaded. Other stages build whole weights (bf16 norms are built in fp32 first)."""
     for row in rows:
         live, predicted = row["build"]

@@ -83,8 +83,8 @@ def test_check_counts_the_specs_lora_targets(tmp_path):
     directory): q and v only hold fewer adapter bytes than every projection."""
     import json
 
-    from toolkit.models.shapes import load_model_shape
-    from toolkit.spec.checks import planner_inputs, check_file
+    from toolkit.adapters.model_shape import load_model_shape
+    from toolkit.check.checks import planner_inputs, check_file
 
     shape = BUILTIN_SHAPES["llama3-8b"]
     (tmp_path / "ckpt").mkdir()

@@ -12,7 +12,8 @@ import pytest
 
 from toolkit.cli import main
 from toolkit.models.moe_shapes import CONFIG_DEFAULTS, MlaShape
-from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape, load_model_shape, shape_from_config
+from toolkit.adapters.model_shape import load_model_shape, shape_from_config
+from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape
 from toolkit.plan.activations import activation_bytes_per_layer
 from toolkit.plan.hardware import get_gpu
 from toolkit.plan.layers import layer_tensors, representative_stages, stage_layer_counts

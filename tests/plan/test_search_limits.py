@@ -55,7 +55,7 @@ def test_bad_limits_are_named(capsys, flags, message):
 
 def test_replicated_optimizer_spec_passes_check(tmp_path, capsys):
     """--zero-stages 0 emits a spec dsmt check accepts: bf16 without ZeRO accumulates in bf16."""
-    from toolkit.spec.checks import check_file
+    from toolkit.check.checks import check_file
 
     spec = tmp_path / "z.yaml"
     assert main(["plan", "llama3-8b", "--nodes", "1", "--seq-len", "4096", "--global-batch", "64",

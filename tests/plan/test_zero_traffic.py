@@ -4,7 +4,6 @@ latency 8.4 us + 3.4 us per NVLink step + 9.6 us per network step."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from spec_helpers import tiny_spec
-from toolkit.spec.checks import run_checks
+from toolkit.check.checks import run_checks
 from toolkit.spec.load import validate_spec
 from toolkit.spec.loopback import loopback_problems, resolve_addresses
 

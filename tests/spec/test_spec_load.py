@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.errors import DsmtError
+from toolkit.errors import DsmtError, SpecError
 from toolkit.spec import schema
 from toolkit.spec.load import apply_overrides, load_spec
-from toolkit.spec.report import SpecError
 from spec_helpers import tiny_spec
 
 
@@ -79,7 +78,7 @@ def test_schema_rules_list_is_complete():
 
 def test_spec_and_generate_import_without_heavy_frameworks():
     # the parser imports every command module (toolkit.data.cli included: toolkit/data/__init__.py is lazy)
-    code = ("import sys, toolkit.spec.cli, toolkit.spec.checks, toolkit.generate.writer, toolkit.cli; "
+    code = ("import sys, toolkit.check.cli, toolkit.check.checks, toolkit.generate.writer, toolkit.cli; "
             "toolkit.cli.build_parser(); print(sorted(m for m in ('torch', 'deepspeed', 'megatron', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

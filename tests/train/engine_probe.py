@@ -10,7 +10,7 @@ from pathlib import Path
 import deepspeed
 
 from toolkit.errors import DsmtError
-from toolkit.train.job.run import main
+from toolkit.train.__main__ import main
 
 _initialize = deepspeed.initialize
 

@@ -1,4 +1,5 @@
-"""Start `dsmt train` as a user does, find its ranks, and kill or stop parts of the job (tests/train/test_faults*.py).
+"""Start `dsmt train` as a user does, find its ranks, and kill or stop parts of the job
+(tests/train/checkpoint/test_faults.py, tests/train/job/test_faults_processes.py).
 
 Ranks are found through their heartbeat files (OUTPUT_DIR/logs/rankN.heartbeat.json: toolkit/launch/heartbeat.py),
 which works whether the ranks are torchrun's children or forks of the test session's warm rank servers."""

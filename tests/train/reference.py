@@ -30,7 +30,6 @@ fp32 throughout.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 

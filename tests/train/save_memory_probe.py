@@ -10,7 +10,7 @@ from pathlib import Path
 from toolkit.convert.progress import proc_status_bytes
 from toolkit.errors import DsmtError
 from toolkit.train.checkpoint import reshard
-from toolkit.train.job.run import main
+from toolkit.train.__main__ import main
 
 _save = reshard.LayoutFreeState.save
 

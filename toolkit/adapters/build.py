@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from toolkit import backend as backends
-from toolkit.adapters.family import AdapterError
 from toolkit.adapters.hf_config import ModelSettings
 from toolkit.adapters.layer_specs import (decoder_spec, is_local_spec, layer_spec, local_layer_spec,  # noqa: F401
                                           per_layer_specs, uses_te_layers, with_local_checkpoint_keys)

@@ -57,15 +57,3 @@ def describe(fields: dict[str, bool]) -> str:
     on = [name.removesuffix("_fusion").removeprefix("apply_") for name in FUSIONS if fields[name]]
     off = [name.removesuffix("_fusion").removeprefix("apply_") for name in FUSIONS if not fields[name]]
     return f"fused kernels on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'}"
-
-
-def fusion_problem(*, spec, settings):
-    """The dry run's line: the fusions the spec's ranks will choose on its device and layers (the run may be
-    checked on a machine without them; Transformer Engine's layers bring its fused RoPE)."""
-    from toolkit.spec.layout import spec_attention
-    from toolkit.spec.report import Problem
-
-    te_layers = spec_attention(spec) == "fused"
-    fields = fusion_fields(settings=settings, device=spec.cluster.device, te_layers=te_layers, fused_rope=te_layers)
-    where = f"cluster.device={spec.cluster.device}, {'Transformer Engine' if te_layers else 'local'} layers"
-    return Problem("info", "fusions", f"{where}: {describe(fields)}")

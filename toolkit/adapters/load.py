@@ -198,7 +198,7 @@ def load_hf_weights(*, chunks: list, settings: ModelSettings, source, tp_rank: i
     """Copy HF tensors into this rank's chunks, one at a time. Returns the number of bytes of HF tensors.
 
     `write(parameter, value)` stores one tensor, `value()` reading and transforming it on demand: the default
-    copies into the local tensor; ZeRO-3 passes `toolkit.train.engine.zero3.load_partitioned`, which reads on one rank
+    copies into the local tensor; ZeRO-3 passes `toolkit.adapters.zero3.load_partitioned`, which reads on one rank
     of the data-parallel group and broadcasts into the partitions."""
     if write is None:
         targets, writers = canonical_tensors(chunks), {}

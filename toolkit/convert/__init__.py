@@ -1,1 +1,1 @@
-"""Conversion between HF checkpoints and dsmt's layout-free megatron-core checkpoints."""
+"""Conversion between HF checkpoints and dsmt's layout-free megatron-core checkpoints, and this rank's GPTModel chunks loaded from either (`chunks`)."""

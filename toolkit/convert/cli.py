@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
-from toolkit.cli import workers_count
+
+def workers_count(text: str) -> int:
+    """`--workers N` of the commands that run work in parallel (dsmt convert, dsmt data prepare): a whole number
+    >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--workers must be a whole number >= 1, got {text!r}")
+    return value
 
 
 def register(subparsers) -> None:

@@ -131,7 +131,7 @@ def read_hf_checkpoint(*, hf_dir: Path, vocab_pad_multiple: int, dequantize_fp8:
     """(settings, source, params dtype) of an HF checkpoint; a quantised one is refused by name (read as bf16 with
     `dequantize_fp8` when it is block-scaled FP8), before any model is built."""
     from toolkit.adapters.hf_config import load_hf_config, model_settings
-    from toolkit.models.chunks import stored_dtype
+    from toolkit.convert.chunks import stored_dtype
 
     if ckpt.is_megatron_dir(hf_dir):
         ckpt.read_metadata(hf_dir)  # another tool's megatron checkpoint: refused by name there

@@ -144,7 +144,7 @@ def convert_mcore_to_hf(*, mcore_dir: Path, out_dir: Path, overwrite: bool = Fal
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, workers: int = 1, show_progress: bool = False,
                         progress: Callable[[str], None] | None = None) -> ConversionSummary:
     """Export a dsmt megatron checkpoint (any layout it was saved from) as an HF directory, streamed."""
-    from toolkit.models.chunks import inspect_checkpoint
+    from toolkit.convert.chunks import inspect_checkpoint
 
     started = time.perf_counter()
     ckpt.refuse_existing(out_dir, overwrite=overwrite)

@@ -85,7 +85,7 @@ def stored_passthrough(mcore_dir: Path) -> TensorFile | None:
 
 def source_passthrough(*, kind: str, hf_dir: Path, patterns: tuple[str, ...]):
     """(tensor source, names) of the passthrough tensors of the checkpoint a run started from: `kind` and `hf_dir` as
-    in `toolkit.models.chunks.CheckpointInfo` ("hf": the HF directory; "mcore": `hf_dir` is the megatron
+    in `toolkit.convert.chunks.CheckpointInfo` ("hf": the HF directory; "mcore": `hf_dir` is the megatron
     checkpoint's `hf/`, its passthrough file beside it; "init": no weights, nothing to keep)."""
     if not patterns or kind == "init":
         return None, []

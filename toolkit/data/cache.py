@@ -14,7 +14,7 @@ split only: a new revision on the hub is not noticed.
 Rank 0 writes into a temporary directory and renames it into place, so a `<key>` directory that exists is whole
 (two jobs racing on one cache keep the first). The other ranks wait for rank 0's word through a status file with a
 heartbeat, not a collective, so tokenising a large corpus cannot outlast the process group's timeout
-(`toolkit.convert.checkpoint.run_on_rank0`, as the export does); then they
+(`toolkit.launch.rank0.on_rank0`, as the export does); then they
 memory-map the arrays copy-on-write: ranks on one machine share the page cache, and an in-place write to a tensor
 (nothing does one) would stay private instead of crashing on a read-only page or reaching the file. The cache root
 must be on a filesystem every node sees, as the checkpoints must.
@@ -62,14 +62,14 @@ def shared_examples(*, data: DataSpec, model_path: str | None, seq_length: int, 
     the result; the others wait on `status_file` (this job's own, on a shared filesystem), and a failure on rank 0
     raises on every rank. Synthetic examples are generated on each rank (cheap, a pure function of the seed).
     `part`: "train" or "validation" (toolkit/data/validation.py: which records; `seed` also draws a held-out share)."""
-    from toolkit.convert.checkpoint import run_on_rank0
+    from toolkit.launch.rank0 import on_rank0
 
     def prepare(progress) -> str:
         return str(prepare_cache(data=data, model_path=model_path, seq_length=seq_length, vocab_size=vocab_size,
                                  cache_root=cache_root, part=part, split_seed=seed))
 
     what = "preparing the validation data" if part == validation.VALIDATION else "preparing the training data"
-    directory = run_on_rank0(prepare, status_file=status_file, what=what)
+    directory = on_rank0(prepare, status_file=status_file, what=what)
     return open_cache(Path(directory))
 
 

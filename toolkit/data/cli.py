@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from toolkit.cli import workers_count
+from toolkit.convert.cli import workers_count
 
 
 def register(subparsers) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import xxhash
 
-COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+from toolkit.spec.data_paths import COMPRESSION_SUFFIXES, file_suffix  # noqa: F401  (the readers' names for them)
+
 LINE_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # .zst: no reader here, so no line numbers
 # Files `save_to_disk` writes at a dataset's (or a DatasetDict's) top level.
 SAVE_TO_DISK_MARKERS = ("state.json", "dataset_dict.json")
@@ -33,14 +34,6 @@ def digest_file(path: Path) -> str:
         while count := reader.readinto(buffer):
             hasher.update(view[:count])
     return hasher.hexdigest()
-
-
-def file_suffix(path: Path) -> str:
-    """The extension that says the format, looking through one compression suffix (`a.jsonl.gz` -> `.jsonl`)."""
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
-        suffixes = suffixes[:-1]
-    return suffixes[-1] if suffixes else ""
 
 
 def is_save_to_disk_dir(path: Path) -> bool:

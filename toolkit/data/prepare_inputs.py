@@ -2,7 +2,7 @@
 
 An input is one of:
   * a file: `datasets.load_dataset(<builder>, data_files=..., streaming=True)`, the builder from the extension
-    (toolkit/data/sources.py `FILE_BUILDERS`, looking through `.gz/.bz2/.xz/.zst`);
+    (toolkit/spec/data_paths.py `FILE_BUILDERS`, looking through `.gz/.bz2/.xz/.zst`);
   * a `datasets.save_to_disk` directory (it has `state.json` or `dataset_dict.json`): `load_from_disk`, whose
     arrow files are memory-mapped, iterated in batches;
   * any other directory, as `huggingface-cli download --repo-type dataset` leaves a repository
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.data.files import COMPRESSION_SUFFIXES, file_suffix, is_save_to_disk_dir, line_numbers
-from toolkit.data.sources import FILE_BUILDERS
+from toolkit.spec.data_paths import FILE_BUILDERS
 from toolkit.errors import DsmtError
 
 # What `datasets`' builders expect, for the message when one fails. Its json reader falls back to pandas when a

@@ -17,24 +17,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import re
 from pathlib import Path
 
 from toolkit.data.files import (COMPRESSION_SUFFIXES, SAVE_TO_DISK_MARKERS, bad_json_line, file_suffix,
                                  is_save_to_disk_dir)
 from toolkit.data.records import record_type, required_fields
 from toolkit.errors import DsmtError
+from toolkit.spec.data_paths import FILE_BUILDERS, FORMAT_BUILDERS, looks_like_hub_id
 from toolkit.spec.data_schema import RecordSource
-
-# Extension -> `datasets` packaged builder. `.json` is handled by the json builder whether it holds JSON lines or
-# one top-level list of records.
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
-                 ".arrow": "arrow"}
-# `data.format` -> builder, for files whose extension says nothing useful.
-FORMAT_BUILDERS = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet", "text": "text",
-                   "arrow": "arrow"}
-# A hub dataset id: `name` or `owner/name`, letters, digits, '-', '_', '.'; no extension we know as a file.
-HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def load_records(*, data: RecordSource, cache_dir: str | None = None):
@@ -57,13 +47,6 @@ def load_records(*, data: RecordSource, cache_dir: str | None = None):
         )
     _check_records(records=records, data=data)
     return records
-
-
-def looks_like_hub_id(text: str) -> bool:
-    # A path with a known file extension, or one that starts like a filesystem path, is a missing local file.
-    if text.startswith((".", "/", "~")) or file_suffix(Path(text)) in FILE_BUILDERS:
-        return False
-    return bool(HUB_ID_RE.match(text))
 
 
 def _builder_for(*, path: Path, data: RecordSource) -> str:

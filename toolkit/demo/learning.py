@@ -9,7 +9,7 @@ from pathlib import Path
 
 # Two sentences that differ from their 5th character on, so the prompt "the cat" or "the dog" decides the rest, and
 # whose every character follows from the two before it ('k' is followed by 's' in "drinks" and by '.' in
-# "milk."): the 4-layer, 64-wide character model of toolkit/demo/tiny.py writes both after about 25 steps of
+# "milk."): the 4-layer, 64-wide character model of toolkit/models/tiny.py writes both after about 25 steps of
 # `dsmt train` at lr 1e-2 with a quarter of them warm-up (the demo's 30 steps, seeds 0-3: loss 5.48 -> 0.19-0.25,
 # both written; 40 steps: 0.06-0.08).
 # A sentence with "the" twice ("the cat sat on the mat.") is learned more slowly: after "the " only the words

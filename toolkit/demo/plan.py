@@ -14,12 +14,12 @@ def plan_pictures(*, spec, model_dir: Path, out_dir: Path) -> list[tuple[Path, s
     """The planner's memory and pipeline pictures of the spec's own layout (not a searched one) on PLAN_GPU, and
     plan.txt: what the planner was asked and why, then its `--explain` of that layout, which ends with where the
     layout ranks among all that fit and the step-time terms that put it there. Returns (path, what it is)."""
-    from toolkit.models.shapes import load_model_shape
+    from toolkit.adapters.model_shape import load_model_shape
     from toolkit.plan.charts import draw_charts
     from toolkit.plan.hardware import get_gpu
     from toolkit.plan.layout import Cluster
     from toolkit.plan.search import evaluate, plan
-    from toolkit.spec.checks import planner_inputs
+    from toolkit.check.checks import planner_inputs
 
     layout, training, _, assumptions = planner_inputs(spec)
     cluster = Cluster(nodes=spec.cluster.nodes, gpus_per_node=spec.cluster.gpus_per_node, gpu=get_gpu(PLAN_GPU))

@@ -79,7 +79,7 @@ def run_demo(*, workdir: Path, tp: int, pp: int, train_steps: int = TRAIN_STEPS,
     (`dsmt`: the command that runs dsmt from the user's shell); True when all passed."""
     files = DemoFiles(workdir=workdir)
     start = _step(f"building a tiny random Llama (GQA 8/2 heads, vocab 250) in {files.hf}")
-    from toolkit.demo.tiny import make_tiny_checkpoint
+    from toolkit.models.tiny import make_tiny_checkpoint
 
     make_tiny_checkpoint(files.hf)
     files.add(files.hf, "the HF checkpoint it built (config.json, model.safetensors, tokenizer)")
@@ -147,28 +147,33 @@ def _write_spec(*, files: DemoFiles, train_steps: int) -> dict:
 
 def _plan_and_generate(*, files: DemoFiles, spec_path: Path) -> None:
     from toolkit.demo.plan import console_lines, plan_pictures
+    from toolkit.check.job import check_job_file
+    from toolkit.errors import SpecError
     from toolkit.generate.writer import write_run_dir
-    from toolkit.spec.checks import check_file
 
-    spec, report = check_file(spec_path)
-    if spec is None or not report.ok:
-        raise RuntimeError(f"the demo's own spec does not pass `dsmt check`:\n{report.to_text()}")
+    try:
+        job = check_job_file(spec_path)
+    except SpecError as err:
+        raise RuntimeError(f"the demo's own spec does not pass `dsmt check`:\n{err.report.to_text()}") from err
+    spec = job.spec
     _step("dsmt plan: memory and pipeline pictures of the training layout on a GPU cluster; dsmt generate: its run "
           "directory")
     for path, what in plan_pictures(spec=spec, model_dir=files.hf, out_dir=files.workdir / "plan"):
         files.add(path, what)
     print("\n".join(console_lines((files.workdir / "plan" / "plan.txt").read_text())))
-    write_run_dir(spec=spec, out_dir=files.run, overwrite=True)
+    write_run_dir(job=job, out_dir=files.run, overwrite=True)
     files.add(files.run, "`dsmt generate`: ds_config.json, megatron.json, launch_deepspeed.sh, launch_torchrun.sh, "
                          "job.sbatch, summary.txt")
     print(f"  {files.workdir / 'plan'}, {files.run}")
 
 
 def _fine_tune(*, files: DemoFiles, spec_path: Path, train_steps: int) -> list[dict]:
-    from toolkit.train.job.cli import launch_training
+    from toolkit.check.prelaunch import checked_file_before_launch
+    from toolkit.train.job.launch import launch_training
 
     _step(f"dsmt train {spec_path.name}  (pp=2 dp=2 ZeRO-1, 4 processes, {train_steps} steps)")
-    launch_training(path=str(spec_path))
+    job = checked_file_before_launch(path=str(spec_path), overrides=(), run_dir=None)
+    launch_training(job=job, spec_file=spec_path, source=str(spec_path))
     metrics = [json.loads(line) for line in (files.train / "metrics.jsonl").read_text().splitlines()]
     files.add(files.trained, "the fine-tuned model, HF format: AutoModelForCausalLM.from_pretrained(this)")
     files.add(files.train / "final-mcore", "the same weights as a megatron-core checkpoint")

@@ -10,7 +10,7 @@ from toolkit.spec.schema import JobSpec, WandbSpec
 def build_deepspeed_config(*, spec: JobSpec, layout: RunLayout) -> dict:
     training = spec.training
     config = {
-        # DeepSpeed's data-parallel group is dp × cp (toolkit/train/engine/mpu.py: the CP ranks of a replica reduce their
+        # DeepSpeed's data-parallel group is dp × cp (toolkit/parallel/mpu.py: the CP ranks of a replica reduce their
         # gradients together) and it asserts train_batch_size = micro × accumulation × its group size, so each CP
         # rank counts the replica's micro-batches once: global_batch_size × cp (= the global batch when cp = 1).
         "train_batch_size": layout.global_batch_size * layout.cp,

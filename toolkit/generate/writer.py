@@ -13,7 +13,6 @@ from pathlib import Path
 
 from toolkit.errors import DsmtError
 from toolkit.generate.adjustments import run_file_adjustments
-from toolkit.generate.deepspeed_config import build_deepspeed_config
 from toolkit.generate.env import render_deepspeed_env
 from toolkit.generate.hostfile import render_hostfile
 from toolkit.generate.megatron_settings import build_megatron_settings
@@ -21,11 +20,8 @@ from toolkit.generate.remote_shell import check_run_dir
 from toolkit.generate.scripts import RESOLVED_SPEC, TRAIN_MODULE, render_launch_deepspeed, render_launch_torchrun, render_sbatch
 from toolkit.generate.summary import render_summary
 from toolkit.generate.templates import LaunchTemplates, load_templates
-from toolkit.spec.checks import run_checks
-from toolkit.spec.layout import derive_layout
+from toolkit.spec.checked import CheckedJob
 from toolkit.spec.load import dump_spec, model_shape
-from toolkit.spec.report import SpecError
-from toolkit.spec.schema import JobSpec
 
 EXECUTABLES = ("launch_deepspeed.sh", "launch_torchrun.sh", "job.sbatch")
 # job.resolved.yaml stays the spec as given (toolkit/generate/adjustments.py says why); its header says where the
@@ -39,21 +35,19 @@ RESOLVED_SPEC_HEADER = (
 )
 
 
-def render_all(*, spec: JobSpec, run_dir: str, train_module: str = TRAIN_MODULE,
+def render_all(*, job: CheckedJob, run_dir: str, train_module: str = TRAIN_MODULE,
                templates: LaunchTemplates | None = None) -> dict[str, str]:
-    """File name -> content for a spec that passes its checks (raises SpecError with the report otherwise).
+    """File name -> content for a checked job (toolkit/check/job.py: a spec with errors never gets here).
 
     `train_module` is what the scripts launch; tests swap in a probe to exercise the launchers. `templates`:
     `load_templates(site_dir=...)` for a site's copies; None renders the shipped ones.
     """
-    report = run_checks(spec=spec)
-    if not report.ok:
-        raise SpecError(report)
     if templates is None:
         templates = load_templates(site_dir=None)
-    layout, shape = derive_layout(spec), model_shape(spec.model)
+    spec, layout = job.spec, job.layout
+    shape = job.model if job.model is not None else model_shape(spec.model)  # not a transformer LM: its error
     script_args = {"spec": spec, "layout": layout, "templates": templates, "train_module": train_module}
-    ds_config = build_deepspeed_config(spec=spec, layout=layout)
+    ds_config = job.ds_config()
     megatron = build_megatron_settings(spec=spec, layout=layout, shape=shape)
     adjustments = run_file_adjustments(spec=spec, layout=layout, ds_config=ds_config, megatron=megatron)
     return {
@@ -73,17 +67,17 @@ def _json(data: dict) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-def write_run_dir(*, spec: JobSpec, out_dir: Path, overwrite: bool = False, train_module: str = TRAIN_MODULE,
+def write_run_dir(*, job: CheckedJob, out_dir: Path, overwrite: bool = False, train_module: str = TRAIN_MODULE,
                   templates: LaunchTemplates | None = None) -> list[Path]:
     """Render everything (`templates` as for render_all), write it to a temporary sibling directory, then rename
-    it into place: nothing is written when the spec or a template fails."""
+    it into place: nothing is written when a template fails."""
     out_dir = out_dir.expanduser().absolute()
-    check_run_dir(spec=spec, run_dir=out_dir)  # a path DeepSpeed's pdsh runner would hand to a shell bare
+    check_run_dir(spec=job.spec, run_dir=out_dir)  # a path DeepSpeed's pdsh runner would hand to a shell bare
     if out_dir.exists() and not out_dir.is_dir():
         raise DsmtError(f"--out {out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise DsmtError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it")
-    files = render_all(spec=spec, run_dir=str(out_dir), train_module=train_module, templates=templates)
+    files = render_all(job=job, run_dir=str(out_dir), train_module=train_module, templates=templates)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

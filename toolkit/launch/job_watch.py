@@ -43,7 +43,7 @@ class JobWatch:
     def __init__(self, *, log_dir: Path, nprocs: int, hang_timeout_s: float | None, stop_grace_s: float):
         self.log_dir, self.nprocs = log_dir, nprocs
         self.hang_timeout_s, self.stop_grace_s = hang_timeout_s, stop_grace_s
-        self.torchrun = None  # subprocess.Popen of torchrun; None: the ranks are warm forks (no torchrun)
+        self.torchrun = None  # subprocess.Popen of torchrun; None: a plugged rank runner's ranks (local.py)
         self.hung: str | None = None  # the message naming a hung rank, once the job was ended for it
         self.sigterm_at: float | None = None
         self._done = threading.Event()
@@ -92,7 +92,7 @@ class JobWatch:
                 tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
             except psutil.Error:
                 continue
-            if _group_leader(pid):  # torchrun and the warm servers start each rank as its own group
+            if _group_leader(pid):  # torchrun (and a rank runner may) start each rank as its own group
                 _signal(pid, signal.SIGKILL, group=True)
             for process in tree:
                 _signal(process.pid, signal.SIGKILL)

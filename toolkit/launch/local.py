@@ -14,11 +14,13 @@ from toolkit.errors import DsmtError
 from toolkit.launch.job_watch import JobWatch
 from toolkit.launch.ports import free_port
 from toolkit.launch.watchdog import parent_death_signal
-from toolkit.launch.rank_output import CONSOLE_ENV, LOG_DIR_ENV, clear_reports, launched_failure, verbose
+from toolkit.launch.rank_output import (CONSOLE_ENV, LOG_DIR_ENV, clear_reports, launched_failure, verbose,
+                                        warnings_shown)
 
 
 STOP_GRACE_S = 40.0  # torchrun gives its ranks 30 s after SIGTERM before it SIGKILLs them (its default)
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's wait after SIGTERM (older releases: 30 s)
+RANK_RUNNER_ENV = "DSMT_RANK_RUNNER"  # module:function that starts the ranks instead of torchrun (run_ranks)
 
 
 def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: Path, timeout_s: float | None = 900.0,
@@ -42,7 +44,7 @@ def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: 
     if stop_grace_s is not None:
         child_env[SHUTDOWN_TIMEOUT_ENV] = str(int(stop_grace_s))
     # megatron and torch print pages of deprecation / fallback warnings per rank; DSMT_SHOW_WARNINGS=1 keeps them.
-    if not (os.environ.get("DSMT_SHOW_WARNINGS") or verbose()):
+    if not warnings_shown():
         child_env["PYTHONWARNINGS"] = "ignore"
     quiet = not verbose()
     if quiet:  # torchrun's stderr (its own traceback included) goes to the log; rank 0 takes back this one
@@ -71,28 +73,20 @@ def launch_local_workers(*, module: str, args: list[str], nprocs: int, log_dir: 
 def run_ranks(command: list[str], *, target: list[str], args: list[str], nprocs: int, env: dict[str, str],
               stderr=None, stdout=None, timeout_s: float | None, cwd: str | None = None,
               watch: JobWatch | None = None) -> int:
-    """Run torchrun's `command`, or, where warm rank servers serve this launch (DSMT_RANK_SERVERS, the test
-    suite's: toolkit/launch/warm_ranks.py), the same `target` and `args` on forks of them; the exit code. With a
-    `watch`, SIGTERM is passed on to the ranks and waited for, and a hung rank ends the job; without, SIGTERM
-    stops the ranks and raises SystemExit."""
-    from toolkit.launch import warm_ranks
+    """Run torchrun's `command` (the ranks: `target`, ["module", name] or ["path", script], with `args`); the exit
+    code. With a `watch`, SIGTERM is passed on to the ranks and waited for, and a hung rank ends the job; without,
+    SIGTERM stops the ranks and raises SystemExit.
 
-    why_cold = warm_ranks.cold_reason(nprocs=nprocs, env=env)
+    DSMT_RANK_RUNNER=module:function is where a site or a test harness plugs in its own rank starter: the function,
+    imported from PYTHONPATH, is called with this function's arguments but `watch` (which watches its ranks as it
+    would torchrun's) and returns their exit code, or None to leave the launch to torchrun."""
+    runner = plugged_rank_runner()
     with _on_sigterm(watch), _watching(watch):
-        if why_cold is None:
-            try:  # as subprocess would: the ranks inherit this process's fd 1 and 2 unless given files
-                returncode = warm_ranks.launch(target=target, args=args, nprocs=nprocs, env=env, cwd=cwd,
-                                               timeout_s=timeout_s,
-                                               stdout_fd=1 if stdout is None else stdout.fileno(),
-                                               stderr_fd=2 if stderr is None else stderr.fileno())
-                warm_ranks.record(target=target, nprocs=nprocs, warm=True, why=None)
+        if runner is not None:
+            returncode = runner(command, target=target, args=args, nprocs=nprocs, env=env, stdout=stdout,
+                                stderr=stderr, timeout_s=timeout_s, cwd=cwd)
+            if returncode is not None:
                 return returncode
-            except TimeoutError as err:
-                warm_ranks.record(target=target, nprocs=nprocs, warm=True, why=None)
-                raise subprocess.TimeoutExpired(command, timeout_s) from err
-            except warm_ranks.ServerGone as err:
-                why_cold = str(err)
-        warm_ranks.record(target=target, nprocs=nprocs, warm=False, why=why_cold)
         # torchrun gets SIGTERM when this process dies, however it dies, and stops its ranks (which also watch it:
         # toolkit/launch/watchdog.py).
         process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, cwd=cwd,
@@ -111,6 +105,22 @@ def run_ranks(command: list[str], *, target: list[str], args: list[str], nprocs:
                 process.kill()
                 process.wait()
             raise
+
+
+def plugged_rank_runner():
+    """The function RANK_RUNNER_ENV names (run_ranks), or None: torchrun starts the ranks."""
+    import importlib
+
+    spec = os.environ.get(RANK_RUNNER_ENV)
+    if not spec:
+        return None
+    module_name, _, function_name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise DsmtError(f"[rank_runner] {RANK_RUNNER_ENV}={spec!r} names no function that imports here ({err})\n"
+                        f"fix: set it to module:function with the module on PYTHONPATH, or unset it to start the "
+                        f"ranks through torchrun") from err
 
 
 @contextlib.contextmanager

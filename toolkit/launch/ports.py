@@ -1,4 +1,4 @@
-"""A free TCP port on 127.0.0.1, for the rendezvous of local launches (toolkit/launch/local.py, warm_ranks.py)."""
+"""A free TCP port on 127.0.0.1, for the rendezvous of local launches (toolkit/launch/local.py)."""
 
 from __future__ import annotations
 

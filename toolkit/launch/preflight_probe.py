@@ -1,4 +1,4 @@
-"""What `dsmt preflight` asks each node: one JSON line of facts; the head node compares them (toolkit/launch/preflight.py).
+"""What `dsmt preflight` asks each node: one JSON line of facts; the head node compares them (toolkit/check/preflight.py).
 
 Run on a node as `PYTHON -m toolkit.launch.preflight_probe --run-dir DIR [--device cuda] [--port N]`, with the same
 python path as the head. On the CPU it reads only package metadata and answers in well under a second; on cuda

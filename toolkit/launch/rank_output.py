@@ -22,6 +22,7 @@ from pathlib import Path
 from toolkit.errors import DsmtError
 
 VERBOSE_ENV = "DSMT_VERBOSE"  # "1": every rank keeps the console
+SHOW_WARNINGS_ENV = "DSMT_SHOW_WARNINGS"  # set: the libraries' warnings and progress bars stay
 LOG_DIR_ENV = "DSMT_LOG_DIR"  # set by dsmt's local launcher: where ranks write their logs and error reports
 CONSOLE_ENV = "DSMT_CONSOLE_STDERR"  # set by dsmt's local launcher: its own stderr, for rank 0
 
@@ -31,7 +32,13 @@ _quieted = False
 
 
 def verbose() -> bool:
+    """`--verbose` (DSMT_VERBOSE=1): every rank keeps the console. The one reading of the switch."""
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def warnings_shown() -> bool:
+    """DSMT_SHOW_WARNINGS (any value) or `--verbose`: the libraries' warnings and progress bars are not hidden."""
+    return bool(os.environ.get(SHOW_WARNINGS_ENV)) or verbose()
 
 
 # Where the pages of fallback / deprecation warnings come from ("Apex is not installed", "all_gather_into_tensor
@@ -47,7 +54,7 @@ def quiet_library_warnings(*, only_libraries: bool = False) -> None:
     script calling `api.initialize`)."""
     import warnings
 
-    if os.environ.get("DSMT_SHOW_WARNINGS") or verbose():
+    if warnings_shown():
         return
     module = LIBRARY_WARNING_MODULES if only_libraries else ""
     warnings.filterwarnings("ignore", category=UserWarning, module=module)
@@ -306,8 +313,8 @@ def _read_reports(log_dir: Path) -> tuple[list[dict], list[tuple[Path, str]]]:
 
 
 def _torchrun_exits(launcher_log: Path, *, root_cause_only: bool = False) -> dict[int, str]:
-    """rank -> "exit code N" / "killed by SIGKILL" from torchrun's (or the warm launcher's) failure list; with
-    `root_cause_only` the first observed failure's rank alone (torchrun prints it after the others)."""
+    """rank -> "exit code N" / "killed by SIGKILL" from torchrun's failure list (or a plugged rank runner's, in
+    torchrun's words); with `root_cause_only` the first observed failure's rank alone (torchrun prints it last)."""
     if not launcher_log.is_file():
         return {}
     import re

@@ -21,9 +21,9 @@ POLL_S = 0.5
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-# What each launcher exports to the processes it starts: torchrun, dsmt's own (and its warm ranks), the deepspeed
-# launcher's launch.py, mpirun, srun, MPICH / Intel MPI. A process started by hand from a shell is not watched: a
-# `nohup python -m toolkit.train ... &` must outlive its shell.
+# What each launcher exports to the processes it starts: torchrun, dsmt's own (and a plugged rank runner's), the
+# deepspeed launcher's launch.py, mpirun, srun, MPICH / Intel MPI. A process started by hand from a shell is not
+# watched: a `nohup python -m toolkit.train ... &` must outlive its shell.
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "DSMT_LOG_DIR", "CROSS_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_STEP_ID",
                 "PMI_RANK")
 

@@ -190,7 +190,7 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
         _llama_like("mistral-7b", 4096, 32, 32, 8, 14336, 32000, max_pos=32768),
         _llama_like("qwen2-7b", 3584, 28, 28, 4, 18944, 152064, max_pos=32768),
         _llama_like("qwen2-72b", 8192, 80, 64, 8, 29568, 152064, max_pos=32768),
-        # toolkit/demo/tiny.py's TINY_LLAMA (its character tokenizer fits the 250 ids): CPU pretraining tests.
+        # toolkit/models/tiny.py's TINY_LLAMA (its character tokenizer fits the 250 ids): CPU pretraining tests.
         _llama_like("tiny-llama", 64, 4, 8, 2, 96, 250, max_pos=128),
         # GPT-3 175B (Brown et al. 2020) and the 1T configuration of Narayanan et al. 2021, Table 1.
         ModelShape("gpt3-175b", 12288, 96, 96, 96, 4 * 12288, 51200, True, False, 2048),
@@ -227,8 +227,10 @@ def padded_vocab_size(vocab_size: int, *, multiple: int = VOCAB_PAD_MULTIPLE) ->
     return -(-vocab_size // multiple) * multiple
 
 
-def load_model_shape(ref: str | Path) -> ModelShape:
-    """Shape of `ref`: a built-in name, an HF checkpoint directory, or a path to a config.json."""
+def read_model_ref(ref: str | Path):
+    """What `ref` names: a built-in name's shape, else the config.json (a dict) of an HF checkpoint directory or
+    of a path to a config.json. toolkit/adapters/model_shape.py `load_model_shape` turns the dict into a shape with
+    its family's layer facts."""
     text = str(ref)
     if text in BUILTIN_SHAPES and Path(text).exists():
         raise ModelShapeError(f"model {text!r} names both the built-in shape {text} and the folder "
@@ -255,7 +257,7 @@ def load_model_shape(ref: str | Path) -> ModelShape:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ModelShapeError(f"cannot read {path} as JSON ({err}); pass a valid HF config.json") from err
-    return shape_from_config(config, name=str(ref))
+    return config
 
 
 def _not_a_model_folder(path: Path, *, text: str) -> str:
@@ -269,8 +271,11 @@ def _not_a_model_folder(path: Path, *, text: str) -> str:
     return f"model {text!r} is a folder but not an HF checkpoint: it has no config.json (it holds {held}{more}){hint}"
 
 
-def shape_from_config(config: dict, *, name: str) -> ModelShape:
-    """Shape from an HF config dict, Llama-like or GPT-2 shaped."""
+def shape_from_fields(config: dict, *, name: str, gated_mlp: bool, kv_heads_replicable: bool) -> ModelShape:
+    """Shape from an HF config dict, Llama-like or GPT-2 shaped. What the config does not say of its family's layers
+    comes from the caller (toolkit/adapters/model_shape.py reads it from the adapter family): whether the MLP is
+    gated (Gemma's GeGLU is, with a GELU) and whether TP may replicate KV heads (not where q / k norms span the
+    heads, OLMo-2)."""
     if "n_embd" in config:  # GPT-2 naming
         h = _field(config, "n_embd", name)
         heads = _field(config, "n_head", name)
@@ -286,10 +291,10 @@ def shape_from_config(config: dict, *, name: str) -> ModelShape:
         name=name, hidden_size=_field(config, "hidden_size", name), num_layers=layers,
         num_attention_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
         ffn_hidden_size=_field(config, "intermediate_size", name), vocab_size=_field(config, "vocab_size", name),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=_gated_mlp(config),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=gated_mlp,
         max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
         attention_softcap=_attention_softcap(config),
-        kv_heads_replicable=not _family_architecture(config).qk_norm_spans_heads,
+        kv_heads_replicable=kv_heads_replicable,
     )
     try:  # MoE (Mixtral, Qwen-MoE, DeepSeek) and multi-latent attention fields; they may replace the KV heads
         fields.update(moe_config_fields(config, num_layers=layers))
@@ -301,24 +306,6 @@ def shape_from_config(config: dict, *, name: str) -> ModelShape:
 def _attention_softcap(config: dict) -> float | None:
     """Gemma 2's attn_logit_softcapping (Gemma 3 configs carry the field, but transformers does not apply it)."""
     return (config.get("attn_logit_softcapping") or None) if config.get("model_type") == "gemma2" else None
-
-
-def _family_architecture(config: dict):
-    """The layer deltas of the config's adapter family (Llama's defaults when dsmt has no adapter for it)."""
-    from toolkit.adapters.family import Architecture, get_family, supported_model_types
-
-    model_type = config.get("model_type")
-    return get_family(model_type).architecture if model_type in supported_model_types() else Architecture()
-
-
-def _gated_mlp(config: dict) -> bool:
-    """The family's own answer when dsmt has an adapter for it (Gemma's GeGLU is gated with a GELU), else a
-    SwiGLU activation name says so."""
-    from toolkit.adapters.family import supported_model_types
-
-    if config.get("model_type") in supported_model_types():
-        return _family_architecture(config).gated_mlp
-    return config.get("hidden_act", "silu") in ("silu", "swiglu")
 
 
 def _field(config: dict, key: str, name: str) -> int:

@@ -1,1 +1,1 @@
-"""The parallel layout (`layout`), the rules it must obey (`rules`) and its process groups (`groups`)."""
+"""The parallel layout (`layout`), the rules it must obey (`rules`), its process groups (`groups`) and DeepSpeed's view of them (`mpu`)."""

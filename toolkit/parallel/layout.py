@@ -40,7 +40,7 @@ class Layout:
     @property
     def zero_size(self) -> int:
         """Ranks that hold one parameter's replicas: gradients are reduced and ZeRO states partitioned over dp × cp
-        (the CP ranks of a replica see different tokens of the same weights; toolkit/train/engine/mpu.py)."""
+        (the CP ranks of a replica see different tokens of the same weights; toolkit/parallel/mpu.py)."""
         return self.dp * self.cp
 
     @property

@@ -12,7 +12,7 @@ import math
 from typing import Callable
 
 from toolkit.parallel.layout import Layout, divisors
-from toolkit.spec.report import Problem
+from toolkit.errors import Problem
 
 # The rules layout_problems can return (a test checks every one is reachable).
 LAYOUT_RULES = frozenset({
@@ -60,21 +60,6 @@ class ModelFacts:
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, multiple=vocab_multiple),
                    num_experts=shape.num_experts, attention_softcap=shape.attention_softcap,
                    kv_heads_replicable=shape.kv_heads_replicable)
-
-    @classmethod
-    def from_settings(cls, settings) -> "ModelFacts":
-        """From the adapters' ModelSettings (a loaded HF checkpoint)."""
-        fields = settings.transformer_fields
-        return cls(num_attention_heads=fields["num_attention_heads"], num_kv_heads=fields["num_query_groups"],
-                   ffn_hidden_size=fields["ffn_hidden_size"], num_layers=settings.num_layers,
-                   other_ffn_sizes=tuple((name, fields[key]) for name, key in (
-                       ("moe_intermediate_size", "moe_ffn_hidden_size"),
-                       ("shared experts", "moe_shared_expert_intermediate_size"))
-                       if fields.get(key) and fields[key] != fields["ffn_hidden_size"]),
-                   mla=bool(fields.get("multi_latent_attention")),
-                   padded_vocab_size=settings.padded_vocab_size, num_experts=fields.get("num_moe_experts") or 0,
-                   kv_heads_replicable=not settings.family.architecture.qk_norm_spans_heads,
-                   attention_softcap=settings.attention_softcap)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

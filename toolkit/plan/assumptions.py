@@ -3,7 +3,7 @@ them), a job spec sets the communication ones (buckets, communication_data_type,
 
 Defaults describe a bf16 megatron-core model trained with DeepSpeed ZeRO data parallelism on NVIDIA GPUs with
 Transformer Engine layers. `Assumptions.for_precision("fp32")` gives the byte widths of an fp32 run; `dsmt check`
-builds its assumptions the same way from the job spec (`toolkit/spec/checks.py: planner_inputs`), so check and
+builds its assumptions the same way from the job spec (`toolkit/check/checks.py: planner_inputs`), so check and
 plan agree.
 """
 

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.plan import report
     from toolkit.plan.layout import TrainingShape
     from toolkit.plan.search import plan
-    from toolkit.models.shapes import load_model_shape
+    from toolkit.adapters.model_shape import load_model_shape
 
     if args.calibration:
         return _calibration(args)

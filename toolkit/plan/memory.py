@@ -16,7 +16,7 @@ Sources
     included) over dp × cp (toolkit/plan/experts.py). Which tensors a layer holds, multi-latent attention's and
     dense first layers' included, and which layers a stage holds: toolkit/plan/layers.py.
   * ZeRO-3 build: zero.Init partitions each module as it is built and the checkpoint loads one parameter at a time
-    (toolkit/train/engine/zero3.py): a rank holds its partition plus one module before any optimizer state exists.
+    (toolkit/adapters/zero3.py): a rank holds its partition plus one module before any optimizer state exists.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def build_peak_bytes(*, shape: ModelShape, layout: PlanLayout, stage: int,
                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> int:
     """Device bytes while the chunks are built and loaded, before training allocates anything else.
 
-    ZeRO-3 (toolkit/train/engine/zero3.py): zero.Init partitions each module's parameters as soon as that module (a
+    ZeRO-3 (toolkit/adapters/zero3.py): zero.Init partitions each module's parameters as soon as that module (a
     linear, a norm, the embedding) is built, and the checkpoint is written one gathered parameter at a time, so a
     rank holds its partition and at most its largest parameter tensor whole (persistent parameters are gathered
     for good only once training fetches them). Other stages build the whole weights."""

@@ -1,5 +1,5 @@
-"""The job spec: one YAML/JSON file, typed sections, loaded and checked before anything is generated or launched.
-
-`load_spec` turns a file (plus `--set` overrides) into a `JobSpec`; `run_checks` collects every cross-section
-problem into one `Report`; `derive_layout` resolves the numbers every artifact is generated from.
+"""What a job is: one YAML/JSON file, typed sections (`schema`, `data_schema`), loaded and validated (`load`, with
+`--set` overrides and paths pinned by `paths`), its layout and batch arithmetic (`layout`), and `CheckedJob`
+(`checked`), what every runner takes once the checks above (toolkit/check/) pass. Imports nothing above the model
+floors it names (models, adapters).
 """

@@ -15,9 +15,9 @@ from typing import Any
 import pydantic
 import yaml
 
-from toolkit.errors import DsmtError
-from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape, ModelShapeError, load_model_shape, shape_from_config
-from toolkit.spec.report import Problem, Report, SpecError
+from toolkit.errors import DsmtError, Problem, Report, SpecError
+from toolkit.adapters.model_shape import load_model_shape, shape_from_config
+from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape, ModelShapeError
 from toolkit.spec.schema import SCHEMA_RULES, JobSpec, ModelSpec
 
 def load_spec(path: str | Path, *, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:

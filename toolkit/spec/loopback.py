@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from toolkit.spec.report import Problem
+from toolkit.errors import Problem
 
 Resolver = Callable[[Sequence[str]], dict[str, str | None]]
 RESOLVE_TIMEOUT_S = 2.0  # for all names together: a slow DNS must not hold up `dsmt check`

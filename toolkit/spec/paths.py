@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from toolkit.spec.report import Problem, Report, SpecError
+from toolkit.errors import Problem, Report, SpecError
 
 # (section, key) of the single-path settings; data.blend and data.mix hold lists of them.
 PATH_KEYS = (("data", "tokenizer"), ("data", "cache_dir"), ("data", "validation_path"), ("training", "output_dir"))
@@ -46,7 +46,7 @@ def _pin_key(section: Any, key: str, *, base_dir: Path, may_be_dataset_name: boo
 def _pinned(value: Any, *, base_dir: Path, may_be_dataset_name: bool = False) -> Any:
     """`value` against `base_dir`, unless absolute, `~`-relative, not a string, or (a data source) a name that is
     no local path and reads as a dataset's `org/name`."""
-    from toolkit.data.sources import looks_like_hub_id
+    from toolkit.spec.data_paths import looks_like_hub_id
 
     if not isinstance(value, str) or not value or value.startswith("~") or Path(value).is_absolute():
         return value

@@ -22,12 +22,13 @@ def run_verify_many(*, checkpoints: list[Path], tp: int = 1, pp: int = 1, vpp: i
                     seq_len: int = 32, tolerance: float = DEFAULT_TOLERANCE_FP32, reference: Path | None = None,
                     save_as: Path | None = None, timeout_s: float = 900.0) -> list[dict]:
     """Several checkpoints in one launch (process start-up dominates on small machines)."""
-    from toolkit.models.chunks import check_layout, inspect_checkpoint
+    from toolkit.convert.chunks import check_layout, inspect_checkpoint
     from toolkit.verify.worker import TF32_OFF_ENV, verify_layout
 
     layout = verify_layout(tp=tp, pp=pp, vpp=vpp, ep=ep)
     for checkpoint in checkpoints:  # bad paths, configs and layouts fail here, before any process starts
-        check_layout(inspect_checkpoint(checkpoint).settings, layout)
+        info = inspect_checkpoint(checkpoint)
+        check_layout(hf_config=info.hf_config, layout=layout, vocab_pad_multiple=info.vocab_pad_multiple)
     scratch = Path(tempfile.mkdtemp(prefix="dsmt-verify-"))  # kept when a rank fails: its logs are there
     with _removed_on_success(scratch):
         result_file = scratch / "result.json"

@@ -106,7 +106,7 @@ def compare(*, reference: torch.Tensor, candidate: torch.Tensor) -> dict:
 @torch.no_grad()
 def main(argv=None) -> None:
     from toolkit import backend as backends
-    from toolkit.parallel.groups import Layout, destroy_process_groups, init_process_groups
+    from toolkit.parallel.groups import destroy_process_groups, init_process_groups
 
     args = parse_args(argv)
     exact_fp32_math()
@@ -136,7 +136,7 @@ def verify_checkpoint(*, checkpoint: Path, layout, args, save_as: Path | None) -
     from megatron.core import parallel_state
 
     from toolkit import backend as backends
-    from toolkit.models.chunks import load_model_chunks, save_mcore_checkpoint
+    from toolkit.convert.chunks import load_model_chunks, save_mcore_checkpoint
     from toolkit.train.engine.tasks import task_for_model
 
     chunks, info = load_model_chunks(checkpoint=checkpoint, layout=layout, params_dtype=torch.float32,

@@ -41,8 +41,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolkit.train.checkpoint.folders import (COMPLETE_MARKER, PARTIAL, on_rank0, publish, remove_leftovers,
-                                              set_aside_damaged, write_small)
+from toolkit.launch.rank0 import on_rank0
+from toolkit.train.checkpoint.folders import (COMPLETE_MARKER, PARTIAL, checkpoint_io_error, publish, remove_leftovers,
+                                              set_aside_damaged, tag_order, tag_step, write_small)
 from toolkit.train.checkpoint.manifest import LATEST, marker_text, pointer_note, read_marker
 from toolkit.train.checkpoint.pickles import deepspeed_loads_weights_only, refuse_unsafe
 
@@ -66,7 +67,8 @@ def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | Non
 
     checkpoint_dir, tag, rank = Path(checkpoint_dir), tag_for(step), dist.get_rank()
     partial = checkpoint_dir / f"{PARTIAL}{tag}"
-    refusal = on_rank0(lambda: _prepare_save(checkpoint_dir, tag=tag), what=f"preparing to save {tag}")
+    refusal = on_rank0(lambda: _prepare_save(checkpoint_dir, tag=tag), what=f"preparing to save {tag}",
+                       os_error=checkpoint_io_error)
     if refusal:  # every rank takes the same branch
         raise space.DiskFull(refusal)
     started = time.perf_counter()
@@ -89,7 +91,7 @@ def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | Non
         raise full from err
     record = {"step": step, "world_size": dist.get_world_size(), "layout": layout, "manifest": True}
     on_rank0(lambda: _finish_save(partial, tag=tag, record=record, keep_checkpoints=keep_checkpoints),
-             what=f"completing {tag}")
+             what=f"completing {tag}", os_error=checkpoint_io_error)
     if rank == 0:
         print(f"dsmt: checkpoint {tag}: {total_bytes / 1e6:,.1f} MB in {time.perf_counter() - started:.2f} s "
               f"(the manifest {hashed - written:.2f} s of it)", flush=True)
@@ -141,19 +143,20 @@ def write_manifest(partial: Path) -> int:
     seen: list = [None] * world
     dist.all_gather_object(seen, manifest.list_files(partial))
     files = sorted(set().union(*seen))
-    sizes = on_rank0(lambda: [(partial / name).stat().st_size for name in files], what=f"sizing {partial}")
+    sizes = on_rank0(lambda: [(partial / name).stat().st_size for name in files], what=f"sizing {partial}",
+                     os_error=checkpoint_io_error)
     entries = manifest.entries_for(partial, manifest.share(files, sizes, rank=rank, world_size=world))
     parts: list = [None] * world
     dist.all_gather_object(parts, entries)
     on_rank0(lambda: manifest.write_manifest(partial, {name: entry for part in parts for name, entry in part.items()}),
-             what=f"writing the manifest of {partial}")
+             what=f"writing the manifest of {partial}", os_error=checkpoint_io_error)
     return sum(sizes)
 
 
 def complete_tags(checkpoint_dir: Path) -> list[str]:
-    """Tags with a completion marker, oldest first (by step number, not by name)."""
+    """Tags with a completion marker, oldest first (by step number, not by name: `tag_order`)."""
     tags = [p.parent.name for p in Path(checkpoint_dir).glob(f"step_*/{COMPLETE_MARKER}")]
-    return sorted((t for t in tags if t[len("step_"):].isdigit()), key=_step)
+    return sorted((tag for tag in tags if tag_step(tag) is not None), key=tag_order)
 
 
 def prune(checkpoint_dir: Path, *, keep: int) -> list[str]:
@@ -295,7 +298,7 @@ def intact_tag(checkpoint_dir: Path, *, fallback: bool = True, owner: bool = Fal
 
     checkpoint_dir = Path(checkpoint_dir)
     candidates = on_rank0(lambda: _candidates(checkpoint_dir, owner=owner),
-                          what=f"listing the checkpoints in {checkpoint_dir}")
+                          what=f"listing the checkpoints in {checkpoint_dir}", os_error=checkpoint_io_error)
     taken = None
     for index, tag in enumerate(candidates):
         started = time.perf_counter()
@@ -303,15 +306,18 @@ def intact_tag(checkpoint_dir: Path, *, fallback: bool = True, owner: bool = Fal
         if status in USABLE:
             _say_verified(checkpoint_dir / tag, seconds=time.perf_counter() - started)
             # Not a fallback: a crafted file is no accident of the disk, and a person should look at it.
-            on_rank0(lambda: refuse_unsafe(checkpoint_dir / tag), what=f"reading the pickles of {tag}")
+            on_rank0(lambda: refuse_unsafe(checkpoint_dir / tag), what=f"reading the pickles of {tag}",
+                     os_error=checkpoint_io_error)
             taken = tag
             break
         older = candidates[index + 1] if index + 1 < len(candidates) else None
         integrity.refuse_or_fall_back(tag=tag, problems=problems, older=older, fallback=fallback,
                                       checkpoint_dir=checkpoint_dir)
         if owner:
-            on_rank0(lambda: _say_set_aside(set_aside_damaged(checkpoint_dir, tag)), what=f"setting {tag} aside")
-    note = on_rank0(lambda: pointer_note(checkpoint_dir, taken=taken), what=f"reading {checkpoint_dir / LATEST}")
+            on_rank0(lambda: _say_set_aside(set_aside_damaged(checkpoint_dir, tag)), what=f"setting {tag} aside",
+                     os_error=checkpoint_io_error)
+    note = on_rank0(lambda: pointer_note(checkpoint_dir, taken=taken), what=f"reading {checkpoint_dir / LATEST}",
+                    os_error=checkpoint_io_error)
     if note and dist.get_rank() == 0:
         print(f"dsmt train: {note}", flush=True)
     return taken
@@ -338,7 +344,3 @@ def _say_verified(tag_dir: Path, *, seconds: float) -> None:
 def _say_set_aside(aside: Path) -> None:
     print(f"dsmt train: set the damaged checkpoint aside as {aside} (not resumed from, not pruned; delete it once "
           "inspected)", flush=True)
-
-
-def _step(tag: str) -> int:
-    return int(tag[len("step_"):])

@@ -1,11 +1,13 @@
 """The folders of a checkpoint directory, as rank 0 changes them: a finished save renamed into place, what an
-interrupted save left removed, a damaged checkpoint set aside; and `on_rank0`, which runs such a change on rank 0
-and gives every rank its outcome (an error on a shared filesystem must not leave the other ranks waiting in a
-collective until the timeout)."""
+interrupted save left removed, a damaged checkpoint set aside; the one order of its tags (`tag_order`); and
+`checkpoint_io_error`, what a filesystem error of such a change becomes on every rank (rank 0 makes the change
+through `toolkit.launch.rank0.on_rank0`: an error on a shared filesystem must not leave the other ranks waiting in
+a collective until the timeout)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -14,32 +16,32 @@ from toolkit.errors import DsmtError
 COMPLETE_MARKER = "dsmt_complete.json"
 PARTIAL = ".partial-"  # a save in progress, renamed to its tag when complete
 DAMAGED = ".damaged-"  # a checkpoint whose files did not match its manifest, set aside by a resume
+TAG = re.compile(r"step_(\d+)")  # a checkpoint tag: step_000010 as dsmt saves it, step_10 as a person may name one
 
 
 class CheckpointIOError(DsmtError):
     """The filesystem refused a change to the checkpoint directory (rule `checkpoint_io`)."""
 
 
-def on_rank0(task, *, what: str):
-    """`task()` on rank 0; every rank returns its value, or raises the same error: rank 0's DsmtError as it was,
-    an OSError as `checkpoint_io` naming `what`. Collective."""
-    import torch.distributed as dist
+def checkpoint_io_error(err: OSError, *, what: str) -> CheckpointIOError:
+    """What an OSError of rank 0's change `what` to a checkpoint directory becomes on every rank (`on_rank0`'s
+    `os_error`)."""
+    return CheckpointIOError(f"[checkpoint_io] {what}: {type(err).__name__}: {err}\nfix: check the filesystem of "
+                             "the output directory (mounted, writable, not full); then run the same command again to "
+                             "resume")
 
-    outcome = [None]
-    if dist.get_rank() == 0:
-        try:
-            outcome = [(True, task())]
-        except DsmtError as err:
-            outcome = [(False, err)]
-        except OSError as err:
-            outcome = [(False, CheckpointIOError(
-                f"[checkpoint_io] {what}: {type(err).__name__}: {err}\nfix: check the filesystem of the output "
-                "directory (mounted, writable, not full); then run the same command again to resume"))]
-    dist.broadcast_object_list(outcome, src=0)
-    done, value = outcome[0]
-    if not done:
-        raise value
-    return value
+
+def tag_step(name: str) -> int | None:
+    """The step of checkpoint tag `name` (step_000010 and step_10: 10); None for any other name."""
+    match = TAG.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def tag_order(name: str) -> tuple[bool, int, str]:
+    """The sort key of every ordering of checkpoint tags, oldest first: by step number, never by name
+    (step_000010 after step_000009, step_10 after step_9); equal steps by name, other names last."""
+    step = tag_step(name)
+    return step is None, step or 0, name
 
 
 def publish(partial: Path, final: Path) -> None:
@@ -66,7 +68,8 @@ def remove_leftovers(checkpoint_dir: Path) -> list[str]:
     calls this (toolkit/launch/run_lock.py), so nothing here is a save in progress. A folder that will not go (files
     held open on NFS) is renamed aside, so that the next save of its step starts from an empty folder."""
     lines = []
-    for path in sorted(Path(checkpoint_dir).glob(f"{PARTIAL}*")) + sorted(Path(checkpoint_dir).glob("step_*")):
+    tags = sorted(Path(checkpoint_dir).glob("step_*"), key=lambda path: tag_order(path.name))
+    for path in sorted(Path(checkpoint_dir).glob(f"{PARTIAL}*")) + tags:
         if not path.is_dir() or (path.name.startswith("step_") and (path / COMPLETE_MARKER).exists()):
             continue
         shutil.rmtree(path, ignore_errors=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import xxhash
 
 from toolkit.data.files import digest_file  # shared with `dsmt data prepare`'s corpus sidecar
 from toolkit.errors import DsmtError
+from toolkit.train.checkpoint.folders import TAG, tag_order, tag_step
 
 MANIFEST = "dsmt_manifest.json"
 COMPLETE_MARKER = "dsmt_complete.json"  # checkpoints.COMPLETE_MARKER (that module imports torch)
@@ -42,7 +42,6 @@ MARKER_REQUIRED = {"step": int, "world_size": int}  # what a resume reads from t
 USABLE = ("intact", "no_manifest")  # the verdicts a resume takes (`judge`)
 PARTIAL_PREFIX = ".partial-"  # an interrupted save's directory in the checkpoints dir
 FORMAT = 1
-TAG = re.compile(r"step_(\d+)")
 
 
 def list_files(tag_dir: Path) -> list[str]:
@@ -198,7 +197,7 @@ def marker_problems(tag_dir: Path) -> tuple[dict | None, list[Problem]]:
     wrong = [f"{key} ({kind.__name__})" for key, kind in MARKER_REQUIRED.items() if type(record.get(key)) is not kind]
     if wrong:
         problems.append(f"missing or malformed: {', '.join(wrong)}")
-    elif TAG.fullmatch(tag_dir.name) and record["step"] != _step(tag_dir.name):
+    elif TAG.fullmatch(tag_dir.name) and record["step"] != tag_step(tag_dir.name):
         problems.append(f"records step {record['step']}, not this tag's (a marker of another checkpoint)")
     digest = record.get("xxh3_128")
     if digest is not None and digest != _record_digest({k: v for k, v in record.items() if k != "xxh3_128"}):
@@ -228,7 +227,7 @@ def pointer_note(checkpoint_dir: Path, *, taken: str | None) -> str | None:
         named = f"<unreadable: {type(err).__name__}>"
     if named == taken:
         return None
-    if TAG.fullmatch(named) and taken is not None and _step(named) < _step(taken):
+    if TAG.fullmatch(named) and taken is not None and tag_step(named) < tag_step(taken):
         what = "an older checkpoint (a save cut between its rename and the pointer, or an edited pointer)"
     elif not (TAG.fullmatch(named) and (Path(checkpoint_dir) / named / COMPLETE_MARKER).is_file()):
         what = "no complete checkpoint"
@@ -317,10 +316,6 @@ def verify_tag(tag_dir: Path) -> TagVerdict:
                       seconds=time.perf_counter() - started, files=count)
 
 
-def _step(name: str) -> int:
-    return int(TAG.fullmatch(name).group(1))
-
-
 def checkpoints_dir_of(path: Path) -> Path | None:
     """The checkpoints dir `path` names (a run's output dir or the checkpoints dir itself); None for a tag dir."""
     if (path / "checkpoints").is_dir():
@@ -346,7 +341,7 @@ def verify_run(path: Path) -> list[TagVerdict]:
         return [verify_tag(path)]
     children = [child for child in checkpoint_dir.iterdir() if child.is_dir()]
     tags = sorted((child for child in children if TAG.fullmatch(child.name)),
-                  key=lambda child: (_step(child.name), child.name))
+                  key=lambda child: tag_order(child.name))
     partials = sorted(child for child in children if child.name.startswith(PARTIAL_PREFIX))
     return [verify_tag(tag) for tag in tags] + [verify_tag(partial) for partial in partials]
 

@@ -149,15 +149,16 @@ def refuse_unless_it_fits(tag_dir: Path, *, sharded: dict) -> None:
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
+    from toolkit.launch.rank0 import on_rank0
     from toolkit.train.checkpoint import space
-    from toolkit.train.checkpoint.folders import on_rank0
+    from toolkit.train.checkpoint.folders import checkpoint_io_error
 
     mine = sum(item.data.numel() * item.data.element_size() for item in sharded.values()
                if is_main_replica(item.replica_id))  # the other replicas are stand-ins megatron drops
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     refusal = on_rank0(lambda: space.copy_refusal(directory=tag_dir, needed=sum(every)),
-                       what=f"checking the free space for {tag_dir / LAYOUT_FREE}")
+                       what=f"checking the free space for {tag_dir / LAYOUT_FREE}", os_error=checkpoint_io_error)
     if refusal:
         raise space.DiskFull(refusal)
 
@@ -261,7 +262,7 @@ def set_master(param, value: torch.Tensor) -> None:
     """The fp32 master weight and the model's (low-precision) weight from one whole value."""
     from deepspeed.utils import safe_set_full_fp32_param
 
-    from toolkit.train.engine.zero3 import is_partitioned, load_partitioned
+    from toolkit.adapters.zero3 import is_partitioned, load_partitioned
 
     if held_by_deepspeed(param):
         safe_set_full_fp32_param(param, value)

@@ -1,1 +1,1 @@
-"""The training engine: DeepSpeed around megatron-core chunks (`hybrid`), the loss, task heads, mpu, MoE and ZeRO-3 pieces."""
+"""The training engine: DeepSpeed around megatron-core chunks (`hybrid`), the loss, task heads, MoE and a script's HF batches."""

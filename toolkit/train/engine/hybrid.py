@@ -41,8 +41,9 @@ from toolkit import backend as backends
 from toolkit.adapters.load import full_shape
 from toolkit.errors import DsmtError
 from toolkit.train.engine import moe
-from toolkit.train.engine.mpu import MegatronMpu
+from toolkit.parallel.mpu import MegatronMpu
 from toolkit.train.engine.tasks import CausalLM
+from toolkit.train.engine.trainer import EngineCheckpoints
 
 MIN_DEEPSPEED = "0.19.4"  # the first release with `managed_gradient_accumulation` (the PP > 1 driver needs it)
 
@@ -78,7 +79,7 @@ def engine_config(ds_config: dict, *, pp_size: int) -> dict:
     return config
 
 
-class HybridEngine:
+class HybridEngine(EngineCheckpoints):
     """One rank's DeepSpeed engine around its megatron-core chunks, and the training step of both drivers.
 
     The loss of a step is per token over the GLOBAL batch: the sum of the token losses of every micro-batch on
@@ -86,7 +87,10 @@ class HybridEngine:
     micro-batch therefore backpropagates `sum(token losses) * dp / global_tokens`; DeepSpeed's data-parallel mean
     divides by dp again, so the summed gradient is d(sum over the global batch)/global_tokens whatever the split
     into TP / PP / DP ranks and micro-batches. `task` (toolkit/train/engine/tasks.py) says what a unit is (a counted
-    token; a sample for classification), how the model is called and the loss summed; default: causal LM."""
+    token; a sample for classification), how the model is called and the loss summed; default: causal LM.
+    A `Trainer` (toolkit/train/engine/trainer.py); its checkpoints carry the layout-free copy (`layout_free`)."""
+
+    engine: object  # DeepSpeed's engine around the chunks (set by `deepspeed.initialize`)
 
     def __init__(self, *, chunks: list, ds_config: dict, vocab_size: int, tied_embeddings: bool, pp_size: int,
                  task=None, lr_schedule=None):
@@ -115,6 +119,14 @@ class HybridEngine:
         module = self.engine.module
         return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
 
+    def layout_free(self, layout):
+        """The chunks' weights and optimizer state in megatron-core's sharded form, which any layout loads
+        (toolkit/train/checkpoint/reshard.py)."""
+        from toolkit.train.checkpoint.reshard import LayoutFreeState
+
+        return LayoutFreeState(engine=self.engine, chunks=self.chunks, layout=layout.record,
+                               global_batch_size=layout.global_batch_size)
+
     def train_step(self, micro_batches: list[dict]) -> StepStats:
         start = time.perf_counter()
         lr = self.engine.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler steps after the update)
@@ -135,13 +147,13 @@ class HybridEngine:
                          grad_norm=None if norm is None else float(norm), lr=float(lr),
                          step_time_s=time.perf_counter() - start, tokens=global_tokens)
 
-    def evaluate(self, micro_batches: list[dict]) -> EvalSums:
+    def eval_step(self, micro_batches: list[dict]) -> EvalSums:
         """Forward only, no gradient, dropout off (eval mode, restored after): the task's loss summed over this
         rank's micro-batches and every data-parallel rank's. Collective over the model- and data-parallel groups:
         every rank passes the same number of micro-batches (zero-loss rows pad the short ones,
         toolkit/train/job/evaluate.py). Micro-batches move to the device one at a time."""
         if not micro_batches:
-            raise DsmtError("evaluate() got no micro-batches: every rank needs at least one (pad with loss 0 rows)")
+            raise DsmtError("eval_step() got no micro-batches: every rank needs at least one (pad with loss 0 rows)")
         sums = torch.zeros(2, dtype=torch.float64)  # loss sum, units; on the CPU until the reduction
         training = self.engine.training
         self.engine.eval()

@@ -1,1 +1,1 @@
-"""The run around the engine: `dsmt train`'s CLI and dry run, run directories, the per-rank main, reports, validation and pretraining."""
+"""The run around the engine: `dsmt train`'s CLI and launcher, run directories, a rank's run, reports, validation and pretraining."""

@@ -113,7 +113,7 @@ class TaskValidation:
 def evaluate(*, trainer, validation: Validation) -> ValLoss:
     """The validation loss of the trainer's current weights (collective: every rank calls it)."""
     start = time.perf_counter()
-    sums = trainer.evaluate(validation.micro_batches())
+    sums = trainer.eval_step(validation.micro_batches())
     return ValLoss(loss=sums.loss, units=sums.units, eval_time_s=time.perf_counter() - start)
 
 
@@ -121,7 +121,7 @@ def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValid
     """The run's validation micro-batches, or None when the spec asks for none: dsmt's cached token rows for a
     megatron-core causal LM (collective: rank 0 tokenises into the data cache), the task's HF keyword rows for the
     encoder heads and the plain engine (every rank reads them, like its training rows). Refuses a trainer that
-    has no `evaluate`, by name."""
+    has no `eval_step`, by name."""
     from megatron.core import parallel_state
 
     from toolkit.data.training import job_rows
@@ -131,10 +131,10 @@ def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValid
     if not has_validation(data):
         return None
     task = getattr(trainer, "task", None)
-    if not callable(getattr(trainer, "evaluate", None)):
+    if not callable(getattr(trainer, "eval_step", None)):
         what = getattr(task, "name", task) or type(trainer).__name__
         raise DsmtError(f"validation_unsupported: {describe_source(data)} asks for a validation loss, but this run "
-                        f"trains {what} with {type(trainer).__name__}, which has no evaluate(); unset "
+                        f"trains {what} with {type(trainer).__name__}, which has no eval_step(); unset "
                         "data.validation_path and data.validation_fraction")
     interleaved = len(getattr(trainer, "chunks", [None])) > 1
     rows = dict(micro_batch_size=layout.micro_batch_size, dp_rank=parallel_state.get_data_parallel_rank(),

@@ -1,41 +1,59 @@
 """The run of `dsmt train` once its trainer is built: resume, train to train_steps with checkpoints and validation,
-stop on a diverged step, export, report. The same for every kind of trainer (megatron-core hybrid, plain HF)."""
+stop on a diverged step, export, report. The same for every kind of trainer (megatron-core hybrid, plain HF): it
+asks nothing of one but the `Trainer` protocol (toolkit/train/engine/trainer.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from toolkit.launch import heartbeat
 from toolkit.train.checkpoint import checkpoints
+from toolkit.train.engine.trainer import CheckpointLayout, Trainer
 from toolkit.train.job.guard import StepGuard
 from toolkit.train.job.report import RunLog
 
 
-def run_to_end(*, trainer, batches, export, notice: str | None, spec, layout, ds_config: dict, output_dir: Path,
-               hf_dir: Path | None = None, fallback: bool = True) -> list[dict]:
-    """Every rank: the per-step history (the same on every rank)."""
+@dataclasses.dataclass(frozen=True)
+class TrainParts:
+    """What `dsmt train` runs for one kind of model (toolkit/train/job/run.py: megatron-core or plain HF)."""
+
+    trainer: Trainer  # toolkit/train/engine/trainer.py
+    batches: Any  # `batches_for_step(step)`: this rank's micro-batches of a step
+    export: Callable[[], None]  # collective, after the last step: the trained model into the output directory
+    notice: str | None = None  # said once by rank 0 before the run starts
+
+
+def run_to_end(*, parts: TrainParts, job, layout, hf_dir: Path | None = None) -> list[dict]:
+    """Every rank: the per-step history of the checked `job` (the same on every rank); `layout`: the one its process
+    groups were made for."""
     import torch.distributed as dist
 
     from toolkit.train.job.evaluate import build_validation
 
-    log = RunLog(output_dir=output_dir, is_writer=dist.get_rank() == 0, layout=layout, spec=spec, ds_config=ds_config)
-    if notice and dist.get_rank() == 0:
-        print(notice, flush=True)
+    trainer, spec = parts.trainer, job.spec
+    output_dir = Path(spec.training.output_dir)
+    log = RunLog(output_dir=output_dir, is_writer=dist.get_rank() == 0, layout=layout, spec=spec,
+                 ds_config=job.ds_config())
+    if parts.notice and dist.get_rank() == 0:
+        print(parts.notice, flush=True)
     validation = build_validation(spec=spec, layout=layout, trainer=trainer, hf_dir=hf_dir)
-    saving = checkpoint_settings(trainer=trainer, spec=spec, layout=layout)
+    saved_layout = checkpoint_layout(spec=spec, layout=layout)
     heartbeat.set_phase("resume")
-    resumed = resume(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", seed=spec.training.seed,
-                     saving=saving, fallback=fallback, owner=True)
+    resumed = resume(trainer=trainer, checkpoint_dir=output_dir / "checkpoints", seed=spec.training.seed,
+                     layout=saved_layout, fallback=job.resume_fallback, owner=True)
     log.started(start_step=resumed.step, total_steps=spec.training.train_steps, validation=validation,
                 resharded=resumed.resharded)
     guard = StepGuard(precision=spec.training.precision, max_skipped_steps=spec.training.max_skipped_steps,
                       last_checkpoint=checkpoints.tag_for(resumed.step) if resumed.step else None,
                       engine=trainer.engine)
-    train_steps(trainer=trainer, batches=batches, spec=spec, log=log, start=resumed.step, output_dir=output_dir,
-                validation=validation, saving=saving, guard=guard)
+    train_steps(trainer=trainer, batches=parts.batches, spec=spec, log=log, start=resumed.step,
+                output_dir=output_dir, validation=validation, layout=saved_layout, guard=guard)
     if resumed.step == spec.training.train_steps and dist.get_rank() == 0:
         print(f"dsmt train: {output_dir} holds a checkpoint of step {resumed.step}, the last "
               "(training.train_steps): nothing left to train; exporting it again", flush=True)
@@ -44,40 +62,35 @@ def run_to_end(*, trainer, batches, export, notice: str | None, spec, layout, ds
     heartbeat.set_phase("checking corpus digests")
     finish_digest_checks()  # a run shorter than its corpus's background digest check must not export on damage
     heartbeat.set_phase("export")
-    export()
+    parts.export()
     log.finished()
     return log.history
 
 
-def resume(*, engine, checkpoint_dir: Path, seed: int, saving: dict, fallback: bool = True,
+def resume(*, trainer: Trainer, checkpoint_dir: Path, seed: int, layout: CheckpointLayout, fallback: bool = True,
            owner: bool = False) -> checkpoints.Resumed:
-    """The newest intact complete checkpoint under `checkpoint_dir` loaded (`saving`: `checkpoint_settings`;
+    """The newest intact complete checkpoint under `checkpoint_dir` loaded (`layout`: `checkpoint_layout`;
     `owner`: this run holds the directory's lock, see `checkpoints.resume`). Resharded from another layout, the
     RNGs are seeded anew: that layout's per-rank streams do not map onto this one's ranks."""
     from toolkit import backend as backends
 
-    resumed = checkpoints.resume(engine=engine, checkpoint_dir=checkpoint_dir, fallback=fallback, owner=owner,
-                                 **saving)
+    resumed = trainer.load(checkpoint_dir, layout=layout, fallback=fallback, owner=owner)
     if resumed.resharded:
         backends.current().seed(seed + resumed.step)
     return resumed
 
 
-def checkpoint_settings(*, trainer, spec, layout) -> dict:
-    """This run's layout record, and for megatron-core models the layout-free state other layouts resume from."""
-    from toolkit.train.checkpoint.reshard import LayoutFreeState, layout_record
-    from toolkit.train.engine.hybrid import HybridEngine
+def checkpoint_layout(*, spec, layout) -> CheckpointLayout:
+    """What this run's checkpoints record of its layout; a trainer that has a layout-free copy (megatron-core
+    models) saves it too (`Trainer.save`)."""
+    from toolkit.train.checkpoint.reshard import layout_record
 
-    record = layout_record(layout=layout, zero_stage=spec.parallel.zero_stage)
-    layout_free = None
-    if isinstance(trainer, HybridEngine):
-        layout_free = LayoutFreeState(engine=trainer.engine, chunks=trainer.chunks, layout=record,
-                                      global_batch_size=layout.global_batch_size)
-    return {"layout": record, "layout_free": layout_free}
+    return CheckpointLayout(record=layout_record(layout=layout, zero_stage=spec.parallel.zero_stage),
+                            global_batch_size=layout.global_batch_size)
 
 
-def train_steps(*, trainer, batches, spec, log, start: int, output_dir: Path, validation=None, saving=None,
-                guard: StepGuard | None = None) -> None:
+def train_steps(*, trainer: Trainer, batches, spec, log, start: int, output_dir: Path, validation=None,
+                layout: CheckpointLayout | None = None, guard: StepGuard | None = None) -> None:
     """Train steps start+1 .. train_steps. With validation: the validation loss before the first step (step 0),
     after every eval_interval steps and after the last, measured before that step's checkpoint is saved, so a run
     resumed from a checkpoint already has the validation loss of its step. `guard` stops the run at a step whose
@@ -93,7 +106,7 @@ def train_steps(*, trainer, batches, spec, log, start: int, output_dir: Path, va
                     if validation is not None else ())
     if start in evaluated:
         log.validation(step=start, result=evaluate(trainer=trainer, validation=validation), engine=trainer.engine)
-    save = functools.partial(_save, trainer=trainer, spec=spec, output_dir=output_dir, saving=saving, guard=guard)
+    save = functools.partial(_save, trainer=trainer, spec=spec, output_dir=output_dir, layout=layout, guard=guard)
     preemption.training_started()  # SIGTERM now stops at a step boundary (before: at once)
     # Rank 0's bar, on a terminal only (disable=None): in a log file its redraws would be noise.
     with tqdm(total=total, initial=start, desc="training", disable=True if dist.get_rank() != 0 else None,
@@ -119,9 +132,10 @@ def train_steps(*, trainer, batches, spec, log, start: int, output_dir: Path, va
                 raise preemption.Preempted(step=step + 1)
 
 
-def _save(*, trainer, spec, output_dir: Path, step: int, saving=None, guard: StepGuard | None = None) -> None:
+def _save(*, trainer: Trainer, spec, output_dir: Path, step: int, layout: CheckpointLayout | None = None,
+          guard: StepGuard | None = None) -> None:
     heartbeat.set_phase(f"saving {checkpoints.tag_for(step)}")
-    checkpoints.save(engine=trainer.engine, checkpoint_dir=output_dir / "checkpoints", step=step,
-                     keep_checkpoints=spec.training.keep_checkpoints, **(saving or {}))
+    trainer.save(output_dir / "checkpoints", step=step, keep_checkpoints=spec.training.keep_checkpoints,
+                 layout=layout)
     if guard is not None:
         guard.saved(checkpoints.tag_for(step))

@@ -81,7 +81,7 @@ def on_sigterm() -> None:
         watchdog.kill_descendants()
         os._exit(128 + signal.SIGTERM)
     failed = heartbeat.my_suspects(this_machine_only=True)
-    if failed:  # torchrun (or the warm ranks' manager) stopping the survivors of a failure: stop now, as ever
+    if failed:  # torchrun (or a plugged rank runner) stopping the survivors of a failure: stop now, as ever
         if this_rank() != 0 or not os.environ.get(LOG_DIR_ENV):  # else dsmt's launcher names the failed rank
             rank, why = failed[0]
             print(f"dsmt train: SIGTERM after rank {rank} failed ({why}): stopping this rank now", file=sys.stderr,

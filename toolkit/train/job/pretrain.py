@@ -3,16 +3,15 @@
 A shape (`toolkit/models/shapes.py`) carries sizes only; the rest of an HF config comes from the release table below.
 Rank 0 writes `<output_dir>/init-hf/` with that config.json and the `data.tokenizer` files, never weights (a 70B
 random init is not saved to disk first); every rank then builds its chunks with megatron's init method
-(`toolkit.models.chunks.init_model_chunks`), and the export writes final-mcore / final-hf as for a fine-tune.
+(`toolkit.convert.chunks.init_model_chunks`), and the export writes final-mcore / final-hf as for a fine-tune.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.errors import DsmtError
+from toolkit.errors import DsmtError, Problem
 from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape
-from toolkit.spec.report import Problem
 
 # HF config fields of each release that the shape table does not carry (the releases' config.json).
 # initializer_range is HF's init std; megatron's init_method_std is set to it.
@@ -110,7 +109,7 @@ def write_init_dir(init_dir: Path, *, spec) -> Path:
 def init_chunks(*, spec, hf_dir: Path, layout, params_dtype, zero3_config: dict | None = None):
     """This rank's chunks from megatron-core's initialisation, std = the config's initializer_range (built
     partitioned with a ZeRO-3 `zero3_config`)."""
-    from toolkit.models.chunks import init_model_chunks
+    from toolkit.convert.chunks import init_model_chunks
     from toolkit.spec.layout import spec_attention
 
     std = hf_config(spec.model.builtin).initializer_range

@@ -1,4 +1,4 @@
-"""One rank of a `dsmt train` run: job spec in, trained HF checkpoint out.
+"""One rank of a `dsmt train` run: checked job in (toolkit/check/job.py), trained HF checkpoint out.
 
 Every rank runs this (under torchrun, the deepspeed launcher, SLURM or `dsmt train`'s local launcher)."""
 
@@ -24,7 +24,7 @@ def model_checkpoint(*, spec, output_dir: Path) -> Path:
         return Path(spec.model.path)
     init_dir = output_dir / "init-hf"
     if dist.get_rank() == 0 and not (init_dir / "config.json").is_file():
-        from toolkit.demo.tiny import save_random_init
+        from toolkit.models.tiny import save_random_init
         from toolkit.train.job.pretrain import write_init_dir
 
         if spec.model.builtin is not None:
@@ -63,28 +63,23 @@ def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
                         dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle and not spec.data.is_megatron)
 
 
-def train(*, spec, ds_config: dict | None = None, fallback: bool = True) -> list[dict]:
-    """Run the spec's training on this rank; returns the per-step history (same on every rank).
-
-    `ds_config`: the run directory's ds_config.json, already compared with the spec (`toolkit/train/job/run_files.py`);
-    None generates it from the spec. `fallback`: resume from the newest intact checkpoint when the newest is
-    damaged (False: stop with the named error)."""
-    from toolkit.generate.deepspeed_config import build_deepspeed_config
+def train(*, job) -> list[dict]:
+    """Run the checked job's training on this rank; returns the per-step history (same on every rank). The job
+    carries the DeepSpeed config (a run directory's, already compared with the spec: toolkit/train/job/run_files.py)
+    and how to resume (`job.resume_fallback`: from the newest intact checkpoint when the newest is damaged)."""
     from toolkit.train.plain import engine as plain
 
+    spec = job.spec
     layout = start_process_groups(spec=spec)
     _node_joined(layout=layout)
     output_dir = Path(spec.training.output_dir)
     hf_dir = model_checkpoint(spec=spec, output_dir=output_dir)
-    if ds_config is None:
-        ds_config = build_deepspeed_config(spec=spec, layout=layout)
+    ds_config = job.ds_config()
     build = _plain_parts if plain.is_plain_model(hf_dir) else _hybrid_parts
-    trainer, batches, export, notice = build(spec=spec, layout=layout, hf_dir=hf_dir,
-                                             ds_config=ds_config, output_dir=output_dir)
+    parts = build(spec=spec, layout=layout, hf_dir=hf_dir, ds_config=ds_config, output_dir=output_dir)
     from toolkit.train.job.loop import run_to_end
 
-    return run_to_end(trainer=trainer, batches=batches, export=export, notice=notice, spec=spec, layout=layout,
-                      ds_config=ds_config, output_dir=output_dir, hf_dir=hf_dir, fallback=fallback)
+    return run_to_end(parts=parts, job=job, layout=layout, hf_dir=hf_dir)
 
 
 def start_process_groups(*, spec):
@@ -140,13 +135,16 @@ def _node_joined(*, layout) -> None:
 
 
 def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
-    """megatron-core chunks from the adapters inside DeepSpeed, on tokenised `datasets` data."""
+    """megatron-core chunks from the adapters inside DeepSpeed, on tokenised `datasets` data (a `loop.TrainParts`)."""
+    from toolkit.train.job.loop import TrainParts
+
     hybrid, info = build_hybrid(spec=spec, layout=layout, hf_dir=hf_dir, ds_config=ds_config)
     if info.settings.encoder is not None:  # BERT-style: HF keyword batches of the head's task
         batches = encoder_batches(spec=spec, layout=layout, hf_dir=hf_dir, hf_config=info.hf_config)
     else:
         batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
-    return hybrid, batches, lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir), None
+    return TrainParts(trainer=hybrid, batches=batches,
+                      export=lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir))
 
 
 def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
@@ -154,12 +152,12 @@ def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
     for `model.builtin`), LoRA when the spec asks, inside DeepSpeed. Process groups must exist."""
     import torch.distributed as dist
 
-    from toolkit.models.chunks import load_model_chunks
+    from toolkit.convert.chunks import load_model_chunks
     from toolkit.spec.layout import spec_attention
     from toolkit.train.engine.hybrid import HybridEngine
     from toolkit.train.engine.tasks import task_for_model
 
-    # At ZeRO-3 the chunks are built partitioned (and loaded one parameter at a time): toolkit/train/engine/zero3.py.
+    # At ZeRO-3 the chunks are built partitioned (and loaded one parameter at a time): toolkit/adapters/zero3.py.
     zero3_config = ds_config if spec.parallel.zero_stage == 3 else None
     dtype = params_dtype(spec.training.precision)
     if spec.model.builtin is not None:  # megatron-core's own initialisation, no weights read
@@ -220,9 +218,11 @@ def task_batches(*, spec, layout, hf_dir: Path, model_config):
 
 def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
     """An HF model without a megatron-core adapter: DeepSpeed ZeRO data parallelism only (toolkit/train/plain/engine.py),
-    on `data.path` read for the model's task (toolkit/data/tasks.py), or synthetic inputs when data.synthetic."""
+    on `data.path` read for the model's task (toolkit/data/tasks.py), or synthetic inputs when data.synthetic
+    (a `loop.TrainParts`)."""
     from megatron.core import parallel_state
 
+    from toolkit.train.job.loop import TrainParts
     from toolkit.train.plain import engine as plain
 
     model_type = plain.model_type_of(hf_dir)
@@ -245,7 +245,8 @@ def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pat
         model = plain.convert_sync_batchnorm(model, device=spec.cluster.device)
     engine = plain.PlainEngine(model=model, ds_config=ds_config, lr_schedule=LrSchedule.from_training(spec.training))
     notice = plain.plain_notice(model_type=model_type, zero_stage=spec.parallel.zero_stage)
-    return engine, batches, lambda: plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf"), notice
+    return TrainParts(trainer=engine, batches=batches, notice=notice,
+                      export=lambda: plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf"))
 
 
 def _export(*, hybrid, info, spec, output_dir: Path) -> None:
@@ -265,12 +266,12 @@ def export_trained(*, hybrid, info, precision: str, lora, mcore_dir: Path, hf_di
     partitioned at ZeRO-3). Both output directories are replaced."""
     import contextlib
 
-    from toolkit.convert.checkpoint import run_on_rank0
     from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
     from toolkit.convert.passthrough import keep_source_passthrough
-    from toolkit.models.chunks import save_mcore_checkpoint
+    from toolkit.launch.rank0 import on_rank0
+    from toolkit.convert.chunks import save_mcore_checkpoint
     from toolkit.train.lora.export import gather_peft_adapter, merged_lora, write_peft_adapter
-    from toolkit.train.engine.zero3 import params_on_cpu
+    from toolkit.adapters.zero3 import params_on_cpu
 
     adapter = None
     with params_on_cpu(hybrid.engine.module):
@@ -291,55 +292,25 @@ def export_trained(*, hybrid, info, precision: str, lora, mcore_dir: Path, hf_di
                                base_model=info.source_checkpoint(), hf_dir=hf_dir)
         return line
 
-    run_on_rank0(export, status_file=status_file, what=f"export of {hf_dir}")
+    on_rank0(export, status_file=status_file, what=f"export of {hf_dir}")
 
 
-def main(argv=None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m toolkit.train")
-    parser.add_argument("--config", help="job spec (YAML/JSON); default RUN_DIR/job.resolved.yaml")
-    parser.add_argument("--run-dir", type=Path, help="the `dsmt generate` directory: its ds_config.json is what "
-                        "DeepSpeed receives, checked against the spec first (toolkit/train/job/run_files.py)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
-    parser.add_argument("--no-fallback", action="store_true", help="stop when the newest checkpoint is damaged "
-                        "instead of resuming from the newest intact one")
-    parser.add_argument("--continue-with-changes", action="store_true", help="continue the run in "
-                        "training.output_dir although train_steps, min_lr, evaluation or the layout changed")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
-    args = parser.parse_args(argv)
-    from toolkit.parallel.groups import adopt_mpi_ranks
-    from toolkit.spec.checks import check_file
-
-    adopt_mpi_ranks()  # under mpirun: RANK & co. from OMPI_COMM_WORLD_*, before anything reads them
-    from toolkit.train.job.run_files import spec_path_for
-
-    config = spec_path_for(config=args.config, run_dir=args.run_dir, overrides=args.set)
-    spec, report = check_file(config, overrides=args.set)
-    if spec is None or not report.ok:
-        raise DsmtError(f"job spec {config} does not pass `dsmt check`:\n{report.to_text()}")
-    ds_config = None
-    if args.run_dir is not None:  # before any process group, model or output file: a contradiction stops here
-        from toolkit.train.job.run_files import compare_run_files
-
-        run_files = compare_run_files(run_dir=args.run_dir, spec=spec).require_agreement(spec_ref=str(config))
-        if os.environ.get("RANK", "0") == "0":  # the launcher's rank; one copy of the report
-            print("\n".join(run_files.start_lines()), flush=True)
-        ds_config = run_files.ds_config
+def run_job(*, job) -> None:
+    """One rank of a checked job, to its end: the device, SIGTERM saved and stopped (exit 75), the output directory
+    claimed, rank 0 speaking, a heartbeat, the training. `python -m toolkit.train` checks and calls it."""
     from toolkit import backend as backends
     from toolkit.launch.rank_output import LOG_DIR_ENV, quiet_other_ranks
-
-    backends.select(device=spec.cluster.device)  # CUDA asked for but broken: exit 2 before the run writes anything
     from toolkit.train.job.preemption import stop_on_sigterm
 
+    spec = job.spec
+    backends.select(device=spec.cluster.device)  # CUDA asked for but broken: exit 2 before the run writes anything
     # From here on SIGTERM (preemption, a time limit) stops the ranks after a step, saved, with exit code 75; the
     # output directory is claimed before anything is written there.
-    with stop_on_sigterm(), claim_output_dir(spec=spec, allow_changes=args.continue_with_changes):
+    with stop_on_sigterm(), claim_output_dir(spec=spec, allow_changes=job.continue_with_changes):
         log_dir = Path(spec.training.output_dir) / "logs"
         quiet_other_ranks(log_dir=log_dir)  # rank 0 speaks (toolkit/launch/rank_output.py)
         watch_this_rank(log_dir=Path(os.environ.get(LOG_DIR_ENV) or log_dir))
-        train(spec=spec, ds_config=ds_config, fallback=not args.no_fallback)  # after its last step: nothing to do
-    return 0
+        train(job=job)  # after its last step: nothing to do
 
 
 def watch_this_rank(*, log_dir: Path) -> None:

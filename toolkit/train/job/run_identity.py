@@ -300,7 +300,7 @@ def accepted_lines(found: list) -> list[str]:
 
 def problems(*, spec, allow_changes: bool = False) -> list:
     """`check` as the dry run's problems (none, or the refusal)."""
-    from toolkit.spec.report import Problem
+    from toolkit.errors import Problem
 
     try:
         check(spec=spec, allow_changes=allow_changes)

@@ -1,7 +1,7 @@
 """A training run driven by the user's own script (`toolkit.api.initialize`): what `deepspeed.initialize` is for a
 plain module, over megatron-core TP / PP chunks built from an HF checkpoint inside DeepSpeed ZeRO.
 
-Every process of the job (started by `deepspeed`, torchrun or srun) calls `start_run(spec=...)`; the returned
+Every process of the job (started by `deepspeed`, torchrun or srun) calls `start_run(job=...)`; the returned
 `TrainingRun` trains on the micro-batches the script brings (HF convention: toolkit/train/engine/hf_batches.py)
 with the same engine, loss, checkpoints and export as `dsmt train` (toolkit/train/job/run.py,
 toolkit/train/engine/hybrid.py, toolkit/train/checkpoint/checkpoints.py).
@@ -16,23 +16,25 @@ from pathlib import Path
 from toolkit.errors import DsmtError
 from toolkit.train.checkpoint import checkpoints
 from toolkit.train.engine import hf_batches
+from toolkit.train.engine.trainer import CheckpointLayout
 
 
-def start_run(*, spec) -> TrainingRun:
-    """Process groups for the spec's layout, this rank's chunks with the checkpoint's weights (LoRA when asked),
-    the DeepSpeed engine on the config `dsmt generate` writes. Collective: every rank of the job calls it."""
+def start_run(*, job) -> TrainingRun:
+    """Process groups for the checked job's layout, this rank's chunks with the checkpoint's weights (LoRA when
+    asked), the DeepSpeed engine on the job's config (the one `dsmt generate` writes). Collective: every rank of
+    the job calls it."""
     from megatron.core import parallel_state
 
-    from toolkit.generate.deepspeed_config import build_deepspeed_config
     from toolkit.train.job.run import build_hybrid, model_checkpoint, start_process_groups
 
     if parallel_state.model_parallel_is_initialized():
         raise DsmtError("initialize: this process already holds a run's process groups (megatron's model-parallel "
                         "state); one run per process at a time: call run.close() before initializing another")
+    spec = job.spec
     layout = start_process_groups(spec=spec)
     hf_dir = model_checkpoint(spec=spec, output_dir=Path(spec.training.output_dir))
     _require_causal_lm(hf_dir, builtin=spec.model.builtin is not None)
-    ds_config = build_deepspeed_config(spec=spec, layout=layout)
+    ds_config = job.ds_config()
     hybrid, info = build_hybrid(spec=spec, layout=layout, hf_dir=hf_dir, ds_config=ds_config)
     return TrainingRun(spec=spec, layout=layout, hybrid=hybrid, info=info, hf_dir=hf_dir, ds_config=ds_config)
 
@@ -47,7 +49,7 @@ def _require_causal_lm(hf_dir: Path, *, builtin: bool) -> None:
                         "deepspeed.initialize on the HF model, or `dsmt train` (its plain ZeRO engine)")
     if builtin:
         return
-    from toolkit.models.chunks import inspect_checkpoint
+    from toolkit.convert.chunks import inspect_checkpoint
 
     encoder = inspect_checkpoint(hf_dir).settings.encoder
     if encoder is not None:
@@ -57,7 +59,8 @@ def _require_causal_lm(hf_dir: Path, *, builtin: bool) -> None:
 
 class TrainingRun:
     """One rank's share of the run. Micro-batches are this data-parallel rank's (every TP / PP / CP rank of a
-    replica passes the same ones), `run.micro_batches_per_step` of them per optimizer step."""
+    replica passes the same ones), `run.micro_batches_per_step` of them per optimizer step. A `Trainer`
+    (toolkit/train/engine/trainer.py) over its `HybridEngine`."""
 
     def __init__(self, *, spec, layout, hybrid, info, hf_dir: Path, ds_config: dict):
         from megatron.core import parallel_state
@@ -118,7 +121,7 @@ class TrainingRun:
         if len(self.model_chunks) > 1:  # megatron's interleaved schedule takes a multiple of pp micro-batches
             needed = -(-needed // self.layout.pp) * self.layout.pp
         rows += [hf_batches.padding_rows(self._rules) for _ in range(needed - len(rows))]
-        sums = self.hybrid.evaluate(rows)
+        sums = self.hybrid.eval_step(rows)
         return {"loss": sums.loss, "tokens": sums.units}
 
     def _take(self, micro_batches, *, count: int | None, what: str) -> tuple[list[dict], list[int]]:
@@ -133,10 +136,8 @@ class TrainingRun:
     def save_checkpoint(self, checkpoint_dir: str | Path) -> Path:
         """DeepSpeed's checkpoint of this step (model, optimizer, LR schedule, RNG) and its layout-free copy, as
         `dsmt train` writes them (toolkit/train/checkpoint/checkpoints.py); returns the tag's directory. Collective."""
-        checkpoint_dir = Path(checkpoint_dir)
-        checkpoints.save(engine=self.engine, checkpoint_dir=checkpoint_dir, step=self.step,
-                         keep_checkpoints=self.spec.training.keep_checkpoints, **self._checkpoint_settings())
-        return checkpoint_dir / checkpoints.tag_for(self.step)
+        return self.save(checkpoint_dir, step=self.step, keep_checkpoints=self.spec.training.keep_checkpoints,
+                         layout=self._checkpoint_layout())
 
     def load_checkpoint(self, checkpoint_dir: str | Path, *, fallback: bool = True) -> int:
         """Resume from the newest complete checkpoint under `checkpoint_dir` (written at this layout or any other,
@@ -144,21 +145,33 @@ class TrainingRun:
         with no complete checkpoint loads nothing and returns the run's own step (0 at the start). A checkpoint
         whose files do not match its manifest is named and the next older one taken (`fallback=False`: the
         named error instead). Collective."""
-        from toolkit.train.checkpoint.folders import on_rank0
+        from toolkit.launch.rank0 import on_rank0
+        from toolkit.train.checkpoint.folders import checkpoint_io_error
         from toolkit.train.job.loop import resume
 
-        newest = on_rank0(lambda: checkpoints.latest_complete(Path(checkpoint_dir)), what=f"reading {checkpoint_dir}")
+        newest = on_rank0(lambda: checkpoints.latest_complete(Path(checkpoint_dir)), what=f"reading {checkpoint_dir}",
+                          os_error=checkpoint_io_error)
         if newest is None:  # rank 0's answer for every rank (NFS directory caches may differ between nodes)
             return self.step
-        resumed = resume(engine=self.engine, checkpoint_dir=Path(checkpoint_dir), seed=self.spec.training.seed,
-                         saving=self._checkpoint_settings(), fallback=fallback)
-        self.step = resumed.step
+        resumed = resume(trainer=self, checkpoint_dir=Path(checkpoint_dir), seed=self.spec.training.seed,
+                         layout=self._checkpoint_layout(), fallback=fallback)
         return resumed.step
 
-    def _checkpoint_settings(self) -> dict:
-        from toolkit.train.job.loop import checkpoint_settings
+    # `Trainer.save` and `Trainer.load` (toolkit/train/engine/trainer.py): the engine's, this run's step following.
+    def save(self, checkpoint_dir: str | Path, *, step: int, keep_checkpoints: int | None = None,
+             layout: CheckpointLayout | None = None) -> Path:
+        return self.hybrid.save(Path(checkpoint_dir), step=step, keep_checkpoints=keep_checkpoints, layout=layout)
 
-        return checkpoint_settings(trainer=self.hybrid, spec=self.spec, layout=self.layout)
+    def load(self, checkpoint_dir: str | Path, *, layout: CheckpointLayout | None = None, fallback: bool = True,
+             owner: bool = False) -> checkpoints.Resumed:
+        resumed = self.hybrid.load(Path(checkpoint_dir), layout=layout, fallback=fallback, owner=owner)
+        self.step = resumed.step
+        return resumed
+
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        from toolkit.train.job.loop import checkpoint_layout
+
+        return checkpoint_layout(spec=self.spec, layout=self.layout)
 
     def export_hf(self, out_dir: str | Path, *, adapter_dir: str | Path | None = None,
                   overwrite: bool = False) -> Path:

@@ -24,7 +24,7 @@ ZeRO-3 partitions the adapters and the frozen base weights alike. DeepSpeed gath
 its pre-forward hook (and again before that module's backward) and releases them after: the base linear's forward
 reads only its weight, the adapter's forward only its A / B (direct parameters of `LoraAdapter`, not of a child
 module), so both are whole exactly while in use, with DeepSpeed's prefetch. The merge and the adapter export read
-them at export only, inside `params_on_cpu` (toolkit/train/engine/zero3.py); `export.require_whole` checks it.
+them at export only, inside `params_on_cpu` (toolkit/adapters/zero3.py); `export.require_whole` checks it.
 Applied to a rank's chunks by toolkit/train/lora/apply.py; export (toolkit/train/lora/export.py): merged weights for
 final-hf, PEFT's files for final-hf-adapter.
 """

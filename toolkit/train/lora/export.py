@@ -8,7 +8,7 @@
   adapter   `gather_peft_adapter` then `write_peft_adapter`: PEFT's files written by rank 0 from the layers of every
             PP stage (and VPP chunk), after the merged export (trained embeddings are read from it),
             keys as PEFT names them (base_model.model.<module>.lora_A.weight), config from peft's LoraConfig.
-At ZeRO-3 both read whole tensors only inside `params_on_cpu` (toolkit/train/engine/zero3.py: every parameter gathered into
+At ZeRO-3 both read whole tensors only inside `params_on_cpu` (toolkit/adapters/zero3.py: every parameter gathered into
 a CPU copy); outside it a partitioned base weight or adapter is an empty shard, and `require_whole` raises.
 """
 
@@ -91,7 +91,7 @@ def require_whole(module: torch.nn.Module, *, what: str) -> None:
     for name, param in module.named_parameters():
         if tuple(param.data.shape) != full_shape(param):
             raise LoraError(f"{what}: {name} holds {tuple(param.data.shape)} of its {full_shape(param)} (a ZeRO-3 "
-                            "partition); read it inside toolkit.train.engine.zero3.params_on_cpu (as run._export does)")
+                            "partition); read it inside toolkit.adapters.zero3.params_on_cpu (as run._export does)")
 
 
 @contextlib.contextmanager
@@ -219,7 +219,7 @@ def trained_embeddings(*, settings, hf_dir: Path) -> dict[str, torch.Tensor]:
 def init_adapter_problems(*, spec, settings) -> list:
     """For `dsmt train --dry-run`: training.lora.init_adapter read and compared with the run's targets and shapes,
     as every rank will at start-up (`dsmt check` only sees that the directory exists)."""
-    from toolkit.spec.report import Problem
+    from toolkit.errors import Problem
     from toolkit.train.lora.adapters import resolve_targets
 
     lora = spec.training.lora

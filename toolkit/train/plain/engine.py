@@ -19,7 +19,7 @@ The loss, by task (`toolkit.data.tasks.task_of`):
     scaling and DP averaging make it the mean over the global batch.
 The logged loss is that global value (the sum over micro-batches and ranks of each micro-batch's share).
 
-Validation (`PlainEngine.evaluate`, rows from toolkit/train/job/evaluate.py): forward only in eval mode (dropout off,
+Validation (`PlainEngine.eval_step`, rows from toolkit/train/job/evaluate.py): forward only in eval mode (dropout off,
 BatchNorm on its running statistics; train mode restored after), the task's loss SUMMED over every rank's rows and
 divided by its units over the whole validation set: per counted token (masked / causal LM, HF's shift for causal
 LM), per sample for classification (cross entropy) and regression (num_labels == 1: squared error). Padding rows
@@ -42,6 +42,7 @@ import torch
 from toolkit.data.tasks import task_of
 from toolkit.errors import DsmtError
 from toolkit.train.engine.hybrid import StepStats
+from toolkit.train.engine.trainer import EngineCheckpoints
 
 PLAIN_NOTICE = ("model_type {model_type} has no megatron-core adapter: training with DeepSpeed ZeRO-{stage} "
                 "data parallelism only (tp=1, pp=1)")
@@ -105,9 +106,10 @@ def load_plain_model(hf_dir: Path, *, dtype: torch.dtype):
             f"({err}); save the model with save_pretrained so architectures names its HF class") from err
 
 
-class PlainEngine:
+class PlainEngine(EngineCheckpoints):
     """A DeepSpeed engine around a plain HF module; the world is the data-parallel group. The loss by task: see
-    the module docstring."""
+    the module docstring. A `Trainer` (toolkit/train/engine/trainer.py) whose checkpoints resume only at the
+    layout that wrote them (no layout-free copy: no megatron-core sharding to resume from)."""
 
     def __init__(self, *, model, ds_config: dict, lr_schedule=None):
         import deepspeed
@@ -182,7 +184,7 @@ class PlainEngine:
         return total
 
 
-    def evaluate(self, micro_batches: list[dict]):
+    def eval_step(self, micro_batches: list[dict]):
         """(loss sum, units) of the validation rows of every rank (`EvalSums`); see the module docstring.
         Collective: every rank passes the same number of micro-batches."""
         import torch.distributed as dist
@@ -261,7 +263,7 @@ def export_plain(*, engine, out_dir: Path) -> None:
     import torch.distributed as dist
 
     from toolkit.convert.checkpoint import atomic_output_dir
-    from toolkit.train.engine.zero3 import zero3_gathered
+    from toolkit.adapters.zero3 import zero3_gathered
 
     with zero3_gathered(engine):
         if dist.get_rank() == 0:
