@@ -16,12 +16,10 @@ from toolkit.models.shapes import ModelShape, read_model_ref, shape_from_fields
 
 def shape_from_config(config: dict, *, name: str) -> ModelShape:
     """Shape from an HF config dict, Llama-like or GPT-2 shaped."""
-    from toolkit.adapters.family import supported_model_types  # torch: only when a config is read
-
     architecture = _family_architecture(config)
-    known = isinstance(config, dict) and config.get("model_type") in supported_model_types()
-    gated = architecture.gated_mlp if known else _named_gated(config)
-    return shape_from_fields(config, name=name, gated_mlp=gated,
+    if architecture is None:  # no adapter: read as Llama-like, a SwiGLU activation name meaning a gated MLP
+        return shape_from_fields(config, name=name, gated_mlp=_named_gated(config), kv_heads_replicable=True)
+    return shape_from_fields(config, name=name, gated_mlp=architecture.gated_mlp,
                              kv_heads_replicable=not architecture.qk_norm_spans_heads)
 
 
@@ -32,15 +30,15 @@ def load_model_shape(ref: str | Path) -> ModelShape:
 
 
 def _family_architecture(config):
-    """The layer deltas of the config's adapter family (Llama's defaults when dsmt has no adapter for it)."""
-    from toolkit.adapters.family import Architecture, get_family, supported_model_types
+    """The layer deltas of the config's adapter family; None when dsmt has no adapter for it. (torch is imported
+    only here, when a config is read: a built-in shape needs none.)"""
+    from toolkit.adapters.family import get_family, supported_model_types
 
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    return get_family(model_type).architecture if model_type in supported_model_types() else Architecture()
+    return get_family(model_type).architecture if model_type in supported_model_types() else None
 
 
 def _named_gated(config) -> bool:
-    """No adapter: a SwiGLU activation name says the MLP is gated."""
     return (config.get("hidden_act", "silu") if isinstance(config, dict) else "silu") in ("silu", "swiglu")
 
 

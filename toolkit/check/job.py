@@ -17,16 +17,15 @@ from toolkit.spec.schema import JobSpec
 
 
 def check_job(spec: JobSpec, *, source: str = "job spec", before_launch: bool = False, run_dir: Path | None = None,
-              deepspeed_config: Mapping[str, Any] | None = None, ignore_rules: frozenset[str] = frozenset(),
-              resume_fallback: bool = True, continue_with_changes: bool = False) -> CheckedJob:
+              ignore_rules: frozenset[str] = frozenset(), resume_fallback: bool = True,
+              continue_with_changes: bool = False) -> CheckedJob:
     """The checked job of a validated `spec`. `before_launch`: also the pre-launch pass of `dsmt train`
     (toolkit/check/dryrun.py: the model built on the meta device, DeepSpeed's parse, data and tokenizer, run
-    identity), with `run_dir`'s files compared with the spec there, whose ds_config.json the job then holds; else
-    `deepspeed_config` if given, or the generated one. `ignore_rules`: problems the
-    caller answers itself (`toolkit.api.initialize`: no data section, the script brings its batches)."""
+    identity), with `run_dir`'s files compared with the spec there, whose ds_config.json the job then holds (else
+    the generated config). `ignore_rules`: problems the caller answers itself (`toolkit.api.initialize`: no data section, the script brings its batches)."""
     from toolkit.check.checks import run_checks
 
-    report = run_checks(spec=spec, source=source)
+    report, deepspeed_config = run_checks(spec=spec, source=source), None
     if before_launch:
         from toolkit.check.dryrun import prelaunch_pass
 
@@ -62,7 +61,7 @@ def job_of(*, spec: JobSpec, report: Report, run_dir: Path | None = None,
     if deepspeed_config is None:
         deepspeed_config = build_deepspeed_config(spec=spec, layout=layout)
     return CheckedJob(spec=spec, layout=layout, model=model, deepspeed_config=deepspeed_config, report=report,
-                      run_dir=Path(run_dir).expanduser().absolute() if run_dir is not None else None, **options)
+                      run_dir=run_dir, **options)
 
 
 def rank_job(*, config: str | None, overrides: list[str] | tuple[str, ...], run_dir: Path | None,
@@ -86,4 +85,4 @@ def rank_job(*, config: str | None, overrides: list[str] | tuple[str, ...], run_
     run_files = compare_run_files(run_dir=run_dir, spec=job.spec).require_agreement(spec_ref=str(config))
     if os.environ.get("RANK", "0") == "0":  # the launcher's rank; one copy of the report
         print("\n".join(run_files.start_lines()), flush=True)
-    return dataclasses.replace(job, deepspeed_config=run_files.ds_config, run_dir=Path(run_dir).expanduser().absolute())
+    return dataclasses.replace(job, deepspeed_config=run_files.ds_config, run_dir=run_dir)

@@ -34,6 +34,8 @@ class CheckedJob:
         if not self.report.ok:
             raise ValueError("a CheckedJob holds a report without errors (toolkit/check/job.py raises SpecError first)")
         object.__setattr__(self, "deepspeed_config", _frozen(self.deepspeed_config))
+        if self.run_dir is not None:  # the ranks are handed it: absolute, whatever directory they start in
+            object.__setattr__(self, "run_dir", Path(self.run_dir).expanduser().absolute())
 
     def ds_config(self) -> dict:
         """A fresh, editable copy of the DeepSpeed config, for a library that edits what it is given

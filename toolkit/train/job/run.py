@@ -70,7 +70,7 @@ def train(*, job) -> list[dict]:
     from toolkit.train.plain import engine as plain
 
     spec = job.spec
-    layout = start_process_groups(spec=spec)
+    layout = start_process_groups(job=job)
     _node_joined(layout=layout)
     output_dir = Path(spec.training.output_dir)
     hf_dir = model_checkpoint(spec=spec, output_dir=output_dir)
@@ -82,15 +82,15 @@ def train(*, job) -> list[dict]:
     return run_to_end(parts=parts, job=job, layout=layout, hf_dir=hf_dir)
 
 
-def start_process_groups(*, spec):
+def start_process_groups(*, job):
     """This rank's start, as `dsmt train` and `toolkit.api.initialize` make it: the spec's backend (its device or an
-    error, never a silent CPU run), the layout's process groups, the seeded RNGs; returns the layout. Collective."""
+    error, never a silent CPU run), the checked layout's process groups, the seeded RNGs; returns the layout.
+    Collective."""
     from toolkit import backend as backends
     from toolkit.parallel.groups import init_process_groups
-    from toolkit.spec.layout import derive_layout
 
+    spec, layout = job.spec, job.layout
     backend = backends.select(device=spec.cluster.device)
-    layout = derive_layout(spec)
     init_process_groups(layout=layout, dist_backend=backend.dist_backend,
                         timeout_s=collective_timeout_s(spec=spec, dist_backend=backend.dist_backend))
     backend.seed(spec.training.seed)

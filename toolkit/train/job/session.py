@@ -31,7 +31,7 @@ def start_run(*, job) -> TrainingRun:
         raise DsmtError("initialize: this process already holds a run's process groups (megatron's model-parallel "
                         "state); one run per process at a time: call run.close() before initializing another")
     spec = job.spec
-    layout = start_process_groups(spec=spec)
+    layout = start_process_groups(job=job)
     hf_dir = model_checkpoint(spec=spec, output_dir=Path(spec.training.output_dir))
     _require_causal_lm(hf_dir, builtin=spec.model.builtin is not None)
     ds_config = job.ds_config()
