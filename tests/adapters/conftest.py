@@ -12,6 +12,19 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=16, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.7, 3.1, 6.4],
     "long_factor": [2.3, 4.1, 9.7, 17.5]})
 
+# Phi-4-mini's shape on the tiny model: 6 of head_dim 8 dims rotate (factor 0.75, 3 long-RoPE factors each), tied
+# embeddings, original length 16 so verify's 32 positions take the long factors.
+PHI4_MINI_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.7, 3.1],
+                  "long_factor": [2.3, 4.1, 9.7], "partial_rotary_factor": 0.75}
+PHI4_MINI = dict(partial_rotary_factor=0.75, original_max_position_embeddings=16, rope_parameters=PHI4_MINI_ROPE,
+                 tie_word_embeddings=True)
+
+# Moonlight-16B-A3B's shape on the tiny DeepSeek-V3: a plain q projection (q_lora_rank null), rms_norm_eps 1e-5 (HF's
+# latent norms keep 1e-6), one expert group, 2 shared experts, its routed scaling, plain RoPE, no MTP layer.
+MOONLIGHT = dict(q_lora_rank=None, rms_norm_eps=1e-5, n_group=1, topk_group=1, n_shared_experts=2,
+                 routed_scaling_factor=2.446, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+                 num_nextn_predict_layers=0)
+
 VARIANTS = {
     "llama": dict(model_type="llama"),
     "llama_tied": dict(model_type="llama", tie_word_embeddings=True),
@@ -38,6 +51,16 @@ VARIANTS = {
     "gemma2": dict(model_type="gemma2", seed=15),
     # Gemma 2's layer plus q / k head norms, local layers with their own RoPE base, linear scaling on global ones
     "gemma3": dict(model_type="gemma3_text", seed=16),
+    # The checkpoints of 2026 (toolkit/models/tiny.py says what each tiny model exercises): q / k / v biases without
+    # an output bias (Seed-OSS); NoPE layers, one per PP2 stage (SmolLM3); interleaved-pair RoPE in fp32 (ERNIE 4.5);
+    # OLMo-2's norms with windows and a RoPE per layer type, YaRN with an attention factor on the full layers
+    # (OLMo-3); post-norms, per-head q / k norms, windowed RoPE layers and NoPE full layers (EXAONE 4)
+    "seed_oss": dict(model_type="seed_oss", seed=17),
+    "smollm3": dict(model_type="smollm3", seed=18),
+    "ernie4_5": dict(model_type="ernie4_5", seed=19),
+    "olmo3": dict(model_type="olmo3", seed=20),
+    "exaone4": dict(model_type="exaone4", seed=21),
+    "phi4_mini": dict(model_type="phi3", seed=22, **PHI4_MINI),  # partial rotary (0.75) with long-RoPE, tied
 }
 
 

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from toolkit.cli import main as dsmt
 from tests.adapters.conftest import VARIANTS
 from toolkit.models.tiny import make_tiny_checkpoint
+from toolkit.adapters.family import supported_model_types
 
 
 def hf_state(directory):
@@ -26,7 +27,8 @@ def round_trip(source, tmp_path, *extra):
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama_tied", "qwen2", "qwen2_tied", "mistral", "qwen3", "gemma", "phi3",
-                                     "gpt2", "phi3_longrope", "granite", "starcoder2", "olmo2", "gemma2", "gemma3"])
+                                     "gpt2", "phi3_longrope", "granite", "starcoder2", "olmo2", "gemma2", "gemma3",
+                                     "seed_oss", "smollm3", "ernie4_5", "olmo3", "exaone4", "phi4_mini"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(variant, tiny_checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -54,7 +56,8 @@ def test_bf16_sharded_checkpoint_round_trips_in_bf16_and_reshards(tmp_path):
     assert all(torch.equal(original[k], exported[k]) for k in original)
 
 
-@pytest.mark.parametrize("model_type", ["granite", "starcoder2", "olmo2", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["granite", "starcoder2", "olmo2", "gemma2", "gemma3_text", "seed_oss", "smollm3",
+                                        "ernie4_5", "olmo3", "exaone4", "gpt_oss"])
 def test_bf16_round_trip_of_the_newer_families_is_bit_exact(model_type, tmp_path):
     source = make_tiny_checkpoint(tmp_path / "hf", model_type=model_type, dtype=torch.bfloat16)
     mcore, back = round_trip(source, tmp_path)
@@ -85,7 +88,7 @@ def test_missing_and_unreadable_config(tmp_path, capsys):
     assert_fails(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "out")], capsys, "not readable JSON")
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "t5"}))
     assert_fails(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "out")], capsys,
-                 "'t5' has no megatron-core adapter", "supported: bert, deepseek_v2, deepseek_v3, gemma, gemma2, gemma3_text, gpt2, granite, llama, mistral")
+                 "'t5' has no megatron-core adapter", "supported: " + ", ".join(supported_model_types()))
     assert no_partial_output(tmp_path)
 
 

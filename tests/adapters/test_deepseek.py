@@ -5,6 +5,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.adapters.conftest import MOONLIGHT
+from tests.adapters.one_process import max_logit_gap, megatron_logits, rows
 from toolkit.adapters.family import AdapterError
 from toolkit.adapters.hf_config import model_settings
 from toolkit.adapters.load import check_hf_coverage
@@ -13,6 +15,9 @@ from toolkit.adapters.transforms import Kind
 from toolkit.models.tiny import make_tiny_checkpoint, tiny_config
 
 NEW_FAMILIES = ["deepseek_v2", "deepseek_v3", "qwen2_moe"]
+# Moonlight-16B-A3B's shape on the tiny DeepSeek-V3 (Kimi-VL's text model too): a plain q projection (q_lora_rank
+# null), rms_norm_eps 1e-5 (HF's latent norms keep 1e-6), one expert group, 2 shared experts, factor 2.446, rope_theta
+# 50000 without scaling, no MTP layer.
 
 
 @pytest.mark.parametrize("model_type,overrides", [
@@ -93,7 +98,6 @@ def test_group_choice_is_set_only_where_megatrons_rule_differs():
 @pytest.mark.parametrize("model_type,overrides,message", [
     ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=true: transformers' DeepseekV2 ignores it"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
-    ("deepseek_v2", dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05: HF's q / kv latent norms always use 1e-06"),
     ("deepseek_v2", dict(attention_bias=True), "attention_bias=true"),
     ("deepseek_v2", dict(mlp_bias=True), "mlp_bias=true"),
     ("deepseek_v2", dict(moe_layer_freq=2), "moe_layer_freq=2"),
@@ -139,6 +143,71 @@ def test_local_mla_layer_keys_its_norms_as_transformer_engine_does(monkeypatch):
     assert asked == [dict(qk_layernorm=True, num_experts=4, moe_grouped_gemm=False, multi_latent_attention=True)]
 
 
+def test_moonlight_latent_norms_keep_hfs_eps_on_local_and_transformer_engine_layers():
+    """megatron's MLA builds both latent norms with layernorm_epsilon (= rms_norm_eps, 1e-5 in Moonlight); HF's are
+    1e-6. The DeepSeek families' spec edit gives them HF's eps (TE: unfused, the norm apart from the up projection,
+    keyed under the fused names), and leaves a model whose eps is HF's alone."""
+    import dataclasses
+
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TELayerNormColumnParallelLinear
+
+    from toolkit.adapters.layer_specs import layer_spec
+    from toolkit.adapters.mla import HFLatentNorm, edit_mla_layer_spec
+    from toolkit.adapters.norms import TorchNorm
+
+    settings = model_settings(tiny_config("deepseek_v3", **MOONLIGHT))
+    assert settings.transformer_fields["q_lora_rank"] is None and settings.transformer_fields["layernorm_epsilon"] == 1e-5
+    config = type("Config", (), {"layernorm_epsilon": 1e-5, "normalization": "RMSNorm", "sequence_parallel": False,
+                                 "layernorm_zero_centered_gamma": False})()
+    local = settings.family.edit_layer_spec(layer_spec(attention="local", num_experts=4, mla=True), config=config,
+                                            settings=settings, transformer_engine=False)
+    attention = local.submodules.self_attention.submodules
+    assert attention.q_layernorm is HFLatentNorm and attention.kv_layernorm is HFLatentNorm
+    norm = attention.kv_layernorm(config, 32, eps=1e-5)  # what megatron's MLA passes
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6
+    assert local.submodules.input_layernorm is TorchNorm  # the layer norms keep rms_norm_eps
+    local = layer_spec(attention="local", num_experts=4, mla=True)  # stands in for TE's layer: only names count
+    fused = dataclasses.replace(local.submodules.self_attention, submodules=dataclasses.replace(
+        local.submodules.self_attention.submodules, linear_kv_up_proj=TELayerNormColumnParallelLinear))
+    te_spec = dataclasses.replace(local, submodules=dataclasses.replace(local.submodules, self_attention=fused))
+    te = edit_mla_layer_spec(te_spec, config=config, settings=settings, transformer_engine=True)
+    te_attention = te.submodules.self_attention.submodules
+    assert te_attention.linear_kv_up_proj is TEColumnParallelLinear and te_attention.kv_layernorm is HFLatentNorm
+    assert te.submodules.sharded_state_dict_keys_map["self_attention.kv_layernorm."] == \
+        "self_attention.linear_kv_up_proj.layer_norm_"
+    config.layernorm_epsilon = 1e-6  # every DeepSeek release: megatron's own layer
+    assert edit_mla_layer_spec(te_spec, config=config, settings=settings, transformer_engine=True) is te_spec
+
+
+def test_moonlight_logits_equal_transformers_only_with_hfs_latent_eps(tmp_path, monkeypatch):
+    """One process, fp32: a Moonlight-shaped model whose kv latent is small (kv_a_proj_with_mqa x 0.01), so the
+    latent norm's eps moves the logits, matches HF; with megatron's latent eps (rms_norm_eps) it does not."""
+    import dataclasses
+
+    from safetensors.torch import load_file, save_file
+
+    from toolkit.adapters import family as family_module
+    from toolkit.adapters.families import deepseek_v3
+
+    path = make_tiny_checkpoint(tmp_path / "moonlight", model_type="deepseek_v3", seed=21, num_hidden_layers=2,
+                                **MOONLIGHT)
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("kv_a_proj_with_mqa.weight")]:
+        tensors[name] = tensors[name] * 0.01
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    exact = _megatron_vs_hf_max_diff(path)
+    assert exact < 1e-5, exact
+    without_edit = dataclasses.replace(deepseek_v3.DEEPSEEK_V3, edit_layer_spec=None)  # megatron's latent eps
+    monkeypatch.setitem(family_module._REGISTRY, "deepseek_v3", without_edit)
+    wrong = _megatron_vs_hf_max_diff(path)
+    assert wrong > 1e-3, wrong
+
+
+def _megatron_vs_hf_max_diff(path) -> float:
+    """max |megatron - HF| logits of the checkpoint at `path`, one process, fp32, 2 rows of 24 tokens."""
+    return max_logit_gap(path, tokens=torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(0)))
+
+
 def test_lora_is_refused_by_name_before_any_rank_starts():
     from toolkit.adapters.family import get_family
     from toolkit.train.lora.adapters import LoraFamilyError, resolve_targets
@@ -160,8 +229,9 @@ def _mtp_tensors(hidden: int, vocab: int, *, layer: int) -> dict:
             f"{prefix}.mlp.gate.e_score_correction_bias": torch.randn(4, dtype=torch.float32)}
 
 
-@pytest.mark.parametrize("model_type", NEW_FAMILIES)
-def test_bf16_round_trip_is_bit_exact_mtp_layers_included(model_type, tmp_path, capsys):
+@pytest.mark.parametrize("model_type,overrides", [(name, {}) for name in NEW_FAMILIES] + [
+    ("deepseek_v3", MOONLIGHT), ("glm4_moe", {})])
+def test_bf16_round_trip_is_bit_exact_mtp_layers_included(model_type, overrides, tmp_path, capsys):
     """HF -> dsmt megatron -> HF: every tensor back bit for bit in its own dtype (DeepSeek-V3's multi-token-prediction
     layer too), except the router weights transformers keeps in float32 inside a bf16 model
     (`_keep_in_fp32_modules_strict`): megatron's parameters share one dtype, so they come back as their bf16
@@ -170,9 +240,10 @@ def test_bf16_round_trip_is_bit_exact_mtp_layers_included(model_type, tmp_path, 
 
     from toolkit.cli import main as dsmt
 
-    src = make_tiny_checkpoint(tmp_path / "hf", model_type=model_type, dtype=torch.bfloat16)
+    src = make_tiny_checkpoint(tmp_path / "hf", model_type=model_type, dtype=torch.bfloat16,
+                               **{**overrides, "num_nextn_predict_layers": 1} if overrides else {})
     original = load_file(src / "model.safetensors")
-    if model_type == "deepseek_v3":  # one MTP layer after the 4 decoder layers, as published
+    if model_type in ("deepseek_v3", "glm4_moe"):  # one MTP layer after the 4 decoder layers, as published
         original |= _mtp_tensors(64, 250, layer=4)
         save_file(original, src / "model.safetensors", metadata={"format": "pt"})
     assert dsmt(["convert", "hf-to-mcore", str(src), str(tmp_path / "mcore"), "--quiet"]) == 0
@@ -184,7 +255,7 @@ def test_bf16_round_trip_is_bit_exact_mtp_layers_included(model_type, tmp_path, 
         expected = tensor.to(torch.bfloat16).to(tensor.dtype) if name in rounded else tensor
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], expected), name
     note = capsys.readouterr().out
-    if model_type.startswith("deepseek"):
+    if model_type.startswith("deepseek") or model_type == "glm4_moe":
         assert rounded and "model.layers.*.mlp.gate.weight stored in a wider dtype than bfloat16" in note
     else:
         assert not rounded and "wider dtype" not in note
@@ -195,27 +266,15 @@ def test_packed_records_attend_as_alone_with_mla(model_type, tmp_path):
     """MLA rotates q / k inside its attention at positions 0 .. s-1 of the row (GPTModel's position-ids RoPE does
     not reach it); RoPE scores depend on relative positions only, so with the packed block-diagonal mask a record
     later in the row (YaRN too) gives its logits as alone, within rounding."""
-    from megatron.core import parallel_state
-
-    from toolkit import backend as backends
     from toolkit.adapters.packed import packed_attention_mask
-    from toolkit.launch.local import single_process_group
-    from toolkit.convert.chunks import load_model_chunks
-    from toolkit.parallel.groups import Layout
 
     path = make_tiny_checkpoint(tmp_path / model_type, model_type=model_type, num_hidden_layers=2)
     generator = torch.Generator().manual_seed(0)
     first, second = torch.randint(3, 250, (1, 20), generator=generator), torch.randint(3, 250, (1, 44), generator=generator)
     positions = torch.cat([torch.arange(20), torch.arange(44)])[None]
-    with single_process_group(dist_backend="gloo"):
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-        backends.current().seed(0)
-        (model,), _ = load_model_chunks(checkpoint=path, layout=Layout(), params_dtype=torch.float32,
-                                        parallel_output=False)
-        model.eval()
-        with torch.no_grad():
-            packed = model(torch.cat([first, second], dim=1), positions, packed_attention_mask(positions))
-            alone = [model(ids, torch.arange(ids.shape[1])[None], None) for ids in (first, second)]
+    packed, *alone = megatron_logits(path, batches=[(torch.cat([first, second], dim=1), positions,
+                                                     packed_attention_mask(positions))]
+                                     + [(ids, rows(ids), None) for ids in (first, second)])
     assert (packed[:, :20] - alone[0]).abs().max() < 1e-5
     assert (packed[:, 20:] - alone[1]).abs().max() < 1e-5
     assert packed[:, 20:].abs().max() > 0.1  # real logits

@@ -114,3 +114,17 @@ def test_conv1d_storage_is_transposed_both_ways_bit_exactly():
     assert torch.equal(transforms.to_hf_storage(linear, transposed=True), stored)
     assert transforms.hf_storage_shape((3, 8), transposed=True) == (8, 3)
     assert transforms.from_hf_storage(stored, transposed=False) is stored
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_interleaved_gate_up_takes_even_rows_as_gate_and_shards_as_gate_up(tp_size):
+    gate, up = rows(0, 1, 2, 3), rows(10, 11, 12, 13)
+    interleaved = torch.stack([gate, up], dim=1).reshape(8, 3)  # GPT-OSS's gate_up_proj rows: gate, up, gate, up...
+    assert interleaved[:, 0].tolist() == [0, 10, 1, 11, 2, 12, 3, 13]
+    full = transforms.to_megatron(Kind.GATE_UP_INTERLEAVED, [interleaved], ctx=CTX)
+    assert torch.equal(full, transforms.merge_gate_up(gate, up))
+    for rank in range(tp_size):
+        expected = transforms.merge_gate_up(gate, up, tp_rank=rank, tp_size=tp_size)
+        assert torch.equal(transforms.shard(Kind.GATE_UP_INTERLEAVED, full, tp_rank=rank, tp_size=tp_size), expected)
+    assert torch.equal(transforms.to_hf(Kind.GATE_UP_INTERLEAVED, full, ctx=CTX)[0], interleaved)
+    assert transforms.expected_hf_shapes(Kind.GATE_UP_INTERLEAVED, (8, 3), ctx=CTX) == [(8, 3)]

@@ -21,6 +21,8 @@ CASES = {
     "qkv_packed": (Kind.QKV_PACKED, [rand(48, 3)]),
     "gate_up": (Kind.GATE_UP, [rand(6, 3), rand(6, 3)]),
     "gate_up_packed": (Kind.GATE_UP_PACKED, [rand(12, 3)]),
+    "gate_up_interleaved": (Kind.GATE_UP_INTERLEAVED, [rand(12, 3)]),
+    "gate_up_interleaved_bias": (Kind.GATE_UP_INTERLEAVED, [rand(12)]),
     "vocab": (Kind.VOCAB, [rand(10, 3)]),
     "column": (Kind.COLUMN, [rand(5, 3)]),
     "row": (Kind.ROW, [rand(3, 5)]),

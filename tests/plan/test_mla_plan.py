@@ -81,7 +81,7 @@ def test_config_defaults_are_transformers_defaults():
     import transformers
 
     classes = {"deepseek_v2": transformers.DeepseekV2Config, "deepseek_v3": transformers.DeepseekV3Config,
-               "qwen2_moe": transformers.Qwen2MoeConfig}
+               "glm4_moe": transformers.Glm4MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig}
     for model_type, defaults in CONFIG_DEFAULTS.items():
         config = classes[model_type]()
         assert {k: getattr(config, k) or None for k in defaults} == {k: v or None for k, v in defaults.items()}

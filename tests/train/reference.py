@@ -204,8 +204,10 @@ def hf_schedule_lr(*, step: int, settings: RunSettings) -> float:
 # --- training ---------------------------------------------------------------------------------------------------
 
 def adamw(model: torch.nn.Module, settings: RunSettings) -> torch.optim.AdamW:
-    decayed = [p for p in model.parameters() if p.ndim >= 2]
-    plain = [p for p in model.parameters() if p.ndim < 2]
+    """Weight decay on matrices only, as HF's Trainer: not on norms and biases, also where a bias is stored 2-D
+    (GPT-OSS's experts' biases stacked [E, width])."""
+    decayed = [p for name, p in model.named_parameters() if p.ndim >= 2 and not name.endswith("bias")]
+    plain = [p for name, p in model.named_parameters() if p.ndim < 2 or name.endswith("bias")]
     return torch.optim.AdamW([{"params": decayed, "weight_decay": settings.weight_decay},
                               {"params": plain, "weight_decay": 0.0}],
                              lr=settings.lr, betas=settings.betas, eps=settings.eps)
@@ -241,22 +243,46 @@ def train_reference(spec_path: Path, *, chunk_rows: int | None = None,
     """Train the spec's model for its train_steps in this process; `chunk_rows` (default: the micro-batch size)
     only changes how the global batch is split into forwards, not the result. `start_rounded_to=torch.bfloat16`
     starts from the checkpoint rounded to bf16, as a bf16 run's fp32 master weights do (training stays fp32)."""
-    from transformers import AutoModelForCausalLM
-
     settings = RunSettings.from_yaml(spec_path)
     rows = load_examples(settings)
-    model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
-    largest = max(max(ids) for row in rows for ids, _ in row)
-    if largest >= model.config.vocab_size:
-        raise ValueError(f"token id {largest} >= vocab_size {model.config.vocab_size}")
+    model = load_hf_model(settings.model_dir)
+    largest, vocab_size = max(max(ids) for row in rows for ids, _ in row), model.get_input_embeddings().num_embeddings
+    if largest >= vocab_size:
+        raise ValueError(f"token id {largest} >= vocab_size {vocab_size}")
     if start_rounded_to is not None:
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(param.to(start_rounded_to).float())
     losses, norms, lrs = run_steps(model, optimizer=adamw(model, settings), params=list(model.parameters()),
                                      rows=rows, settings=settings, chunk_rows=chunk_rows or settings.micro_batch_size)
-    return ReferenceRun(losses=losses, grad_norms=norms, lrs=lrs,
-                        state_dict={k: v.detach().clone() for k, v in model.state_dict().items()})
+    return ReferenceRun(losses=losses, grad_norms=norms, lrs=lrs, state_dict=saved_state(model))
+
+
+# Multimodal checkpoints a user fine-tunes on text: transformers' image-text class, fed input_ids only (its vision
+# tower gets no gradient, so AdamW leaves it as it is).
+MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3", "qwen2_5_vl")
+
+
+def load_hf_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    multimodal = AutoConfig.from_pretrained(model_dir).model_type in MULTIMODAL_MODEL_TYPES
+    model_class = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    return model_class.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def saved_state(model) -> dict[str, torch.Tensor]:
+    """The trained tensors under the names a checkpoint stores them by: save_pretrained's (a multimodal class saves
+    `language_model.model.*`, not its modules' `model.language_model.*`), else the modules' own."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    if model.config.model_type not in MULTIMODAL_MODEL_TYPES:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with tempfile.TemporaryDirectory() as saved:
+        model.save_pretrained(saved)
+        return {k: v for path in sorted(Path(saved).glob("*.safetensors")) for k, v in load_file(path).items()}
 
 
 def run_steps(model, *, optimizer, params: list, rows: list[list[Record]], settings: RunSettings,

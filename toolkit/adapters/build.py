@@ -27,12 +27,13 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     from toolkit.adapters.fusions import fusion_fields
+    from toolkit.adapters.longrope import scale_rotation
 
     backend = backends.current()
     fusions = fusion_fields(settings=settings, device=backend.name, te_layers=uses_te_layers(attention))
     # Multi-latent attention (DeepSeek) reads its shapes and its own RoPE from megatron's MLA config class.
     config_class = MLATransformerConfig if settings.transformer_fields.get("multi_latent_attention") else TransformerConfig
-    return config_class(
+    config = config_class(
         # shapes, and the family's deltas (activation, norm, biases, qk-norm); the fused kernels this machine has
         **{**settings.transformer_fields, **fusions},
         tensor_model_parallel_size=layout.tp,
@@ -57,6 +58,8 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
         batch_p2p_comm=backend.batch_p2p_comm,
         **RECOMPUTE[recompute],
     )
+    scale_rotation(config, rope_scaling=settings.rope_scaling)  # long-RoPE's factor on cos / sin (partial rotary)
+    return config
 
 
 def attention_for(*, settings: ModelSettings, attention: str | None) -> str | None:

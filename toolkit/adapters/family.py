@@ -33,6 +33,9 @@ class WeightMapping:
     # Which layers have the row, in a model that mixes dense and MoE layers (DeepSeek's dense first layers,
     # Qwen2-MoE's mlp_only_layers): one of LAYER_KINDS.
     layers: str = "all"
+    # An expert's row whose HF tensors hold every expert of the layer stacked on dim 0 (GPT-OSS's
+    # `mlp.experts.gate_up_proj` [E, ...]): the HF names carry the layer `*` only, and expert e is slice e.
+    stacked_experts: bool = False
 
     def __post_init__(self):
         if self.layers not in LAYER_KINDS:
@@ -40,9 +43,12 @@ class WeightMapping:
         if len(self.hf) != HF_ARITY[self.kind]:
             raise ValueError(f"{self.megatron}: kind {self.kind.value} takes {HF_ARITY[self.kind]} HF names, got {self.hf}")
         wildcards = self.megatron.count("*")
-        if wildcards > 2 or any(name.count("*") != wildcards for name in self.hf):
-            raise ValueError(f"{self.megatron}: every name of a row has the same `*`s (layer, then expert); "
-                             f"got {self.hf}")
+        if self.stacked_experts and wildcards != 2:
+            raise ValueError(f"{self.megatron}: stacked_experts is for an expert's row (layer and expert `*`)")
+        hf_wildcards = wildcards - 1 if self.stacked_experts else wildcards
+        if wildcards > 2 or any(name.count("*") != hf_wildcards for name in self.hf):
+            raise ValueError(f"{self.megatron}: every name of a row has the same `*`s (layer, then expert; HF names "
+                             f"of stacked experts the layer's only); got {self.hf}")
 
     @property
     def per_layer(self) -> bool:
@@ -71,6 +77,7 @@ class LoadItem:
     kind: Kind
     hf: tuple[str, ...]
     transposed: bool = False  # HF stores the tensors [in, out] (Conv1D)
+    expert_slice: int | None = None  # the HF tensors stack the experts on dim 0: this row is slice `expert_slice`
 
 
 def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int, num_experts: int = 0,
@@ -87,7 +94,8 @@ def expand_table(table: tuple[WeightMapping, ...], *, num_layers: int, num_exper
         for layer in (chosen[row.layers] if row.per_layer else [None]):
             for expert in (range(num_experts) if row.per_expert else [None]):
                 megatron, hf = row.for_layer(layer, expert)
-                items[megatron] = LoadItem(megatron, row.kind, hf, row.transposed)
+                items[megatron] = LoadItem(megatron, row.kind, hf, row.transposed,
+                                           expert if row.stacked_experts else None)
     return items
 
 
@@ -214,6 +222,10 @@ class ModelFamily:
     # Encoder families only (BERT): the model is toolkit/adapters/encoder.py's post-LN encoder, not GPTModel, and its
     # head is the one named by config.architectures[0]. Empty for decoder families.
     heads: tuple[HeadTable, ...] = ()
+    # A multimodal checkpoint's family (toolkit/adapters/multimodal.py): `multimodal_settings(hf_config,
+    # vocab_pad_multiple=, tensor_names=)` -> the settings of its language model in the checkpoint's tensor names
+    # (`hf_config.model_settings` hands over to it). None for a text model.
+    multimodal_settings: Callable | None = None
 
     @property
     def is_encoder(self) -> bool:
@@ -248,15 +260,19 @@ def register(family: ModelFamily) -> ModelFamily:
 
 
 def _load_families() -> None:
+    """Import every family file once. Not keyed on an empty registry: a family module imported first on its own
+    (a test, a user's script) registers itself, and the others must still load."""
     from toolkit.adapters import families
 
+    if getattr(_load_families, "done", False):
+        return
     for module in pkgutil.iter_modules(families.__path__):
         importlib.import_module(f"{families.__name__}.{module.name}")
+    _load_families.done = True
 
 
 def supported_model_types() -> list[str]:
-    if not _REGISTRY:
-        _load_families()
+    _load_families()
     return sorted(_REGISTRY)
 
 

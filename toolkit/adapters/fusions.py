@@ -21,6 +21,8 @@ persist_layer_norm (apex's persistent LayerNorm; TE's layers have their own)."""
 
 from __future__ import annotations
 
+from toolkit.adapters.longrope import unfused_rope_fields
+
 FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")
 NEVER = ("masked_softmax_fusion", "gradient_accumulation_fusion", "persist_layer_norm")  # see the docstring
 
@@ -40,16 +42,23 @@ def fusion_fields(*, settings, device: str, te_layers: bool, fused_rope: bool | 
     if device != "cuda" or settings.encoder is not None:
         return fields
     architecture = settings.family.architecture
-    fields["bias_activation_fusion"] = (
+    # A clamped GLU (GPT-OSS) stays unfused: megatron-core 0.16's fused quick-GEGLU clamps fc1's output before it adds
+    # the bias (fused_bias_geglu.weighted_bias_quick_geglu_impl); the unfused MLP clamps the biased value, as HF.
+    clamped = settings.transformer_fields.get("activation_func_clamp_value") is not None
+    fields["bias_activation_fusion"] = not clamped and (
         (architecture.activation == "silu" and architecture.gated_mlp)
         or (architecture.activation == "gelu" and (architecture.gated_mlp or architecture.linear_bias)))
     fields["bias_dropout_fusion"] = True
     # Multi-latent attention (DeepSeek) rotates inside its own module: megatron refuses the fused RoPE there without
     # YaRN and with it switches to its triton MLA kernels, never run here; MLA keeps the unfused RoPE.
     mla = bool(settings.transformer_fields.get("multi_latent_attention"))
-    fields["apply_rope_fusion"] = (te_layers and architecture.position_embedding == "rope" and not mla
+    # Interleaved RoPE (ERNIE 4.5): megatron-core 0.16 drops `rotary_interleaved` on the fused packed (THD) path
+    # (rope_utils.apply_rotary_pos_emb), and the fused unpacked one needs TE >= 2.3; the unfused RoPE takes it.
+    interleaved = bool(settings.transformer_fields.get("rotary_interleaved"))
+    fields["apply_rope_fusion"] = (te_layers and architecture.position_embedding == "rope" and not mla and not interleaved
                                    and (fused_rope_available() if fused_rope is None else fused_rope))
-    return fields
+    # Phi-4-mini's long-RoPE factor on cos / sin: TE's fused RoPE takes no mscale (toolkit/adapters/longrope.py)
+    return fields | unfused_rope_fields(settings.rope_scaling)
 
 
 def describe(fields: dict[str, bool]) -> str:

@@ -83,9 +83,44 @@ def rope_parameters(hf_config) -> dict:
     return merged
 
 
+# Model types whose transformers attention rotates only the first int(head_dim * partial_rotary_factor) dims of each
+# head (phi3's `apply_rotary_pos_emb` splits q / k into rotated and passed parts): megatron's `rotary_percent`, the
+# same split. Other families' HF models ignore the field (Llama) or read it themselves (glm4_moe's quirks).
+PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
+
+
+def head_dim_of(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def partial_rotary(hf_config, *, params: dict) -> tuple[float, int, str | None]:
+    """(partial_rotary_factor, the rotated width of each head, problem or None). The width is HF's
+    int(head_dim * factor), which is megatron's int(kv_channels * rotary_percent) for rotary_percent = the factor."""
+    head_dim = head_dim_of(hf_config)
+    if hf_config.model_type not in PARTIAL_ROTARY_MODEL_TYPES:
+        return 1.0, head_dim, None
+    factor = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
+    width = int(head_dim * factor)
+    if not 0 < width <= head_dim or width % 2:
+        return factor, head_dim, (f"partial_rotary_factor={factor}: rotates {width} of head_dim {head_dim} dims; "
+                                  f"RoPE needs an even width in (0, {head_dim}]. Fix: correct config.json")
+    return factor, width, None
+
+
 def rope_settings(hf_config) -> tuple[float, dict | None, str | None]:
-    """(rope_theta, megatron rope-scaling kwargs or None, problem or None), for transformers 4 and 5 configs."""
+    """(rope_theta, megatron rope-scaling kwargs or None, problem or None), for transformers 4 and 5 configs. The
+    kwargs go to GPTModel (`rotary_percent`: partial rotary) except build.py's own `longrope` and `linear_factor`."""
     merged = rope_parameters(hf_config)
+    factor, width, problem = partial_rotary(hf_config, params=merged)
+    if problem:
+        return merged["rope_theta"], None, problem
+    theta, scaling, problem = _rope_scaling(hf_config, merged=merged, rotary_dim=width)
+    if problem is None and width != head_dim_of(hf_config):
+        scaling = {**(scaling or {}), "rotary_percent": factor}
+    return theta, scaling, problem
+
+
+def _rope_scaling(hf_config, *, merged: dict, rotary_dim: int) -> tuple[float, dict | None, str | None]:
     theta, rope_type = merged["rope_theta"], merged["rope_type"]
     if rope_type == "default":
         return theta, None, None
@@ -102,7 +137,7 @@ def rope_settings(hf_config) -> tuple[float, dict | None, str | None]:
     if rope_type == "longrope":  # Phi-3 long context: a rotary module of its own (toolkit/adapters/longrope.py)
         if hf_config.model_type != "phi3":
             return theta, None, f"rope_type 'longrope' is supported for phi3 only (this is {hf_config.model_type})"
-        longrope, problem = longrope_from_hf(hf_config, params=merged, theta=theta)
+        longrope, problem = longrope_from_hf(hf_config, params=merged, theta=theta, rotary_dim=rotary_dim)
         return theta, (None if problem else {"longrope": longrope}), problem
     return theta, None, f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3; longrope for phi3)"
 
@@ -219,8 +254,13 @@ class ModelSettings:
         )
 
 
-def model_settings(hf_config, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE) -> ModelSettings:
-    family = get_family(hf_config.model_type)
+def model_settings(hf_config, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE, tensor_names=None,
+                   family: ModelFamily | None = None) -> ModelSettings:
+    """`tensor_names`: the checkpoint's HF tensor names where known (a multimodal checkpoint's naming and tying
+    depend on them); `family`: the family reading `hf_config` where its model_type names none (a text_config)."""
+    family = family or get_family(hf_config.model_type)
+    if family.multimodal_settings is not None:  # its language model's settings (toolkit/adapters/multimodal.py)
+        return family.multimodal_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple, tensor_names=tensor_names)
     problems = activation_problems(hf_config, family=family) + family.check_config(hf_config)
     if problems:
         raise AdapterError(f"{hf_config.model_type} config uses features dsmt cannot reproduce:\n  - " + "\n  - ".join(problems))
@@ -238,8 +278,9 @@ def model_settings(hf_config, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MUL
         raise AdapterError(f"{hf_config.model_type} config leaves megatron fields {missing} unset; the "
                            f"{family.model_type} family must read them (ModelFamily.read_config)")
     theta, scaling, _ = rope_settings(hf_config)
-    if scaling and "longrope" in scaling:  # HF's cos/sin magnitude, as a score scale (toolkit/adapters/longrope.py)
-        fields["softmax_scale"] = scaling["longrope"].softmax_scale(head_dim=head_dim)
+    longrope = (scaling or {}).get("longrope")  # HF's cos/sin magnitude: a score scale where the whole head rotates
+    if longrope is not None and longrope.softmax_scale() is not None:  # (else on cos / sin: toolkit/adapters/longrope.py)
+        fields["softmax_scale"] = longrope.softmax_scale()
     encoder = encoder_settings(hf_config, family=family)
     # An encoder without an MLM head has no output layer to tie (BERT configs say tie_word_embeddings=True anyway).
     tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and (encoder is None or encoder.task == "masked_lm")

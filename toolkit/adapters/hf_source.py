@@ -5,7 +5,9 @@ touch only the headers); tensor reads use their own short-lived handle.
 A quantised checkpoint (config.json `quantization_config`) is refused by name. With `dequantize_fp8=True` a
 block-scaled FP8 checkpoint as DeepSeek-V3 publishes it is read as bf16: every FP8 weight `X.weight` comes with
 `X.weight_scale_inv` (fp32, one value per `weight_block_size` block), and the source presents the dequantised bf16
-tensor under the weight's name, the scale tensors consumed (not listed by `names()`)."""
+tensor under the weight's name, the scale tensors consumed (not listed by `names()`). With `dequantize_mxfp4=True` an
+MXFP4 checkpoint as GPT-OSS publishes it is read as bf16 the same way: each `X_blocks` / `X_scales` pair is presented
+as transformers' parameter `X` (toolkit/adapters/mxfp4.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from toolkit.adapters import mxfp4
 from toolkit.adapters.family import AdapterError
 from toolkit.errors import RuleError
 
@@ -24,6 +27,8 @@ SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3: `X.weight` (fp8) has `X.weight_scale
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEQUANTIZED_DTYPE = torch.bfloat16  # what DeepSeek's own dequantisation (fp8_cast_bf16.py) writes
 _FP8_FIX = "dsmt convert hf-to-mcore {dir} DST --dequantize-fp8"
+MXFP4_METHOD = "mxfp4"
+_MXFP4_FIX = "dsmt convert hf-to-mcore {dir} DST --dequantize-mxfp4"
 
 
 class QuantizedCheckpointError(RuleError, AdapterError):
@@ -72,10 +77,17 @@ def fp8_block_size(quantization: dict | None, *, checkpoint_dir: Path, dequantiz
         return None
     method, fmt = quantization.get("quant_method"), quantization.get("fmt", "e4m3")
     block, activations = quantization.get("weight_block_size"), quantization.get("activation_scheme", "dynamic")
+    if method == MXFP4_METHOD:
+        raise QuantizedCheckpointError(
+            f"{checkpoint_dir} stores MXFP4 expert weights (quantization_config.quant_method 'mxfp4', as GPT-OSS is "
+            "published); dsmt trains and converts bf16 / fp16 / fp32 weights", rule="mxfp4_checkpoint",
+            fix=f"dequantise it to bf16 once: `{_MXFP4_FIX.format(dir=checkpoint_dir)}`, then train from DST "
+                "(or from its `dsmt convert mcore-to-hf DST HF_DIR` export)")
     if method != "fp8":
         raise QuantizedCheckpointError(
             f"{checkpoint_dir} is quantised (config.json quantization_config.quant_method={method!r}); dsmt reads "
-            "unquantised weights (bf16 / fp16 / fp32), and --dequantize-fp8 reads block-scaled 'fp8' only",
+            "unquantised weights (bf16 / fp16 / fp32), and --dequantize-fp8 / --dequantize-mxfp4 read block-scaled "
+            "'fp8' / GPT-OSS's 'mxfp4' only",
             rule="quantized_checkpoint", fix="use the unquantised checkpoint this one was made from (the model's "
             "bf16 / fp16 release)")
     described = (f"{checkpoint_dir} stores FP8 weights (quantization_config: quant_method 'fp8', fmt {fmt!r}, "
@@ -160,21 +172,27 @@ class SafetensorsSource:
     """Tensor name -> (file, shape, dtype) for a checkpoint directory; `get(name)` reads one tensor.
 
     Refuses a quantised checkpoint (QuantizedCheckpointError) unless it is block-scaled FP8 and `dequantize_fp8`:
-    then FP8 weights read as bf16 and their `_scale_inv` tensors are not listed."""
+    then FP8 weights read as bf16 and their `_scale_inv` tensors are not listed; or MXFP4 and `dequantize_mxfp4`:
+    then each `X_blocks` / `X_scales` pair reads as the bf16 tensor `X`."""
 
-    def __init__(self, checkpoint_dir: Path, *, dequantize_fp8: bool = False):
+    def __init__(self, checkpoint_dir: Path, *, dequantize_fp8: bool = False, dequantize_mxfp4: bool = False):
         self.checkpoint_dir = Path(checkpoint_dir)
-        block_size = fp8_block_size(quantization_config(self.checkpoint_dir), checkpoint_dir=self.checkpoint_dir,
-                                    dequantize_fp8=dequantize_fp8)
+        quantization = quantization_config(self.checkpoint_dir)
+        is_mxfp4 = dequantize_mxfp4 and (quantization or {}).get("quant_method") == MXFP4_METHOD
+        block_size = None if is_mxfp4 else fp8_block_size(quantization, checkpoint_dir=self.checkpoint_dir,
+                                                          dequantize_fp8=dequantize_fp8)
         self._handles: dict[Path, object] = {}
         self._file_of: dict[str, Path] = {}
         for path in shard_files(self.checkpoint_dir):
             handle = self._open(path)
             for name in handle.keys():
                 self._file_of[name] = path
+        self._mxfp4: dict[str, mxfp4.Mxfp4Weight] = {}  # read by shape() / file_dtype() while pairing
         self._fp8 = self._pair_fp8(block_size) if block_size else {}
+        self._mxfp4 = self._pair_mxfp4() if is_mxfp4 else {}
         consumed = {weight.scale_name for weight in self._fp8.values()}
-        self._names = sorted(name for name in self._file_of if name not in consumed)
+        consumed |= {name for weight in self._mxfp4.values() for name in (weight.blocks_name, weight.scales_name)}
+        self._names = sorted([name for name in self._file_of if name not in consumed] + list(self._mxfp4))
 
     def _open(self, path: Path):
         self._handles[path] = handle = open_safetensors(path)
@@ -207,11 +225,23 @@ class SafetensorsSource:
                 fix="re-download the checkpoint; check weight_block_size in config.json against the scale shapes")
         return pairs
 
+    def _pair_mxfp4(self) -> dict[str, mxfp4.Mxfp4Weight]:
+        """Presented name -> its MXFP4 blocks and scales, after checking every pair (one error lists every problem)."""
+        entries = {name: (self.shape(name), self.file_dtype(name)) for name in self._file_of}
+        pairs, problems = mxfp4.pair_mxfp4(entries)
+        if problems:
+            raise QuantizedCheckpointError(
+                f"{self.checkpoint_dir}: {len(problems)} MXFP4 tensor(s) without matching blocks / scales:\n  - "
+                + "\n  - ".join(problems), rule="mxfp4_tensors",
+                fix="re-download the checkpoint (GPT-OSS's release stores experts.*_blocks with experts.*_scales)")
+        return pairs
+
     def names(self) -> list[str]:
         return list(self._names)
 
     def file_of(self, name: str) -> Path:
-        return self._file_of[name]
+        weight = self._mxfp4.get(name)
+        return self._file_of[weight.blocks_name if weight is not None else name]
 
     def files(self) -> list[Path]:
         """Every safetensors file of the checkpoint (also one holding only FP8 scales)."""
@@ -222,14 +252,21 @@ class SafetensorsSource:
         return self._fp8.get(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        weight = self._mxfp4.get(name)
+        if weight is not None:
+            return mxfp4.parameter_shape(self.shape(weight.blocks_name))
         return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
 
     def file_dtype(self, name: str) -> torch.dtype | None:
-        """The dtype in the file (FP8 for a weight `get` dequantises)."""
+        """The dtype in the file (FP8 for a weight `get` dequantises, uint8 for an MXFP4 one)."""
+        weight = self._mxfp4.get(name)
+        name = weight.blocks_name if weight is not None else name
         return _SAFETENSORS_DTYPES.get(self._handles[self._file_of[name]].get_slice(name).get_dtype(), None)
 
     def dtype(self, name: str) -> torch.dtype | None:
         """The dtype `get` returns."""
+        if name in self._mxfp4:
+            return mxfp4.DEQUANTIZED_DTYPE
         return DEQUANTIZED_DTYPE if name in self._fp8 else self.file_dtype(name)
 
     def nbytes(self, name: str) -> int:
@@ -240,17 +277,31 @@ class SafetensorsSource:
         return numel * torch.empty((), dtype=self.dtype(name)).element_size()
 
     def get(self, name: str) -> torch.Tensor:
+        weight = self._mxfp4.get(name)
+        if weight is not None:
+            return mxfp4.dequantize_experts(self._read(weight.blocks_name), self._read(weight.scales_name))
         fp8 = self._fp8.get(name)
         if fp8 is None:
             return self._read(name)
         return dequantize_fp8_blocks(self._read(name), self._read(fp8.scale_name), block_size=fp8.block_size)
 
-    def _read(self, name: str) -> torch.Tensor:
+    def get_expert(self, name: str, *, expert: int) -> torch.Tensor:
+        """Slice `expert` (dim 0) of a tensor that stacks a layer's experts, read alone (an MXFP4 one dequantised)."""
+        weight = self._mxfp4.get(name)
+        if weight is not None:
+            return mxfp4.dequantize_expert(self._read(weight.blocks_name, expert=expert),
+                                           self._read(weight.scales_name, expert=expert))
+        if name in self._fp8:
+            return self.get(name)[expert]
+        return self._read(name, expert=expert)
+
+    def _read(self, name: str, *, expert: int | None = None) -> torch.Tensor:
+        """The stored tensor `name`, or only its slice `expert` on dim 0."""
         # A fresh handle per tensor: safetensors memory-maps the file, and the pages a read touches stay resident
         # (and counted in RSS) while a handle is open. Closing it after each tensor keeps reads streamed.
         try:
             with safe_open(str(self._file_of[name]), framework="pt") as handle:
-                return handle.get_tensor(name)
+                return handle.get_tensor(name) if expert is None else handle.get_slice(name)[expert]
         except (SafetensorError, OSError, ValueError) as err:
             raise AdapterError(f"cannot read tensor {name!r} from {self._file_of[name]} ({err}); the file may be corrupt") from err
 

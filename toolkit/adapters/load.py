@@ -145,6 +145,32 @@ def check_hf_coverage(*, items: dict[str, LoadItem], hf_names: list[str], ignore
     return problems
 
 
+def hf_shape(source, name: str, *, item: LoadItem) -> tuple[int, ...]:
+    """The shape of what `item` reads of HF tensor `name`: the tensor, or its expert's slice of a stacked one."""
+    shape = tuple(source.shape(name))
+    return shape[1:] if item.expert_slice is not None else shape
+
+
+def read_hf(source, name: str, *, item: LoadItem) -> torch.Tensor:
+    """HF tensor `name` as `item` reads it: whole, or its expert's slice of a stacked one (read alone)."""
+    if item.expert_slice is None:
+        return source.get(name)
+    return source.get_expert(name, expert=item.expert_slice)
+
+
+def hf_nbytes(source, name: str, *, item: LoadItem) -> int:
+    """Bytes `item` reads of HF tensor `name` (an expert's share of a stacked one)."""
+    return source.nbytes(name) // (source.shape(name)[0] if item.expert_slice is not None else 1)
+
+
+def stacking_problems(item: LoadItem, *, source, num_experts: int) -> list[str]:
+    """A stacked expert tensor must hold the config's experts on dim 0."""
+    if item.expert_slice is None or item.expert_slice:  # checked once per tensor, on expert 0's row
+        return []
+    return [f"HF tensor {name!r} stacks {source.shape(name)[0]} experts on dim 0, the config has {num_experts}"
+            for name in item.hf if source.shape(name)[0] != num_experts]
+
+
 def local_shape(item: LoadItem, hf_shapes: list[tuple[int, ...]], *, settings: ModelSettings, tp_size: int) -> tuple[int, ...]:
     ctx = settings.shape_context()
     shape = list(transforms.megatron_shape(item.kind, hf_shapes, ctx=ctx))
@@ -168,7 +194,9 @@ def plan_load(*, settings: ModelSettings, source, targets: dict[str, torch.Tenso
             continue
         if not all(n in present for n in item.hf):
             continue  # already reported as missing
-        hf_shapes = [transforms.hf_storage_shape(source.shape(n), transposed=item.transposed) for n in item.hf]
+        problems += stacking_problems(item, source=source, num_experts=settings.num_experts)
+        hf_shapes = [transforms.hf_storage_shape(hf_shape(source, n, item=item), transposed=item.transposed)
+                     for n in item.hf]
         expected_hf = transforms.expected_hf_shapes(item.kind, transforms.megatron_shape(item.kind, hf_shapes, ctx=ctx), ctx=ctx)
         wrong = [f"{n} {s} (expected {e})" for n, s, e in zip(item.hf, hf_shapes, expected_hf) if tuple(s) != tuple(e)]
         want = local_shape(item, hf_shapes, settings=settings, tp_size=tp_size)
@@ -207,13 +235,14 @@ def load_hf_weights(*, chunks: list, settings: ModelSettings, source, tp_rank: i
         targets = {**buffers, **params}
         writers = dict.fromkeys(params, write)
     plan = plan_load(settings=settings, source=source, targets=targets, tp_size=tp_size)
-    total = sum(source.nbytes(n) for item in plan for n in item.hf)
+    total = sum(hf_nbytes(source, n, item=item) for item in plan for n in item.hf)
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading HF tensors", disable=not show_progress) as bar:
         for item in plan:
             def value(item=item):
-                hf = [transforms.from_hf_storage(source.get(n), transposed=item.transposed) for n in item.hf]
+                hf = [transforms.from_hf_storage(read_hf(source, n, item=item), transposed=item.transposed)
+                      for n in item.hf]
                 return local_shard(item, hf, settings=settings, tp_rank=tp_rank, tp_size=tp_size)
 
             writers.get(item.megatron, _copy_into)(targets[item.megatron], value)
-            bar.update(sum(source.nbytes(n) for n in item.hf))
+            bar.update(sum(hf_nbytes(source, n, item=item) for n in item.hf))
     return total

@@ -3,7 +3,7 @@ share for their attention — the `MLATransformerConfig` fields read from an HF 
 refusals.
 
 HF (modeling_deepseek_v2 / v3) and megatron-core compute the same attention:
-  q      = q_proj(x)                                 (q_lora_rank None: V2-Lite)
+  q      = q_proj(x)                                 (q_lora_rank None: V2-Lite, Moonlight: megatron's linear_q_proj)
          | q_b_proj(rmsnorm(q_a_proj(x)))            (megatron: linear_q_up_proj(q_layernorm(linear_q_down_proj)))
   kv, kr = split(kv_a_proj_with_mqa(x), [kv_lora_rank, qk_rope_head_dim])    (linear_kv_down_proj)
   k, v   = per head split(kv_b_proj(rmsnorm(kv)), [qk_nope_head_dim, v_head_dim])   (linear_kv_up_proj)
@@ -11,6 +11,11 @@ HF (modeling_deepseek_v2 / v3) and megatron-core compute the same attention:
   `rope_interleave`; megatron's MLA de-interleaves the same way), kr shared by every head.
   scores scaled by mscale(factor, mscale_all_dim)^2 / sqrt(nope + rope) under YaRN, 1 / sqrt(nope + rope) otherwise
   (HF `yarn_apply_mscale`; megatron's `MultiLatentAttention.softmax_scale`).
+HF's two latent norms (q_a_layernorm, kv_a_layernorm) are RMSNorms with transformers' fixed eps 1e-6 whatever
+`rms_norm_eps` says; megatron builds them with `layernorm_epsilon`. Where the two differ (Moonlight: rms_norm_eps
+1e-5) `edit_mla_layer_spec` gives the latent norms HF's eps: `HFLatentNorm` in place of the local layer's norms, and
+in Transformer Engine's layer, whose LayerNormLinear takes the config's eps, the same separate norm before a plain
+TE column-parallel up projection, keyed in checkpoints under the fused names as the local layer keys it.
 TP splits q / kv up projections and o_proj over heads. The down projections are not per head: every TP rank holds
 them whole, as Transformer Engine's duplicated `TELinear` and, in dsmt's local layers, megatron's plain `Linear`
 (toolkit/adapters/layer_specs.py; megatron's local default, a column-parallel linear whose output is gathered, gives
@@ -23,8 +28,11 @@ from the MoE rule (`moe_tp_needs_sequence_parallel`, toolkit/parallel/rules.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 from toolkit.adapters.family import WeightMapping
 from toolkit.adapters.hf_config import rope_parameters
+from toolkit.adapters.norms import TorchNorm
 from toolkit.adapters.transforms import Kind
 
 M = WeightMapping
@@ -108,11 +116,40 @@ def mla_problems(hf_config) -> list[str]:
     if getattr(hf_config, "rope_interleave", True) is False:
         problems.append("rope_interleave=false (RoPE on the halves of the rope dims): megatron-core's MLA rotates "
                         "interleaved pairs as DeepSeek's checkpoints do. Fix: none in dsmt for this checkpoint")
-    if float(hf_config.rms_norm_eps) != HF_LATENT_NORM_EPS:
-        problems.append(f"rms_norm_eps={hf_config.rms_norm_eps}: HF's q / kv latent norms always use "
-                        f"{HF_LATENT_NORM_EPS}, megatron-core's MLA uses rms_norm_eps for every norm; the two agree "
-                        f"only at {HF_LATENT_NORM_EPS} (every DeepSeek release). Fix: none in dsmt for this checkpoint")
     if getattr(hf_config, "attention_bias", False):
         problems.append("attention_bias=true (biases on the MLA projections): megatron-core's MLA has none. "
                         "Fix: none in dsmt for this checkpoint")
     return problems
+
+
+class HFLatentNorm:
+    """The q / kv latent norm as transformers builds it (`DeepseekV3RMSNorm(kv_lora_rank)`): eps 1e-6, not the
+    `eps` megatron's MLA passes (its layernorm_epsilon = rms_norm_eps). A class, as `TorchNorm`: megatron's
+    `build_module` returns functions uncalled."""
+
+    def __new__(cls, config, hidden_size: int, eps: float | None = None, **unused):
+        return TorchNorm(config, hidden_size, eps=HF_LATENT_NORM_EPS)
+
+
+# The separate latent norms under the names Transformer Engine's fused layer keys them (as layer_specs.py's local MLA).
+_LATENT_NORM_KEYS = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+}
+
+
+def edit_mla_layer_spec(spec, *, config, settings, transformer_engine: bool):
+    """`ModelFamily.edit_layer_spec` of the DeepSeek families: the latent norms at HF's eps where the model's
+    rms_norm_eps differs from it (see the module docstring); megatron's own layer otherwise."""
+    if float(config.layernorm_epsilon) == HF_LATENT_NORM_EPS:
+        return spec
+    replaced = dict(q_layernorm=HFLatentNorm, kv_layernorm=HFLatentNorm)
+    if transformer_engine:  # unfused: TE's LayerNormLinear would normalise with the config's eps
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+
+        replaced |= dict(linear_q_up_proj=TEColumnParallelLinear, linear_kv_up_proj=TEColumnParallelLinear)
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **replaced))
+    keys = {**spec.submodules.sharded_state_dict_keys_map, **_LATENT_NORM_KEYS}
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, self_attention=attention, sharded_state_dict_keys_map=keys))

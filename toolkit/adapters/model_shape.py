@@ -15,12 +15,15 @@ from toolkit.models.shapes import ModelShape, read_model_ref, shape_from_fields
 
 
 def shape_from_config(config: dict, *, name: str) -> ModelShape:
-    """Shape from an HF config dict, Llama-like or GPT-2 shaped."""
-    architecture = _family_architecture(config)
+    """Shape from an HF config dict, Llama-like or GPT-2 shaped (a multimodal one's: its language model's)."""
+    architecture = _family_architecture(config)  # loads the families first (a multimodal one's is its text's)
+    from toolkit.adapters.multimodal import text_model_fields
+
+    config = text_model_fields(config)
     if architecture is None:  # no adapter: read as Llama-like, a SwiGLU activation name meaning a gated MLP
         return shape_from_fields(config, name=name, gated_mlp=_named_gated(config), kv_heads_replicable=True)
     return shape_from_fields(config, name=name, gated_mlp=architecture.gated_mlp,
-                             kv_heads_replicable=not architecture.qk_norm_spans_heads)
+                             kv_heads_replicable=not architecture.qk_norm_spans_heads, qkv_bias=architecture.qkv_bias)
 
 
 def load_model_shape(ref: str | Path) -> ModelShape:

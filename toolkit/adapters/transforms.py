@@ -17,6 +17,8 @@ Every megatron parameter is one of these kinds (see `families/*.py` for which is
   QKV_PACKED  QKV from ONE HF tensor whose rows are [all q ; all k ; all v] (Phi-3's qkv_proj, GPT-2's c_attn):
               split into q, k, v, then as QKV.
   GATE_UP_PACKED  GATE_UP from ONE HF tensor [gate ; up] (Phi-3's gate_up_proj): already the layout-free tensor.
+  GATE_UP_INTERLEAVED  GATE_UP from ONE HF tensor whose rows alternate [gate 0 ; up 0 ; gate 1 ; up 1 ; ...]
+              (GPT-OSS's experts.gate_up_proj, after the transpose, and its bias): rows 0::2 are gate, 1::2 up.
 
 A row may also be `transposed` (family.py): the HF tensor is stored [in, out] (GPT-2's Conv1D) and is transposed
 on the way in and back on the way out (`from_hf_storage` / `to_hf_storage`); a transpose is exact.
@@ -41,11 +43,12 @@ class Kind(enum.Enum):
     GATE_UP = "gate_up"
     QKV_PACKED = "qkv_packed"
     GATE_UP_PACKED = "gate_up_packed"
+    GATE_UP_INTERLEAVED = "gate_up_interleaved"
 
 
 # How many HF tensors each kind combines.
 HF_ARITY = {Kind.REPLICATED: 1, Kind.COLUMN: 1, Kind.ROW: 1, Kind.VOCAB: 1, Kind.QKV: 3, Kind.GATE_UP: 2,
-            Kind.QKV_PACKED: 1, Kind.GATE_UP_PACKED: 1}
+            Kind.QKV_PACKED: 1, Kind.GATE_UP_PACKED: 1, Kind.GATE_UP_INTERLEAVED: 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +104,17 @@ def split_gate_up(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate.contiguous(), up.contiguous()
 
 
+def deinterleave_gate_up(interleaved: torch.Tensor) -> torch.Tensor:
+    """[gate 0 ; up 0 ; gate 1 ; up 1 ; ...] (rows) -> the layout-free [gate ; up]."""
+    return torch.cat([interleaved[0::2], interleaved[1::2]], dim=0)
+
+
+def interleave_gate_up(fused: torch.Tensor) -> torch.Tensor:
+    """Inverse of `deinterleave_gate_up`: the layout-free [gate ; up] -> rows alternating gate, up."""
+    gate, up = fused.chunk(2, dim=0)
+    return torch.stack([gate, up], dim=1).reshape(fused.shape).contiguous()
+
+
 # ---- vocab padding -------------------------------------------------------------------------------------------
 
 
@@ -143,6 +157,8 @@ def to_megatron(kind: Kind, hf: list[torch.Tensor], *, ctx: ShapeContext) -> tor
         return merge_qkv(*unpack_qkv(hf[0], ctx=ctx), num_query_groups=ctx.num_query_groups)
     if kind is Kind.GATE_UP:
         return merge_gate_up(*hf)
+    if kind is Kind.GATE_UP_INTERLEAVED:
+        return deinterleave_gate_up(hf[0])
     if kind is Kind.VOCAB:
         return pad_vocab(hf[0], padded_size=ctx.padded_vocab_size)
     return hf[0]  # REPLICATED, COLUMN, ROW, GATE_UP_PACKED
@@ -156,6 +172,8 @@ def to_hf(kind: Kind, tensor: torch.Tensor, *, ctx: ShapeContext) -> list[torch.
         return [torch.cat(split_qkv(tensor, ctx=ctx), dim=0)]
     if kind is Kind.GATE_UP:
         return list(split_gate_up(tensor))
+    if kind is Kind.GATE_UP_INTERLEAVED:
+        return [interleave_gate_up(tensor)]
     if kind is Kind.VOCAB:
         return [strip_vocab(tensor, vocab_size=ctx.vocab_size)]
     return [tensor]
@@ -164,7 +182,7 @@ def to_hf(kind: Kind, tensor: torch.Tensor, *, ctx: ShapeContext) -> list[torch.
 def shard(kind: Kind, full: torch.Tensor, *, tp_rank: int, tp_size: int) -> torch.Tensor:
     """TP rank `tp_rank`'s slice of the layout-free megatron tensor. A fused gate/up tensor [gate ; up] gives
     [gate shard ; up shard] (`merge_gate_up`), not a plain row block."""
-    if kind in (Kind.GATE_UP, Kind.GATE_UP_PACKED):
+    if kind in (Kind.GATE_UP, Kind.GATE_UP_PACKED, Kind.GATE_UP_INTERLEAVED):
         return merge_gate_up(*split_gate_up(full), tp_rank=tp_rank, tp_size=tp_size)
     if kind is Kind.REPLICATED:
         return full

@@ -136,7 +136,7 @@ def model_settings_of(*, spec):
     from toolkit.adapters.hf_source import QuantizedCheckpointError
     from toolkit.train.job import pretrain
 
-    multiple = spec.model.make_vocab_size_divisible_by
+    multiple, info = spec.model.make_vocab_size_divisible_by, None
     try:
         if spec.model.builtin is not None:
             hf_config = pretrain.hf_config(spec.model.builtin)
@@ -164,7 +164,8 @@ def model_settings_of(*, spec):
             info = inspect_checkpoint(path)
             hf_config, multiple = info.hf_config, info.vocab_pad_multiple
             where = f"model.path={spec.model.path} ({info.kind} checkpoint, {info.params_dtype})"
-        settings = model_settings(hf_config, vocab_pad_multiple=multiple)
+        # a checkpoint's as inspect_checkpoint read them (a multimodal one's with its tensor names: which are tied)
+        settings = info.settings if info is not None else model_settings(hf_config, vocab_pad_multiple=multiple)
         facts = model_facts(hf_config, vocab_pad_multiple=multiple)
     except QuantizedCheckpointError as err:  # FP8 / quantised weights: the rule and fix are the reader's
         return None, None, [Problem("error", err.rule, err.detail, err.fix)]
@@ -244,9 +245,12 @@ def stage_parameter_counts(*, settings, layout, params_dtype, recompute: str = "
                 context_parallel_size=layout.cp, create_gloo_process_groups=False)
             config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, recompute=recompute)
             # CPU-style allocation honours the meta device context (the CUDA path names a device explicitly).
-            # cp and sp change no parameter shape; the local layers have neither (Transformer Engine's do).
-            config = dataclasses.replace(config, use_cpu_initialization=True, perform_initialization=False,
-                                         context_parallel_size=1, sequence_parallel=False)
+            # cp and sp change no parameter shape; the local layers have neither (Transformer Engine's do). Set
+            # on the built config, not dataclasses.replace'd: a replace drops what the build set beside the
+            # dataclass fields (Phi-4-mini's cos / sin factor, toolkit/adapters/longrope.py scale_rotation).
+            for field, value in dict(use_cpu_initialization=True, perform_initialization=False,
+                                     context_parallel_size=1, sequence_parallel=False).items():
+                setattr(config, field, value)
             # the local layers (with the family's deltas): the parameter shapes of the Transformer Engine ones,
             # and they allocate nothing real on the meta device.
             local = dataclasses.replace(layout, cp=1, sp=False)

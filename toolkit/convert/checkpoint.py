@@ -30,7 +30,9 @@ METADATA_FILE = "dsmt_checkpoint.json"
 # Files of an HF checkpoint that are not weights and travel with it both ways.
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                 "chat_template.jinja", "chat_template.json")
+                 "chat_template.jinja", "chat_template.json",
+                 # a multimodal checkpoint's processor (toolkit/adapters/multimodal.py): its export stays multimodal
+                 "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 # What marks a directory as a megatron checkpoint (dsmt's, or another tool's that dsmt then refuses by name).

@@ -52,12 +52,16 @@ def inspect_checkpoint(path: Path, *, vocab_pad_multiple: int = DEFAULT_VOCAB_PA
         metadata = ckpt.read_metadata(path)
         hf_config = load_hf_config(path / "hf")
         multiple = metadata["vocab_pad_multiple"]
-        settings = model_settings(hf_config, vocab_pad_multiple=multiple)
+        # the source's tensor names (recorded at conversion): a multimodal checkpoint's naming depends on them
+        settings = model_settings(hf_config, vocab_pad_multiple=multiple, tensor_names=list(metadata["hf_tensor_dtypes"]))
         return CheckpointInfo("mcore", path / "hf", settings, hf_config, getattr(torch, metadata["params_dtype"]),
                               multiple, metadata)
     hf_config = load_hf_config(path)
-    settings = model_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple)
-    return CheckpointInfo("hf", path, settings, hf_config, stored_dtype(SafetensorsSource(path)), vocab_pad_multiple)
+    settings = model_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple)  # the config's problems first
+    source = SafetensorsSource(path)
+    if settings.family.multimodal_settings is not None:  # its naming and tying depend on the tensor names
+        settings = model_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple, tensor_names=source.names())
+    return CheckpointInfo("hf", path, settings, hf_config, stored_dtype(source), vocab_pad_multiple)
 
 
 def stored_dtype(source: SafetensorsSource) -> torch.dtype:

@@ -30,6 +30,9 @@ def register(subparsers) -> None:
     to_mcore.add_argument("--dequantize-fp8", action="store_true",
                           help="read a block-scaled FP8 checkpoint (DeepSeek-V3's quantization_config with "
                                "weight_block_size and *_scale_inv tensors) as bf16; the output is a bf16 checkpoint")
+    to_mcore.add_argument("--dequantize-mxfp4", action="store_true",
+                          help="read an MXFP4 checkpoint (GPT-OSS as published: quant_method mxfp4, *_blocks and "
+                               "*_scales expert tensors) as bf16; the output is a bf16 checkpoint")
     _common_flags(to_mcore)
     to_mcore.set_defaults(func=run_hf_to_mcore)
     to_hf = directions.add_parser("mcore-to-hf", help="dsmt megatron checkpoint -> HF checkpoint")
@@ -52,7 +55,8 @@ def run_hf_to_mcore(args) -> int:
 
     summary = convert_hf_to_mcore(hf_dir=args.source, out_dir=args.target, overwrite=args.overwrite,
                                   vocab_pad_multiple=args.vocab_pad_multiple, workers=args.workers,
-                                  show_progress=not args.quiet, dequantize_fp8=args.dequantize_fp8)
+                                  show_progress=not args.quiet, dequantize_fp8=args.dequantize_fp8,
+                                  dequantize_mxfp4=args.dequantize_mxfp4)
     print(summary.line())
     return 0
 

@@ -21,7 +21,7 @@ from toolkit.adapters import transforms
 from toolkit.adapters.family import LoadItem
 from toolkit.adapters.hf_config import DEFAULT_VOCAB_PAD_MULTIPLE, ModelSettings
 from toolkit.adapters.hf_source import SafetensorsSource
-from toolkit.adapters.load import passthrough_names, plan_load
+from toolkit.adapters.load import passthrough_names, plan_load, read_hf
 from toolkit.convert import checkpoint as ckpt
 from toolkit.convert.dcp_writer import ObjectChunk, TensorChunk, write_torch_dist
 from toolkit.convert.progress import ConversionSummary, byte_progress, peak_rss_bytes
@@ -91,8 +91,10 @@ def chunk_maker(*, item: LoadItem, start: int, shape: tuple[int, ...], stored_sh
     ctx = settings.shape_context()
 
     def make() -> torch.Tensor:
-        if item.transposed:  # GPT-2's Conv1D [in, out]: read whole, transpose, take the rows
-            hf = [transforms.from_hf_storage(source.get(n), transposed=True) for n in item.hf]
+        if item.transposed or item.expert_slice is not None:  # Conv1D [in, out], or an expert's slice of a
+            # stacked tensor (GPT-OSS): read whole (the slice alone), transform, take the rows
+            hf = [transforms.from_hf_storage(read_hf(source, n, item=item), transposed=item.transposed)
+                  for n in item.hf]
             full = transforms.to_megatron(item.kind, hf, ctx=ctx)
             return full[start:start + shape[0]].to(dtype).contiguous().reshape(stored_shape)
         out = torch.empty(shape, dtype=dtype)
@@ -127,7 +129,7 @@ def plan_chunks(*, settings: ModelSettings, source: SafetensorsSource, rows: Saf
     return chunks
 
 
-def read_hf_checkpoint(*, hf_dir: Path, vocab_pad_multiple: int, dequantize_fp8: bool):
+def read_hf_checkpoint(*, hf_dir: Path, vocab_pad_multiple: int, dequantize_fp8: bool, dequantize_mxfp4: bool = False):
     """(settings, source, params dtype) of an HF checkpoint; a quantised one is refused by name (read as bf16 with
     `dequantize_fp8` when it is block-scaled FP8), before any model is built."""
     from toolkit.adapters.hf_config import load_hf_config, model_settings
@@ -138,14 +140,15 @@ def read_hf_checkpoint(*, hf_dir: Path, vocab_pad_multiple: int, dequantize_fp8:
         raise ckpt.CheckpointError(f"{hf_dir} is already a dsmt megatron checkpoint; use `dsmt convert mcore-to-hf`")
     hf_config = load_hf_config(hf_dir)
     ckpt.side_files(hf_dir)  # a side file linked outside the checkpoint is refused before minutes of work
-    source = SafetensorsSource(hf_dir, dequantize_fp8=dequantize_fp8)
-    settings = model_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple)
+    source = SafetensorsSource(hf_dir, dequantize_fp8=dequantize_fp8, dequantize_mxfp4=dequantize_mxfp4)
+    settings = model_settings(hf_config, vocab_pad_multiple=vocab_pad_multiple, tensor_names=source.names())
     return settings, source, stored_dtype(source)
 
 
 def convert_hf_to_mcore(*, hf_dir: Path, out_dir: Path, overwrite: bool = False,
                         vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE, workers: int = 1,
-                        show_progress: bool = True, dequantize_fp8: bool = False) -> ConversionSummary:
+                        show_progress: bool = True, dequantize_fp8: bool = False,
+                        dequantize_mxfp4: bool = False) -> ConversionSummary:
     """Convert, streamed; the output appears complete or not at all. `dequantize_fp8`: a block-scaled FP8
     checkpoint (DeepSeek-V3) is read as bf16, and the output is a bf16 checkpoint (no quantization_config)."""
     from megatron.core import parallel_state
@@ -153,7 +156,8 @@ def convert_hf_to_mcore(*, hf_dir: Path, out_dir: Path, overwrite: bool = False,
     started = time.perf_counter()
     ckpt.refuse_existing(out_dir, overwrite=overwrite)  # before minutes of work
     settings, source, params_dtype = read_hf_checkpoint(hf_dir=hf_dir, vocab_pad_multiple=vocab_pad_multiple,
-                                                        dequantize_fp8=dequantize_fp8)
+                                                        dequantize_fp8=dequantize_fp8,
+                                                        dequantize_mxfp4=dequantize_mxfp4)
     rows = SafetensorsRows(source)
     backend = backends.current()
     with single_process_group(dist_backend=backend.dist_backend):

@@ -104,9 +104,10 @@ def tensor_maker(*, item: LoadItem, hf_index: int, entry: HfEntry, reader: Mcore
     _, shape, dtype = entry
 
     def make() -> torch.Tensor:
-        if item.transposed:  # GPT-2's Conv1D [in, out]: the whole megatron tensor, split, transposed
+        if item.transposed or item.expert_slice is not None:  # Conv1D [in, out] or an expert's slice of a stacked
+            # tensor: the whole megatron tensor, split, transposed
             tensor = transforms.to_hf(item.kind, reader.get(item.megatron), ctx=ctx)[hf_index]
-            return transforms.to_hf_storage(tensor, transposed=True).to(dtype).contiguous()
+            return transforms.to_hf_storage(tensor, transposed=item.transposed).to(dtype).contiguous()
         out = torch.empty(shape, dtype=dtype)
         hf_rows = [s[0] for s in transforms.expected_hf_shapes(item.kind, reader.shape(item.megatron), ctx=ctx)]
         for block in hf_blocks(megatron_blocks(item.kind, hf_rows=hf_rows, ctx=ctx), hf_index=hf_index):
@@ -115,6 +116,41 @@ def tensor_maker(*, item: LoadItem, hf_index: int, entry: HfEntry, reader: Mcore
         return out
 
     return make
+
+
+def table_tensors(plan: list[tuple[LoadItem, list[HfEntry]]], *, reader: McoreReader,
+                  ctx) -> tuple[list[HfEntry], list[Callable[[], torch.Tensor]]]:
+    """The HF tensors the table's rows make, each with its maker. The experts' slices of a tensor that stacks them
+    (`LoadItem.expert_slice`: GPT-OSS's experts.gate_up_proj) become that one tensor [E, ...], made in expert order."""
+    parts: dict[str, list[tuple[int | None, HfEntry, Callable]]] = {}
+    for item, outputs in plan:
+        for i, entry in enumerate(outputs):
+            make = tensor_maker(item=item, hf_index=i, entry=entry, reader=reader, ctx=ctx)
+            parts.setdefault(entry[0], []).append((item.expert_slice, entry, make))
+    entries, makers = [], []
+    for name, found in parts.items():
+        if found[0][0] is None:
+            entries.append(found[0][1])
+            makers.append(found[0][2])
+            continue
+        found.sort(key=lambda part: part[0])
+        if [expert for expert, _, _ in found] != list(range(len(found))):
+            raise AdapterError(f"{name}: expert slices {[expert for expert, _, _ in found]} do not stack 0..E-1")
+        _, shape, dtype = found[0][1]
+        entries.append((name, (len(found), *shape), dtype))
+        makers.append(lambda makers=[make for _, _, make in found]: stack_experts(makers))
+    return entries, makers
+
+
+def stack_experts(makers: list[Callable[[], torch.Tensor]]) -> torch.Tensor:
+    """The experts' slices made one at a time into one [E, ...] tensor: at most that tensor and one expert in memory
+    (torch.stack of a list would hold every slice and the stack, ~8 GB per gpt-oss-120b gate_up_proj)."""
+    first = makers[0]()
+    stacked = torch.empty((len(makers), *first.shape), dtype=first.dtype)
+    stacked[0] = first
+    for expert, make in enumerate(makers[1:], start=1):
+        stacked[expert] = make()
+    return stacked
 
 
 def shard_files(num_shards: int) -> list[str]:
@@ -157,9 +193,7 @@ def convert_mcore_to_hf(*, mcore_dir: Path, out_dir: Path, overwrite: bool = Fal
     dtypes = {name: getattr(torch, dtype) for name, dtype in info.hf_tensor_dtypes().items()}
     plan = export_plan(reader=reader, settings=info.settings, dtypes=dtypes)
     ctx = info.settings.shape_context()
-    entries = [entry for _, outputs in plan for entry in outputs]
-    makers = [tensor_maker(item=item, hf_index=i, entry=entry, reader=reader, ctx=ctx)
-              for item, outputs in plan for i, entry in enumerate(outputs)]
+    entries, makers = table_tensors(plan, reader=reader, ctx=ctx)
     kept = stored_passthrough(mcore_dir)  # tensors the model does not load, as published: after the table's
     if kept is not None:
         names = passthrough_after(kept.names(), table=[name for name, _, _ in entries], path=kept.path)

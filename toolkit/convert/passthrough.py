@@ -1,5 +1,6 @@
 """HF tensors a checkpoint as published carries but the model does not load (DeepSeek-V3's multi-token-prediction
-layers, named by `ModelSettings.passthrough_hf`), kept bit-exact through conversion, training and export:
+layers, a multimodal checkpoint's vision tower and projector: toolkit/adapters/multimodal.py; named by
+`ModelSettings.passthrough_hf`), kept bit-exact through conversion, training and export:
 
     dsmt convert hf-to-mcore   copies them, each in its own dtype (dequantised with --dequantize-fp8), into
                                <megatron dir>/hf_passthrough.safetensors
@@ -109,5 +110,5 @@ def passthrough_notice(*, kind: str, hf_dir: Path, patterns: tuple[str, ...]) ->
     if not names:
         return None
     return (f"dsmt train: {len(names)} tensor(s) of {', '.join(patterns)} are kept as published but not trained "
-            "(the HF model does not load them, e.g. multi-token-prediction layers); final-mcore and final-hf carry "
-            "them unchanged")
+            "(dsmt's model does not load them: multi-token-prediction layers, a multimodal model's vision tower and "
+            "projector); final-mcore and final-hf carry them unchanged")

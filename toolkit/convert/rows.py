@@ -32,6 +32,8 @@ def _hf_row_ranges(kind: Kind, *, hf_rows: list[int], ctx: ShapeContext) -> list
     """(HF tensor index, first row, rows) in megatron order."""
     if kind is Kind.GATE_UP:
         return [(0, 0, hf_rows[0]), (1, 0, hf_rows[1])]
+    if kind is Kind.GATE_UP_INTERLEAVED:  # gate rows 0, 2, 4, ..., then up rows 1, 3, 5, ... (one row per block)
+        return [(0, row, 1) for first in (0, 1) for row in range(first, hf_rows[0], 2)]
     if kind is Kind.VOCAB:
         padding = ctx.padded_vocab_size - hf_rows[0]
         return [(0, 0, hf_rows[0])] + ([(None, 0, padding)] if padding > 0 else [])

@@ -97,7 +97,9 @@ def _experts(*, layout: RunLayout, shape: ModelShape) -> dict:
     return {"expert_model_parallel_size": layout.ep, "num_moe_experts": shape.num_experts,
             "moe_router_topk": shape.moe_topk, "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
             "moe_grouped_gemm": False, "moe_token_dispatcher_type": "alltoall",
-            "add_bias_linear": False,  # megatron's default has biases, which its experts refuse under TP
+            # megatron's default has biases, which its experts refuse under TP; GPT-OSS's layers have them (dsmt adds
+            # each expert's fc2 bias once per expert-TP group: toolkit/adapters/families/gpt_oss.py)
+            "add_bias_linear": shape.expert_bias,
             **shared, **pattern}
 
 

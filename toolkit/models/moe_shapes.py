@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
-# transformers 5.25's defaults (DeepseekV2Config, DeepseekV3Config, Qwen2MoeConfig) of the fields read here.
+# transformers 5.25's defaults (DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, Qwen2MoeConfig) of the fields
+# read here.
 CONFIG_DEFAULTS: dict[str, dict] = {
     "deepseek_v2": {"first_k_dense_replace": 0, "kv_lora_rank": 512, "q_lora_rank": 1536, "n_routed_experts": 64,
                     "n_shared_experts": 2, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
@@ -33,6 +34,9 @@ CONFIG_DEFAULTS: dict[str, dict] = {
     "deepseek_v3": {"first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536, "n_routed_experts": 256,
                     "n_shared_experts": 1, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                     "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
+    # GLM-4.5 / 4.6 (Glm4MoeConfig): DeepSeek-V3's MoE fields with grouped-query attention (no MLA).
+    "glm4_moe": {"first_k_dense_replace": 1, "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 1408},
     "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                   "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1, "mlp_only_layers": None,
                   "qkv_bias": True},
@@ -103,7 +107,7 @@ def mla_from_config(config: dict) -> MlaShape:
 
 def dense_layer_indices(config: dict, *, num_layers: int) -> tuple[int, ...]:
     """The layers whose MLP is dense in an MoE config (module docstring)."""
-    if "first_k_dense_replace" in config or config.get("model_type") in ("deepseek_v2", "deepseek_v3"):
+    if "first_k_dense_replace" in config or config.get("model_type") in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
         first_moe, freq = _get(config, "first_k_dense_replace") or 0, config.get("moe_layer_freq") or 1
         return tuple(i for i in range(num_layers) if i < first_moe or i % freq != 0)
     step = _get(config, "decoder_sparse_step") or 1

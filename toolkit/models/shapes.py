@@ -59,7 +59,11 @@ class ModelShape:
     # MoE models: the 0-based layers whose MLP is dense at ffn_hidden_size (DeepSeek's first_k_dense_replace,
     # Qwen-MoE's mlp_only_layers / decoder_sparse_step); every other layer is an MoE layer.
     dense_layers: tuple[int, ...] = ()
-    qkv_bias: bool = False  # biases on q, k and v (Qwen2-MoE's qkv_bias); other biases are not counted
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2 / Qwen2-MoE, `attention_bias`: Seed-OSS, GLM-4.5, GPT-OSS)
+    output_bias: bool = False  # a bias on the attention output projection (GPT-OSS; Seed-OSS `attention_out_bias`)
+    attention_sinks: bool = False  # one learnable logit per query head joining each softmax (GPT-OSS)
+    # GPT-OSS: the router [E, h] has a bias [E], and each expert biases on its fc1 [2f] and fc2 [h].
+    expert_bias: bool = False
 
     @property
     def kv_channels(self) -> int:
@@ -93,10 +97,21 @@ class ModelShape:
     def _mlp_matrices(self) -> int:
         return 3 if self.gated_mlp else 2
 
+    def expert_bias_params(self) -> int:
+        """One expert's biases (GPT-OSS: fc1's gate and up, fc2's output); 0 where experts have none."""
+        if not self.expert_bias:
+            return 0
+        return (2 if self.gated_mlp else 1) * self.moe_ffn_hidden_size + self.hidden_size
+
     def expert_params_per_layer(self) -> int:
-        """The routed experts' weights of one MoE layer (0 for a dense model); expert parallelism splits them over ep
-        ranks."""
-        return self.num_experts * self._mlp_matrices() * self.hidden_size * self.moe_ffn_hidden_size
+        """The routed experts' weights (and biases) of one MoE layer (0 for a dense model); expert parallelism splits
+        them over ep ranks."""
+        per_expert = self._mlp_matrices() * self.hidden_size * self.moe_ffn_hidden_size + self.expert_bias_params()
+        return self.num_experts * per_expert
+
+    def router_params(self) -> int:
+        """One MoE layer's router [E, h] and, where it has one, its bias [E]."""
+        return self.num_experts * (self.hidden_size + (1 if self.expert_bias else 0))
 
     def shared_expert_params(self) -> int:
         """One MoE layer's shared experts and their gate (dense weights: TP-split, replicated over EP)."""
@@ -112,16 +127,18 @@ class ModelShape:
         return h * d * (heads + 2 * self.num_kv_heads) + heads * d * h
 
     def attention_params(self) -> int:
-        """One layer's attention parameters: the matrices, MLA's two latent norms, the q / k / v biases."""
+        """One layer's attention parameters: the matrices, MLA's two latent norms, the q / k / v and output biases,
+        the sinks."""
         extra = self.mla.latent_norm_params() if self.mla else 0
         if self.qkv_bias:
             extra += self.kv_channels * (self.num_attention_heads + 2 * self.num_kv_heads)
+        extra += (self.hidden_size if self.output_bias else 0) + (self.num_attention_heads if self.attention_sinks else 0)
         return self.attention_matrix_params() + extra
 
     def mlp_params(self, *, moe: bool) -> int:
         """One layer's MLP: dense at ffn_hidden_size, or the routed experts, router [E, h] and shared experts."""
         if moe:
-            return self.expert_params_per_layer() + self.num_experts * self.hidden_size + self.shared_expert_params()
+            return self.expert_params_per_layer() + self.router_params() + self.shared_expert_params()
         return self._mlp_matrices() * self.hidden_size * self.ffn_hidden_size
 
     def active_mlp_params(self, *, moe: bool) -> int:
@@ -129,8 +146,9 @@ class ModelShape:
         experts and the shared experts (with their gate)."""
         if not moe:
             return self.mlp_params(moe=False)
-        routed = self.moe_topk * self._mlp_matrices() * self.hidden_size * self.moe_ffn_hidden_size
-        return self.num_experts * self.hidden_size + routed + self.shared_expert_params()
+        routed = self.moe_topk * (self._mlp_matrices() * self.hidden_size * self.moe_ffn_hidden_size
+                                  + self.expert_bias_params())
+        return self.router_params() + routed + self.shared_expert_params()
 
     def params_per_layer(self, *, moe: bool | None = None) -> int:
         """One layer's parameters (an MoE layer's when `moe`, default: whether the model is MoE)."""
@@ -138,7 +156,8 @@ class ModelShape:
         return self.attention_params() + self.mlp_params(moe=moe) + 2 * self.hidden_size  # two norms
 
     def num_params(self) -> int:
-        """Parameter count of the unpadded model (norm weights and q / k / v biases included, other biases not)."""
+        """Parameter count of the unpadded model (norm weights, attention, router and expert biases included; the
+        biases of dense MLPs and LayerNorms (GPT-2, StarCoder2), a few thousand per layer, not)."""
         moe_layers = self.num_moe_layers
         layers = (moe_layers * self.params_per_layer(moe=True)
                   + (self.num_layers - moe_layers) * self.params_per_layer(moe=False))
@@ -176,6 +195,12 @@ def _qwen2_moe(name, h, layers, heads, kv, dense_ffn, *, experts, topk, moe_ffn,
                       shared_expert_gate=True, qkv_bias=True)
 
 
+def _gpt_oss(name, *, layers, experts):
+    return ModelShape(name, 2880, layers, 64, 8, 2880, 201088, False, True, 131072, head_dim=64, num_experts=experts,
+                      moe_topk=4, moe_ffn_hidden_size=2880, qkv_bias=True, output_bias=True, attention_sinks=True,
+                      expert_bias=True)
+
+
 # Published shapes (config.json of each release).
 BUILTIN_SHAPES: dict[str, ModelShape] = {
     s.name: s
@@ -208,6 +233,16 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
                   first_dense=1, q_lora=1536),
         _deepseek("deepseek-v3", 7168, 61, 128, 18432, 129280, experts=256, topk=8, moe_ffn=2048, shared=1,
                   first_dense=3, q_lora=1536),
+        # gpt-oss-20b / 120b (config.json of the releases; the model card's 20.9 B / 116.8 B totals): 64 query and
+        # 8 KV heads of 64 (wider than hidden 2880), q / k / v / o biases and sinks, top-4 experts with biases.
+        _gpt_oss("gpt-oss-20b", layers=24, experts=32),
+        _gpt_oss("gpt-oss-120b", layers=36, experts=128),
+        # GLM-4.5-Air (transformers' Glm4MoeConfig defaults are its config.json): 96 query heads of 128 (wider than
+        # hidden 4096), q / k / v biases, one dense first layer, 128 experts top-8 plus one shared; its MTP layer
+        # is not part of the model transformers loads.
+        ModelShape("glm-4.5-air", 4096, 46, 96, 8, 10944, 151552, False, True, 131072, head_dim=128, num_experts=128,
+                   moe_topk=8, moe_ffn_hidden_size=1408, shared_expert_ffn_hidden_size=1408, dense_layers=(0,),
+                   qkv_bias=True),
         _qwen2_moe("qwen1.5-moe-a2.7b", 2048, 24, 16, 16, 5632, experts=60, topk=4, moe_ffn=1408, shared=5632,
                    max_pos=8192),
         _qwen2_moe("qwen2-57b-a14b", 3584, 28, 28, 4, 18944, experts=64, topk=8, moe_ffn=2560, shared=20480,
@@ -271,7 +306,8 @@ def _not_a_model_folder(path: Path, *, text: str) -> str:
     return f"model {text!r} is a folder but not an HF checkpoint: it has no config.json (it holds {held}{more}){hint}"
 
 
-def shape_from_fields(config: dict, *, name: str, gated_mlp: bool, kv_heads_replicable: bool) -> ModelShape:
+def shape_from_fields(config: dict, *, name: str, gated_mlp: bool, kv_heads_replicable: bool,
+                      qkv_bias: bool = False) -> ModelShape:
     """Shape from an HF config dict, Llama-like or GPT-2 shaped. What the config does not say of its family's layers
     comes from the caller (toolkit/adapters/model_shape.py reads it from the adapter family): whether the MLP is
     gated (Gemma's GeGLU is, with a GELU) and whether TP may replicate KV heads (not where q / k norms span the
@@ -294,13 +330,25 @@ def shape_from_fields(config: dict, *, name: str, gated_mlp: bool, kv_heads_repl
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=gated_mlp,
         max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
         attention_softcap=_attention_softcap(config),
-        kv_heads_replicable=kv_heads_replicable,
+        kv_heads_replicable=kv_heads_replicable, **_attention_extras(config, qkv_bias=qkv_bias),
     )
     try:  # MoE (Mixtral, Qwen-MoE, DeepSeek) and multi-latent attention fields; they may replace the KV heads
         fields.update(moe_config_fields(config, num_layers=layers))
     except MoeConfigError as err:
         raise ModelShapeError(f"{name}: {err}") from err
     return ModelShape(**fields)
+
+
+def _attention_extras(config: dict, *, qkv_bias: bool) -> dict:
+    """The attention's biases and sinks. `attention_bias` puts biases on q / k / v (Seed-OSS, GLM-4.5, GPT-OSS) and
+    on the output projection too where the family's code does (GPT-OSS; Seed-OSS when `attention_out_bias`; GLM-4.5
+    never); GPT-OSS adds a sink logit per head and biases on its router and experts."""
+    model_type = config.get("model_type")
+    # the config's own field decides where it has one (Seed-OSS and GLM-4.5 may turn the biases off), else the family
+    attention_bias = bool(config["attention_bias"]) if "attention_bias" in config else qkv_bias
+    gpt_oss = model_type == "gpt_oss"
+    output_bias = attention_bias and (gpt_oss or (model_type == "seed_oss" and bool(config.get("attention_out_bias"))))
+    return dict(qkv_bias=attention_bias, output_bias=output_bias, attention_sinks=gpt_oss, expert_bias=gpt_oss)
 
 
 def _attention_softcap(config: dict) -> float | None:

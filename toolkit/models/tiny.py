@@ -68,6 +68,51 @@ _FAMILY_FIELDS = {
                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                             "rope_theta": 1000000.0}},
                         tie_word_embeddings=True, **_TOKEN_IDS),
+    # GLM-4.5's shape: grouped-query attention with q / k / v biases and per-head q / k norms, head_dim 16 (not
+    # hidden / heads) with RoPE on the first half of each head, DeepSeek-V3's routing (sigmoid over a correction
+    # bias inside 2 groups of 2 experts, 1 chosen, renormalised, x 2.5), a shared expert, one dense first layer,
+    # one multi-token-prediction layer (carried, not built by HF).
+    "glm4_moe": dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, n_routed_experts=4,
+                     n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, num_experts_per_tok=2,
+                     n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     num_nextn_predict_layers=1),
+    # Seed-OSS: q / k / v biases without an o_proj bias, head_dim 16 (not hidden / heads), untied as released; its
+    # config class defaults both dropouts to 0.1: parity needs them off.
+    "seed_oss": dict(head_dim=16, attention_dropout=0.0, residual_dropout=0.0),
+    # SmolLM3: NoPE on layers 1 and 2, so each PP2 stage has one and a stage that numbered its layers from 0 would
+    # pick the wrong ones; tied embeddings as released; its special-token defaults are past the tiny vocabulary.
+    "smollm3": dict(no_rope_layers=[1, 0, 0, 1], tie_word_embeddings=True, **_TOKEN_IDS),
+    # ERNIE 4.5 (0.3B's layout): interleaved-pair RoPE, head_dim 16 (not hidden / heads), tied embeddings.
+    "ernie4_5": dict(head_dim=16, tie_word_embeddings=True, **_TOKEN_IDS),
+    # OLMo-3: windowed layers 0 and 3, full ones 1 and 2 (each PP2 stage has both, in a different order, so a stage
+    # that numbered its layers from 0 would pick the wrong ones), a window of 8; the full layers with YaRN and an
+    # explicit attention factor as released, the sliding ones plain RoPE at another base (a swap shows); 4 KV heads
+    # (TP 4 keeps whole KV heads per rank, which the whole-projection q / k norms need).
+    "olmo3": dict(num_key_value_heads=4, attention_dropout=0.0, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                                   "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 32, "attention_factor": 1.2,
+                                                      "beta_fast": 32, "beta_slow": 1}},
+                  **_TOKEN_IDS),
+    # EXAONE 4.0: windowed layers 0 and 3 with RoPE, full ones 1 and 2 without (NoPE; each PP2 stage has both, in a
+    # different order), a window of 8; head_dim 16 (not hidden / heads); llama3-scaled RoPE as released (so
+    # max_position_embeddings is past its original 8192); tied embeddings as EXAONE-4.0-1.2B.
+    "exaone4": dict(head_dim=16, sliding_window=8, attention_dropout=0.0, max_position_embeddings=65536,
+                    layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192},
+                    tie_word_embeddings=True),
+    # GPT-OSS: windowed layers 0 and 2 (window 8, shorter than verify's 32 tokens), 4 experts top-2 of width 48,
+    # a swiglu_limit that clamps some of these small activations, YaRN past its original 16 positions with a
+    # rope_theta whose correction range is not whole (so truncate false shows); sinks and the stacked expert biases
+    # randomised (make_tiny_checkpoint).
+    "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=8,
+                    max_position_embeddings=64, swiglu_limit=0.3, attention_dropout=0.0,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16},
+                    **_TOKEN_IDS),
     "gpt2": dict(n_embd=64, n_inner=96, n_layer=4, n_head=8, n_positions=128, vocab_size=250, resid_pdrop=0.0,
                  embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
                  bos_token_id=1, eos_token_id=2),
@@ -95,9 +140,11 @@ def make_tiny_checkpoint(path: Path, *, model_type: str = "llama", seed: int = 0
         for name, param in model.named_parameters():
             if "norm" in name or ".ln_" in name:  # HF initialises norms to 1 (or 0): randomise them
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):  # GPT-OSS's stacked expert biases: *.gate_up_proj_bias
                 param.copy_(0.1 * torch.randn_like(param))
-            elif name.endswith("mlp.gate.weight"):  # MoE router: decisive routing, so no near-ties between experts
+            elif name.endswith("self_attn.sinks"):  # GPT-OSS's attention sinks (HF: normal(0, 0.02)): so they show
+                param.copy_(torch.randn_like(param))
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE router: decisive routing, so no near-ties between experts
                 param.copy_(0.5 * torch.randn_like(param))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: away from 0, so it shows

@@ -54,9 +54,11 @@ def require_expert_layout(*, shape: ModelShape, layout) -> None:
 
 def expert_tensors(*, shape: ModelShape, tp: int) -> dict[str, int]:
     """One expert's parameter tensors on one TP rank, elements each (fc1 holds the gate and up halves when gated)."""
-    f = shape.moe_ffn_hidden_size // tp
-    return {"expert_fc1": shape.hidden_size * f * (2 if shape.gated_mlp else 1),
-            "expert_fc2": f * shape.hidden_size}
+    f, fc1_rows = shape.moe_ffn_hidden_size // tp, 2 if shape.gated_mlp else 1
+    found = {"expert_fc1": shape.hidden_size * f * fc1_rows, "expert_fc2": f * shape.hidden_size}
+    if shape.expert_bias:  # GPT-OSS: fc1's bias split with its rows, fc2's (added after the reduce) whole
+        found |= {"expert_fc1_bias": f * fc1_rows, "expert_fc2_bias": shape.hidden_size}
+    return found
 
 
 def local_experts(*, shape: ModelShape, ep: int) -> int:

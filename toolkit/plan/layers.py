@@ -2,7 +2,8 @@
 
 megatron-core's sharding, per layer and TP rank (h hidden, a / g query / KV heads on this rank, d head dim):
   attention      linear_qkv [(a + 2g)·d, h] split by output rows (with tp > num_kv_heads each rank holds one whole
-                 KV head), its bias (Qwen2-MoE) the same rows; linear_proj [h, a·d] split by input columns
+                 KV head), its bias (Qwen2, Seed-OSS, GLM-4.5, GPT-OSS) the same rows; linear_proj [h, a·d] split by
+                 input columns, its bias [h] (GPT-OSS) whole; GPT-OSS's sinks [a], one per query head
   MLA            the per-head projections split over heads: linear_q_up_proj [a·(nope+rope), q_lora_rank] (or
                  linear_q_proj [a·(nope+rope), h] without a q latent), linear_kv_up_proj [a·(nope+v), kv_lora_rank],
                  linear_proj [h, a·v]. The down projections linear_q_down_proj [q_lora_rank, h] and
@@ -12,7 +13,7 @@ megatron-core's sharding, per layer and TP rank (h hidden, a / g query / KV head
                  the shared rope key's gradient wrong at tp > 1: toolkit/adapters/mla.py).
                  The latent norms [q_lora_rank], [kv_lora_rank] are replicated.
   dense MLP      linear_fc1 [g'·f / tp, h] (g' = 2 when gated), linear_fc2 [h, f / tp]
-  MoE MLP        router [E, h] replicated; the shared experts are megatron's SharedExpertMLP, a dense MLP at their
+  MoE MLP        router [E, h] (and GPT-OSS's bias [E]) replicated; the shared experts are megatron's SharedExpertMLP, a dense MLP at their
                  width (split over TP, replicated over EP, in the dense data-parallel group), Qwen2-MoE's gate [1, h]
                  replicated; the routed experts are toolkit/plan/experts.py's
   norms          input and pre-MLP norms replicated
@@ -31,7 +32,8 @@ from toolkit.plan.experts import (expert_params_per_layer_per_gpu, expert_tensor
 
 VOCAB_DIVISIBLE_BY = 128  # megatron's --make-vocab-size-divisible-by default; the padded vocab is split by tp
 # 1-D parameters: no weight decay, so DeepSpeed's second parameter group (toolkit/train/engine/hybrid.py)
-ONE_D_TENSORS = frozenset({"input_layernorm", "pre_mlp_layernorm", "linear_qkv_bias", "q_layernorm", "kv_layernorm"})
+ONE_D_TENSORS = frozenset({"input_layernorm", "pre_mlp_layernorm", "linear_qkv_bias", "q_layernorm", "kv_layernorm",
+                           "linear_proj_bias", "attention_sinks", "router_bias", "expert_fc1_bias", "expert_fc2_bias"})
 
 
 def padded_vocab_size(*, shape: ModelShape, tp: int) -> int:
@@ -63,13 +65,19 @@ def attention_tensors(*, shape: ModelShape, tp: int, layer_spec: str = "te") -> 
     found = {"linear_proj": heads * d * h, "linear_qkv": h * (heads + 2 * groups) * d}
     if shape.qkv_bias:
         found["linear_qkv_bias"] = (heads + 2 * groups) * d
+    if shape.output_bias:  # a row-parallel layer's bias is added after the all-reduce: whole on every TP rank
+        found["linear_proj_bias"] = h
+    if shape.attention_sinks:  # one logit per query head, split with the heads
+        found["attention_sinks"] = heads
     return found
 
 
 def mlp_tensors(*, shape: ModelShape, tp: int, moe: bool) -> dict[str, int]:
     """A dense MLP's tensors, or an MoE layer's router and shared experts (its routed experts: expert_tensors)."""
     if moe:
-        return {"router": shape.num_experts * shape.hidden_size} | shared_expert_tensors(shape=shape, tp=tp)
+        router = {"router": shape.num_experts * shape.hidden_size}
+        router |= {"router_bias": shape.num_experts} if shape.expert_bias else {}
+        return router | shared_expert_tensors(shape=shape, tp=tp)
     f = shape.ffn_hidden_size // tp
     return {"linear_fc1": shape.hidden_size * f * (2 if shape.gated_mlp else 1), "linear_fc2": f * shape.hidden_size}
 

@@ -197,11 +197,14 @@ def _param_devices_by_rank(chunks: list) -> list[str]:
 
 def _reference_model(info, hf_dir, task: str):
     """The HF model the logits are compared with: the checkpoint itself, or for a dsmt megatron checkpoint, the
-    HF checkpoint it was converted from (recorded in its metadata); loaded with the task's Auto class."""
+    HF checkpoint it was converted from (recorded in its metadata); loaded with the task's Auto class (a multimodal
+    checkpoint's language model: its `...ForConditionalGeneration`)."""
     import transformers
 
     auto_class = {"causal_lm": transformers.AutoModelForCausalLM, "masked_lm": transformers.AutoModelForMaskedLM,
                   "sequence_classification": transformers.AutoModelForSequenceClassification}[task]
+    if info.settings.family.multimodal_settings is not None:  # the multimodal class, fed input_ids only
+        auto_class = transformers.AutoModelForImageTextToText
     return auto_class.from_pretrained(hf_dir or info.source_checkpoint(), dtype=torch.float32,
                                       trust_remote_code=False).eval()
 

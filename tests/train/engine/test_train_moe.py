@@ -1,5 +1,6 @@
-"""Mixture-of-experts training: `dsmt train` of tiny Mixtral / Qwen3-MoE with expert parallelism inside DeepSpeed
-ZeRO against an independent one-process HF reference (reference_moe.py), load-balancing loss on."""
+"""Mixture-of-experts training: `dsmt train` of tiny Mixtral / Qwen3-MoE / DeepSeek-V3 / GPT-OSS with expert
+parallelism inside DeepSpeed ZeRO against an independent one-process HF reference (reference_moe.py), load-balancing
+loss on."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ LAYOUTS = {
     "mixtral-ep2-dp4-zero1": ("mixtral", dict(tp=1, dp=4, ep=2, zero=1, micro=1)),
     "qwen3_moe-tp2-ep2-dp2-zero2": ("qwen3_moe", dict(tp=2, dp=2, ep=2, zero=2, micro=2)),
     "deepseek_v3-tp2-ep2-dp2-zero1": ("deepseek_v3", dict(tp=2, dp=2, ep=2, zero=1, micro=2)),
+    # GPT-OSS: sinks, biases everywhere (the experts' fc2 bias added once over TP), the clamped SwiGLU, a window
+    "gpt_oss-tp2-ep2-dp2-zero2": ("gpt_oss", dict(tp=2, dp=2, ep=2, zero=2, micro=2)),
 }
 
 

@@ -47,6 +47,8 @@ RUNS = {
     # head norms after linear_qkv's delta, two RoPEs
     "gemma2-tp2-pp2": dict(model="gemma2", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
     "gemma3-tp2-dp2": dict(model="gemma3_text", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),
+    # ERNIE 4.5: its own attention class (interleaved-pair RoPE computed in fp32) after linear_qkv's delta, tied
+    "ernie4_5-tp2-dp2": dict(model="ernie4_5", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),
     "tp2-dp2-zero3": dict(model="llama", layout=dict(tp=2, pp=1, dp=2, zero=3), targets=None,
                           communication={"param_persistence_threshold_elements": 0}),
     # Llama-3.2-1B / Qwen2.5-0.5B style: tied embeddings (frozen under LoRA: no copies to synchronise) at PP > 1,
@@ -92,7 +94,8 @@ def lora_runs(tiny_llama, tmp_path_factory):
               "llama_tied": make_tiny_checkpoint(root / "llama-tied", model_type="llama", tie_word_embeddings=True,
                                                  vocab_size=251, seed=5),
               **{family: make_tiny_checkpoint(root / family, model_type=family, seed=6 + index)
-                 for index, family in enumerate(("granite", "olmo2", "starcoder2", "gemma2", "gemma3_text"))}}
+                 for index, family in enumerate(("granite", "olmo2", "starcoder2", "gemma2", "gemma3_text",
+                                                 "ernie4_5"))}}
     specs = {}
     for index, (name, run) in enumerate(RUNS.items()):
         model_dir = models[run["model"]]

@@ -51,8 +51,13 @@ def num_routed_experts(hf_config) -> int:
 
 def deepseek_fields(hf_config) -> dict:
     """The TransformerConfig fields both versions share: MLA, the dense / MoE layer pattern, the experts' sizes."""
+    return dict(mla_fields(hf_config), **deepseek_moe_fields(hf_config))
+
+
+def deepseek_moe_fields(hf_config) -> dict:
+    """The MoE part of `deepseek_fields`, also read by the families with DeepSeek's MoE layers and other attention
+    (GLM-4.5: glm4_moe.py)."""
     return dict(
-        mla_fields(hf_config),
         num_moe_experts=num_routed_experts(hf_config),
         moe_router_topk=hf_config.num_experts_per_tok,
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
@@ -72,8 +77,13 @@ def deepseek_fields(hf_config) -> dict:
 
 
 def deepseek_problems(hf_config) -> list[str]:
-    """What both versions refuse beyond MLA's own refusals."""
-    problems = mla_problems(hf_config)
+    """What both versions refuse: MLA's own refusals, then their MoE layers'."""
+    return mla_problems(hf_config) + deepseek_moe_problems(hf_config)
+
+
+def deepseek_moe_problems(hf_config) -> list[str]:
+    """What DeepSeek's MoE layers refuse (also for GLM-4.5's, glm4_moe.py)."""
+    problems = []
     freq = getattr(hf_config, "moe_layer_freq", 1)
     if freq != 1:
         problems.append(f"moe_layer_freq={freq}: transformers' DeepSeek model puts an MoE MLP on every layer from "

@@ -5,7 +5,7 @@ from toolkit.adapters.family import ModelFamily, register
 from toolkit.adapters.families.deepseek import (deepseek_fields, deepseek_problems, deepseek_weights, edit_routers,
                                                 group_quirks, group_settings)
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
-from toolkit.adapters.mla import MLA_LOW_RANK_Q_ROWS, MLA_PLAIN_Q_ROWS
+from toolkit.adapters.mla import MLA_LOW_RANK_Q_ROWS, MLA_PLAIN_Q_ROWS, edit_mla_layer_spec
 from toolkit.adapters.routing import GroupLimitedTopk
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -45,4 +45,5 @@ DEEPSEEK_V2 = register(ModelFamily(
     untied_output=LM_HEAD, ignored_hf=ROTARY_BUFFERS, read_config=read_deepseek_v2_config,
     check_config=check_deepseek_v2_config, read_weights=lambda hf_config: deepseek_weights(hf_config, expert_bias=False),
     read_quirks=lambda hf_config: group_quirks(group_choice(hf_config)), edit_model=edit_routers,
+    edit_layer_spec=edit_mla_layer_spec,  # the latent norms at HF's eps (toolkit/adapters/mla.py)
 ))

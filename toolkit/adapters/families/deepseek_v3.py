@@ -7,7 +7,7 @@ from toolkit.adapters.family import ModelFamily, register
 from toolkit.adapters.families.deepseek import (deepseek_fields, deepseek_problems, deepseek_weights, edit_routers,
                                                 group_quirks, group_settings)
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
-from toolkit.adapters.mla import MLA_LOW_RANK_Q_ROWS, MLA_PLAIN_Q_ROWS
+from toolkit.adapters.mla import MLA_LOW_RANK_Q_ROWS, MLA_PLAIN_Q_ROWS, edit_mla_layer_spec
 from toolkit.adapters.routing import GroupLimitedTopk
 
 # HF ranks a group by the sum of its two best (score + bias); megatron by its top (k / topk_group).
@@ -15,9 +15,15 @@ HF_GROUP_SCORE_TOPK = 2
 
 
 def read_deepseek_v3_config(hf_config) -> dict:
+    return deepseek_fields(hf_config) | sigmoid_routing_fields(hf_config)
+
+
+def sigmoid_routing_fields(hf_config) -> dict:
+    """V3's router (also GLM-4.5's, glm4_moe.py): sigmoid scores, the fixed correction bias, megatron's own group
+    rule where it is HF's (`group_choice` otherwise)."""
     groups, chosen, topk = group_settings(hf_config)
     native_groups = groups > 1 and topk // chosen == HF_GROUP_SCORE_TOPK
-    return deepseek_fields(hf_config) | dict(
+    return dict(
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
         moe_router_bias_update_rate=0.0,  # the bias stays as published (HF keeps it a fixed buffer)
@@ -27,7 +33,12 @@ def read_deepseek_v3_config(hf_config) -> dict:
 
 
 def check_deepseek_v3_config(hf_config) -> list[str]:
-    problems = deepseek_problems(hf_config)
+    return deepseek_problems(hf_config) + sigmoid_routing_problems(hf_config)
+
+
+def sigmoid_routing_problems(hf_config) -> list[str]:
+    """The weighting of the chosen sigmoid scores megatron-core cannot reproduce."""
+    problems = []
     if hf_config.num_experts_per_tok > 1 and not hf_config.norm_topk_prob:
         problems.append("norm_topk_prob=false with sigmoid routing: megatron-core always renormalises the chosen "
                         "sigmoid scores (top-k > 1). Fix: none in dsmt for this checkpoint")
@@ -58,4 +69,5 @@ DEEPSEEK_V3 = register(ModelFamily(
     untied_output=LM_HEAD, ignored_hf=ROTARY_BUFFERS, read_config=read_deepseek_v3_config,
     check_config=check_deepseek_v3_config, read_weights=lambda hf_config: deepseek_weights(hf_config, expert_bias=True),
     read_quirks=lambda hf_config: group_quirks(group_choice(hf_config)), edit_model=edit_routers, read_passthrough=mtp_layers,
+    edit_layer_spec=edit_mla_layer_spec,  # the latent norms at HF's eps (toolkit/adapters/mla.py)
 ))

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from toolkit.adapters.config_checks import layer_type_problems
 from toolkit.adapters.family import ModelFamily, WeightMapping, register
 from toolkit.adapters.families.gemma2 import (GEMMA2_ARCHITECTURE, GEMMA2_WEIGHTS, check_gemma2_config,
                                               edit_gemma2_layer_spec, edit_gemma2_model, read_gemma2_config,
@@ -63,10 +64,7 @@ def check_gemma3_config(hf_config) -> list[str]:
     _, problem = local_rope_theta(hf_config)
     if problem:
         problems.append(problem)
-    unknown = sorted(set(getattr(hf_config, "layer_types", None) or ()) - {SLIDING, FULL})
-    if unknown:
-        problems.append(f"layer_types {unknown}: the gemma3_text adapter knows {SLIDING!r} and {FULL!r}")
-    return problems
+    return problems + layer_type_problems(hf_config, family="gemma3_text")
 
 
 class DualRotary(torch.nn.Module):

@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from toolkit.adapters.config_checks import attention_dropout_problems
 from toolkit.adapters.family import AdapterError, Architecture, ModelFamily, WeightMapping, register
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS, check_llama_config
 from toolkit.adapters.post_norms import NormThenAdd, fp32_rms_norm
@@ -116,11 +117,7 @@ def edit_olmo2_layer_spec(spec, *, config, settings, transformer_engine: bool):
 def check_olmo2_config(hf_config) -> list[str]:
     problems = [p.replace("llama adapter", "olmo2 adapter (released OLMo-2 sets it false)")
                 for p in check_llama_config(hf_config)]
-    dropout = float(getattr(hf_config, "attention_dropout", 0.0) or 0.0)
-    if dropout:
-        problems.append(f"attention_dropout={dropout}: the olmo2 adapter trains without dropout (OLMo-2 releases "
-                        "set 0.0); set it to 0.0 in config.json")
-    return problems
+    return problems + attention_dropout_problems(hf_config, family="olmo2", released="OLMo-2 releases set 0.0")
 
 
 OLMO2 = register(ModelFamily(

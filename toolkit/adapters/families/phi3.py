@@ -1,7 +1,11 @@
-"""Phi-3 (HF `Phi3ForCausalLM`): the Llama computation with q, k, v stored as ONE `qkv_proj` ([q ; k ; v] rows)
-and gate / up as ONE `gate_up_proj` ([gate ; up] rows). Long-RoPE scaling (Phi-3 *-128k, Phi-3.5-mini) runs on
-toolkit/adapters/longrope.py; partial rotary embeddings (Phi-4-mini) are refused by name. The sliding window
-(Phi-3-mini-4k: 2047) is megatron-core's `window_size` (toolkit/adapters/window.py)."""
+"""Phi-3 / Phi-3.5 / Phi-4-mini (HF `Phi3ForCausalLM`): the Llama computation with q, k, v stored as ONE `qkv_proj`
+([q ; k ; v] rows) and gate / up as ONE `gate_up_proj` ([gate ; up] rows). Long-RoPE scaling (Phi-3 *-128k,
+Phi-3.5-mini, Phi-4-mini) runs on toolkit/adapters/longrope.py. Partial rotary embeddings (Phi-4-mini:
+partial_rotary_factor 0.75, 96 of 128 dims) are megatron's `rotary_percent` (toolkit/adapters/hf_config.py
+`partial_rotary`): HF's phi3 `apply_rotary_pos_emb` rotates the first int(head_dim x factor) dims of each head,
+rotate_half style, and passes the rest, as megatron's unfused RoPE does; with long-RoPE the attention factor then goes
+on cos / sin, not on the scores (longrope.py). The sliding window (Phi-3-mini-4k: 2047) is megatron-core's
+`window_size` (toolkit/adapters/window.py)."""
 
 from toolkit.adapters.family import ModelFamily, WeightMapping, register
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS, check_llama_config
@@ -26,12 +30,6 @@ PHI3_WEIGHTS = (
 
 def check_phi3_config(hf_config) -> list[str]:
     problems = list(check_llama_config(hf_config))
-    params = {**(getattr(hf_config, "rope_scaling", None) or {}), **(getattr(hf_config, "rope_parameters", None) or {})}
-    partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
-    if partial != 1.0:
-        problems.append(f"partial_rotary_factor={partial} (Phi-4-mini): only full rotary embeddings (1.0) are "
-                        "supported (long-RoPE's attention factor is reproduced as a score scale, exact only when the "
-                        "rotation covers the whole head)")
     dropouts = {name: getattr(hf_config, name, 0.0) for name in ("resid_pdrop", "embd_pdrop", "attention_dropout")}
     if any(dropouts.values()):
         problems.append(f"dropout {dropouts}: the phi3 adapter trains without dropout (Phi-3 releases set 0.0); "

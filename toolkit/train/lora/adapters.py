@@ -82,6 +82,10 @@ def family_modules(family) -> list[LoraModule]:
     if family.is_encoder:
         raise LoraError(f"training.lora on {family.model_type} (an encoder): dsmt's LoRA supports the decoder "
                         "families (GPTModel chunks) only; fine-tune the encoder fully (remove training.lora)")
+    if family.multimodal_settings is not None:  # toolkit/adapters/multimodal.py
+        raise LoraFamilyError(f"training.lora on {family.model_type}: a multimodal checkpoint's PEFT adapter would "
+                              "name its modules by target name alone, the vision tower's q_proj / fc1 included, and "
+                              "dsmt writes the language model's paths in the checkpoint's naming, not PEFT's")
     rows = {row.megatron: row for row in family.weights}
     if "decoder.layers.*.self_attention.linear_kv_down_proj.weight" in rows:
         raise LoraFamilyError(f"training.lora on {family.model_type}: multi-latent attention's projections (q_a / "
