@@ -1,5 +1,5 @@
 """CI runs the README's test command as a user pastes it (.ci/run), and lints before the tests: a lint finding fails
-CI in seconds, not after the ~20 minutes of pytest."""
+CI in seconds, not after the ~24 minutes of pytest."""
 
 from pathlib import Path
 
