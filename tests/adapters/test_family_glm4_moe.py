@@ -38,10 +38,11 @@ def test_settings_read_from_the_config():
         == (2, 1, 2.5)
     assert fields["moe_shared_expert_intermediate_size"] == 32 and fields["ffn_hidden_size"] == 96
     assert "multi_latent_attention" not in fields and fields["moe_router_load_balancing_type"] == "none"
-    assert settings.quirks == {"rotary_percent": 0.5} and settings.passthrough_hf == ("model.layers.4.*",)
+    assert settings.quirks == {} and settings.rope_scaling == {"rotary_percent": 0.5}  # GPTModel's argument
+    assert settings.passthrough_hf == ("model.layers.4.*",)
     plain = model_settings(tiny_config("glm4_moe", use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0))
     assert not plain.transformer_fields["qk_layernorm"] and not plain.transformer_fields["add_qkv_bias"]
-    assert plain.quirks == {}
+    assert plain.quirks == {} and plain.rope_scaling is None
     # k / topk_group != 2: HF's group rule replaces megatron's, as for DeepSeek-V3
     grouped = model_settings(tiny_config("glm4_moe", n_routed_experts=8, n_group=4, topk_group=2))
     assert grouped.quirks["group_choice"].group_score_topk == 2 and grouped.transformer_fields["moe_router_num_groups"] is None
@@ -49,23 +50,20 @@ def test_settings_read_from_the_config():
 
 def test_partial_rotary_equals_transformers():
     """The first half of each head rotates (rotate_half over that half), the rest passes: HF's
-    apply_rotary_pos_emb and megatron's unfused RoPE with the rotary edit_model builds."""
+    apply_rotary_pos_emb and megatron's unfused RoPE with the rotary GPTModel builds from the settings."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding, apply_rotary_pos_emb
 
-    from toolkit.adapters.families.glm4_moe import edit_glm4_moe_model
     from toolkit.backend import cpu
 
     cpu.install()
     config = tiny_config("glm4_moe")
     settings = model_settings(config)
-    host = torch.nn.Module()  # what edit_model reads from a GPTModel
-    host.rotary_pos_emb = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)
-    host.config = type("Config", (), {"kv_channels": 16, "rotary_interleaved": False})
-    edit_glm4_moe_model(host, settings=settings)
+    rotary = RotaryEmbedding(kv_channels=16, rotary_percent=settings.rope_scaling["rotary_percent"],
+                             rotary_base=settings.rotary_base, use_cpu_initialization=True)  # as GPTModel builds it
     seq_len = 12
-    freqs = host.rotary_pos_emb(seq_len)  # [s, 1, 1, 8]
+    freqs = rotary(seq_len)  # [s, 1, 1, 8]
     assert freqs.shape[-1] == 8
     torch.manual_seed(0)
     q, k = torch.randn(2, 8, seq_len, 16), torch.randn(2, 2, seq_len, 16)  # HF [b, heads, s, d]

@@ -141,21 +141,21 @@ class Moments:
 
 
 class BuildTracker:
-    """Peak bytes of parameter data (whole tensors plus ZeRO-3 partitions) while chunks are built and loaded,
-    sampled whenever a parameter is registered (a module under construction) and inside every ZeRO-3 gather (the
-    load writes one gathered parameter at a time); tests/train/engine/test_train_zero3.py tracks elements the same
-    way."""
+    """Peak parameter data (whole tensors plus ZeRO-3 partitions), in bytes and in elements, while chunks are built
+    and loaded, sampled whenever a parameter is registered (a module under construction) and inside every ZeRO-3
+    gather (the load writes one gathered parameter at a time). Parameters are the only model-sized allocations of
+    build and load. Used here and by tests/train/engine/test_train_zero3.py's rank probe."""
 
     def __init__(self):
-        self.params, self.peak_bytes = [], 0
+        self.params, self.peak_bytes, self.peak_elements = [], 0, 0
 
     def sample(self) -> None:
         def held(param) -> int:
             partition = getattr(param, "ds_tensor", None)
-            size = param.data.numel() + (partition.numel() if partition is not None else 0)
-            return size * param.element_size()
+            return param.data.numel() + (partition.numel() if partition is not None else 0)
 
-        self.peak_bytes = max(self.peak_bytes, sum(held(p) for p in self.params))
+        self.peak_bytes = max(self.peak_bytes, sum(held(p) * p.element_size() for p in self.params))
+        self.peak_elements = max(self.peak_elements, sum(held(p) for p in self.params))
 
     def __enter__(self):
         import deepspeed

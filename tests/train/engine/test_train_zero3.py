@@ -16,43 +16,6 @@ pytestmark = pytest.mark.multiproc
 THRESHOLD_0 = {"communication": {"param_persistence_threshold_elements": 0}}
 
 
-class ParamTracker:
-    """Peak of the parameter elements materialised on this rank: whole data plus ZeRO-3 partitions, summed over
-    every parameter created so far, sampled whenever a parameter is registered (a module under construction)
-    and inside every gather (loading). Parameters are the only model-sized allocations of build and load."""
-
-    def __init__(self):
-        self.params, self.peak = [], 0
-
-    def sample(self):
-        live = sum(p.data.numel() + (p.ds_tensor.numel() if getattr(p, "ds_tensor", None) is not None else 0)
-                   for p in self.params)
-        self.peak = max(self.peak, live)
-
-    def install(self, monkey):
-        import deepspeed
-        import torch
-
-        register, enter = torch.nn.Module.register_parameter, deepspeed.zero.GatheredParameters.__enter__
-        tracker = self
-
-        def register_parameter(module, name, param):
-            register(module, name, param)
-            if param is not None and all(param is not p for p in tracker.params):
-                tracker.params.append(param)
-            tracker.sample()
-
-        def gathered_enter(context):
-            result = enter(context)
-            tracker.sample()
-            return result
-
-        monkey.append((torch.nn.Module, "register_parameter", register))
-        monkey.append((deepspeed.zero.GatheredParameters, "__enter__", enter))
-        torch.nn.Module.register_parameter = register_parameter
-        deepspeed.zero.GatheredParameters.__enter__ = gathered_enter
-
-
 def probe(spec_path: str, out_dir: str) -> None:
     """One rank: build + load at ZeRO-3 with the peak tracked, compare every value with an unpartitioned load,
     then hand the chunks to the engine and check they stay partitioned."""
@@ -62,6 +25,7 @@ def probe(spec_path: str, out_dir: str) -> None:
     from megatron.core import parallel_state
 
     from toolkit import backend as backends
+    from tests.plan.live_tensors import BuildTracker  # the repository is on the ranks' path (tests/ranks.py)
     from toolkit.adapters.load import canonical_parameters, canonical_tensors
     from toolkit.generate.deepspeed_config import build_deepspeed_config
     from toolkit.convert.chunks import load_model_chunks
@@ -76,12 +40,9 @@ def probe(spec_path: str, out_dir: str) -> None:
     init_process_groups(layout=parallel, dist_backend="gloo")
     backends.current().seed(spec.training.seed)
     ds_config = build_deepspeed_config(spec=spec, layout=layout)
-    tracker, restore = ParamTracker(), []
-    tracker.install(restore)
-    chunks, info = load_model_chunks(checkpoint=Path(spec.model.path), layout=parallel, params_dtype=torch.float32,
-                                     zero3_config=ds_config)
-    for owner, name, original in restore:
-        setattr(owner, name, original)
+    with BuildTracker() as tracker:
+        chunks, info = load_model_chunks(checkpoint=Path(spec.model.path), layout=parallel,
+                                         params_dtype=torch.float32, zero3_config=ds_config)
     params = canonical_parameters(chunks)
     dp = parallel_state.get_data_parallel_world_size()
     layers = {}
@@ -93,15 +54,12 @@ def probe(spec_path: str, out_dir: str) -> None:
         "total": sum(p.ds_numel for p in params.values()),
         "share": sum(p.ds_tensor.numel() for p in params.values()),
         "largest_module": max(layers.values()),
-        "peak": tracker.peak,
+        "peak": tracker.peak_elements,
         "partition_ok": all(p.numel() == 0 and p.ds_tensor.numel() == -(-p.ds_numel // dp) for p in params.values()),
     }
-    unpartitioned, restore = ParamTracker(), []
-    unpartitioned.install(restore)
-    reference, _ = load_model_chunks(checkpoint=Path(spec.model.path), layout=parallel, params_dtype=torch.float32)
-    for owner, name, original in restore:
-        setattr(owner, name, original)
-    report["peak_unpartitioned"] = unpartitioned.peak
+    with BuildTracker() as unpartitioned:
+        reference, _ = load_model_chunks(checkpoint=Path(spec.model.path), layout=parallel, params_dtype=torch.float32)
+    report["peak_unpartitioned"] = unpartitioned.peak_elements
     expected, worst = canonical_tensors(reference), 0.0
     for name, p in params.items():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=None):

@@ -9,8 +9,8 @@ What it takes from where (transformers 5.25 modeling_glm4_moe, read line by line
   RoPE        partial: the first int(head_dim x partial_rotary_factor) dims of each head rotate, rotate_half style
               (the two halves of that slice, not interleaved pairs), the rest pass through; inverse frequencies
               over that rotary width. This is megatron's RotaryEmbedding with `rotary_percent` and
-              `rotary_interleaved=False` (`_apply_rotary_pos_emb_bshd` rotates t[..., :rot_dim]); GPTModel takes
-              rotary_percent as an argument, not a config field, so `edit_model` builds the model's rotary with it.
+              `rotary_interleaved=False` (`_apply_rotary_pos_emb_bshd` rotates t[..., :rot_dim]), as Phi-4-mini's:
+              the shared RoPE reading (hf_config.partial_rotary) hands GPTModel its `rotary_percent`.
   MoE         DeepSeek-V3's (deepseek.py, deepseek_v3.py): router computed in fp32 (HF keeps gate.weight and the bias
               in fp32, `_keep_in_fp32_modules_strict`; megatron's parameters share one dtype, so a bf16 model
               holds gate.weight rounded to bf16, as DeepSeek-V3's, and conversion says so), sigmoid scores, experts chosen by score +
@@ -39,7 +39,7 @@ from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
 from toolkit.adapters.families.moe import DENSE_MLP, LLAMA_WITHOUT_MLP
 from toolkit.adapters.families.qwen2 import QKV_BIAS
 from toolkit.adapters.families.qwen3 import QK_NORMS
-from toolkit.adapters.hf_config import rope_parameters, rope_settings
+from toolkit.adapters.hf_config import partial_rotary, rope_parameters, rope_settings
 
 # Every row any GLM-4.5 config can have; `glm4_moe_weights` picks one config's.
 GLM4_MOE_WEIGHTS = (LLAMA_WITHOUT_MLP + (QKV_BIAS,) + QK_NORMS + DENSE_MLP + ROUTED_EXPERTS + SHARED_EXPERTS
@@ -50,12 +50,6 @@ def glm4_moe_weights(hf_config) -> tuple:
     """The table of one config: q / k / v biases only with `attention_bias`, q / k norms only with `use_qk_norm`."""
     dropped = (() if hf_config.attention_bias else (QKV_BIAS,)) + (() if hf_config.use_qk_norm else QK_NORMS)
     return tuple(row for row in GLM4_MOE_WEIGHTS if row not in dropped)
-
-
-def rotary_percent(hf_config) -> float:
-    """HF's `partial_rotary_factor` (in rope_parameters in transformers 5; Glm4MoeConfig defaults it to 0.5)."""
-    params = rope_parameters(hf_config)
-    return float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
 
 
 def read_glm4_moe_config(hf_config) -> dict:
@@ -69,13 +63,11 @@ def read_glm4_moe_config(hf_config) -> dict:
 
 def check_glm4_moe_config(hf_config) -> list[str]:
     problems = deepseek_moe_problems(hf_config) + sigmoid_routing_problems(hf_config)
-    _, _, rope_problem = rope_settings(hf_config)
+    _, _, rope_problem = rope_settings(hf_config)  # the partial rotary's width too (hf_config.partial_rotary)
     if rope_problem:
         problems.append(rope_problem)
-    percent, rope_type = rotary_percent(hf_config), rope_parameters(hf_config)["rope_type"]
-    if not 0.0 < percent <= 1.0:
-        problems.append(f"partial_rotary_factor={percent}: the rotated share of each head must be in (0, 1]. "
-                        "Fix: correct config.json")
+    params = rope_parameters(hf_config)
+    (percent, _, _), rope_type = partial_rotary(hf_config, params=params), params["rope_type"]
     if percent < 1.0 and rope_type != "default":
         problems.append(f"rope_type {rope_type!r} with partial_rotary_factor={percent}: dsmt's glm4_moe adapter "
                         "rotates part of each head with default RoPE only (every GLM-4.5 / 4.6 release). Fix: none "
@@ -84,9 +76,8 @@ def check_glm4_moe_config(hf_config) -> list[str]:
 
 
 def read_glm4_moe_quirks(hf_config) -> dict:
-    """HF's group choice where megatron's rule differs (deepseek_v3.py), and the rotated share of each head."""
-    percent = rotary_percent(hf_config)
-    return group_quirks(group_choice(hf_config)) | ({"rotary_percent": percent} if percent < 1.0 else {})
+    """HF's group choice where megatron's rule differs (deepseek_v3.py)."""
+    return group_quirks(group_choice(hf_config))
 
 
 def edit_glm4_moe_layer_spec(spec, *, config, settings, transformer_engine: bool):
@@ -99,27 +90,10 @@ def edit_glm4_moe_layer_spec(spec, *, config, settings, transformer_engine: bool
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
-def edit_glm4_moe_model(model, *, settings) -> None:
-    """HF's group choice on the routers (where needed); the rotary embedding over the first `rotary_percent` of
-    each head, built by megatron's own class as GPTModel would with that argument."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    edit_routers(model, settings=settings)
-    percent = settings.quirks.get("rotary_percent")
-    full = getattr(model, "rotary_pos_emb", None)
-    if percent is None or full is None:
-        return
-    partial = RotaryEmbedding(kv_channels=model.config.kv_channels, rotary_percent=percent,
-                              rotary_interleaved=model.config.rotary_interleaved, rotary_base=settings.rotary_base,
-                              use_cpu_initialization=True, cp_group=full.cp_group)
-    partial.inv_freq = partial.inv_freq.to(full.inv_freq.device)
-    model.rotary_pos_emb, model.rotary_percent = partial, percent
-
-
 GLM4_MOE = register(ModelFamily(
     model_type="glm4_moe", hf_architecture="Glm4MoeForCausalLM", weights=GLM4_MOE_WEIGHTS, untied_output=LM_HEAD,
     ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qk_norm=True, qkv_bias=True),
     read_config=read_glm4_moe_config, check_config=check_glm4_moe_config, read_weights=glm4_moe_weights,
-    read_quirks=read_glm4_moe_quirks, edit_layer_spec=edit_glm4_moe_layer_spec, edit_model=edit_glm4_moe_model,
+    read_quirks=read_glm4_moe_quirks, edit_layer_spec=edit_glm4_moe_layer_spec, edit_model=edit_routers,
     read_passthrough=mtp_layers,
 ))

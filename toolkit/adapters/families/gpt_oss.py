@@ -37,7 +37,7 @@ import dataclasses
 
 import torch
 
-from toolkit.adapters.config_checks import STATIC_ROPE_TYPES, attention_dropout_problems, layer_type_problems
+from toolkit.adapters.config_checks import attention_dropout_problems, layer_type_problems, static_rope_problems
 from toolkit.adapters.family import AdapterError, Architecture, ModelFamily, WeightMapping, register
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
 from toolkit.adapters.families.moe import LLAMA_WITHOUT_MLP, moe_fields, moe_problems
@@ -112,21 +112,9 @@ def read_gpt_oss_config(hf_config) -> dict:
     return fields
 
 
-def rope_problems(hf_config) -> list[str]:
-    rope = rope_parameters(hf_config)
-    problems = []
-    if rope["rope_type"] not in STATIC_ROPE_TYPES:
-        problems.append(f"rope_parameters.rope_type={rope['rope_type']!r}: the gpt_oss adapter reproduces RoPE kinds "
-                        f"with fixed frequencies ({', '.join(STATIC_ROPE_TYPES)}; released: yarn)")
-    partial = float(rope.get("partial_rotary_factor", 1.0) or 1.0)
-    if partial != 1.0:
-        problems.append(f"rope_parameters.partial_rotary_factor={partial}: GPT-OSS rotates the whole head (HF's "
-                        "GptOssAttention has no partial rotary); use 1.0 as released")
-    return problems
-
-
 def check_gpt_oss_config(hf_config) -> list[str]:
-    problems = moe_problems(hf_config, renormalise=True) + rope_problems(hf_config)
+    problems = moe_problems(hf_config, renormalise=True) + static_rope_problems(
+        rope_parameters(hf_config), family="gpt_oss", field="rope_parameters", released="released: yarn")
     if not getattr(hf_config, "attention_bias", True):
         problems.append("attention_bias=False: the gpt_oss adapter reproduces the released layout with biases on "
                         "q / k / v / o (megatron's add_bias_linear also gives the router and experts theirs); "

@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from toolkit.adapters.config_checks import STATIC_ROPE_TYPES, attention_dropout_problems, layer_type_problems
+from toolkit.adapters.config_checks import attention_dropout_problems, layer_type_problems, static_rope_problems
 from toolkit.adapters.family import AdapterError, ModelFamily, register
 from toolkit.adapters.families.gemma3 import DualRotary, per_layer_rope_attention_class
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
@@ -61,19 +61,10 @@ def rope_of_kind(hf_config, kind: str) -> dict:
 
 
 def rope_problems(hf_config) -> list[str]:
-    problems = []
-    for kind in sorted(set(hf_config.layer_types) & {SLIDING, FULL}):
-        rope = rope_of_kind(hf_config, kind)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in STATIC_ROPE_TYPES:
-            problems.append(f"rope_parameters.{kind}.rope_type={rope_type!r}: the olmo3 adapter reproduces the "
-                            f"RoPE kinds with fixed frequencies ({', '.join(STATIC_ROPE_TYPES)}; released OLMo-3: "
-                            "default on sliding layers, yarn on full ones)")
-        partial = float(rope.get("partial_rotary_factor", 1.0) or 1.0)
-        if partial != 1.0:
-            problems.append(f"rope_parameters.{kind}.partial_rotary_factor={partial}: the olmo3 adapter scales "
-                            "scores by the attention factor over a fully rotated head; use 1.0 (as released)")
-    return problems
+    return [problem for kind in sorted(set(hf_config.layer_types) & {SLIDING, FULL})
+            for problem in static_rope_problems(rope_of_kind(hf_config, kind), family="olmo3",
+                                                field=f"rope_parameters.{kind}",
+                                                released="released OLMo-3: default on sliding layers, yarn on full ones")]
 
 
 def check_olmo3_config(hf_config) -> list[str]:
