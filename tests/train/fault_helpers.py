@@ -61,12 +61,32 @@ def rank_pids(output_dir: Path, *, nprocs: int) -> dict[int, int]:
 
 
 def rank_at_step(output_dir: Path, *, rank: int, step: int) -> bool:
-    """Whether `rank` is training step `step` or a later one (its heartbeat's phase)."""
+    """Whether `rank` is training step `step` or a later one: its heartbeat's phase ("step N", "saving step_N"),
+    or a line of metrics.jsonl for step `step` or later (rank 0 writes it once every rank finished that step's
+    collectives). Heartbeats are samples, one a second: a short run can train and save between two of them, which
+    metrics.jsonl, one line per step, cannot miss."""
     try:
         phase = json.loads((output_dir / "logs" / f"rank{rank}.heartbeat.json").read_text())["phase"]
     except (OSError, ValueError):
-        return False
-    return phase.startswith("step ") and int(phase.split()[1]) >= step
+        phase = ""
+    for prefix in ("step ", "saving step_"):
+        if phase.startswith(prefix) and int(phase[len(prefix):]) >= step:
+            return True
+    return any(record.get("step", 0) >= step for record in _metrics(output_dir))
+
+
+def _metrics(output_dir: Path) -> list[dict]:
+    try:
+        lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # the line being written
+            pass
+    return records
 
 
 def job_processes(launcher: subprocess.Popen, output_dir: Path, *, nprocs: int) -> list[psutil.Process]:
