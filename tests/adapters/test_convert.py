@@ -57,7 +57,7 @@ def test_bf16_sharded_checkpoint_round_trips_in_bf16_and_reshards(tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["granite", "starcoder2", "olmo2", "gemma2", "gemma3_text", "seed_oss", "smollm3",
-                                        "ernie4_5", "olmo3", "exaone4", "gpt_oss"])
+                                        "ernie4_5", "olmo3", "exaone4", "gpt_oss", "qwen3_next", "llama4_text"])
 def test_bf16_round_trip_of_the_newer_families_is_bit_exact(model_type, tmp_path):
     source = make_tiny_checkpoint(tmp_path / "hf", model_type=model_type, dtype=torch.bfloat16)
     mcore, back = round_trip(source, tmp_path)

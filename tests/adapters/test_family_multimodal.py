@@ -16,10 +16,12 @@ from toolkit.adapters.multimodal import WRAPPERS
 from toolkit.models.tiny_multimodal import tiny_multimodal_config
 
 WRAPPER = {wrapper.model_type: wrapper for wrapper in WRAPPERS}
-MODEL_TYPES = ("gemma3", "mistral3", "qwen2_5_vl")
+MODEL_TYPES = ("gemma3", "mistral3", "qwen2_5_vl", "llama4")
 # what `save_pretrained` (transformers 5) writes, and transformers 5's module names
-SAVED = {"gemma3": "language_model.model.", "mistral3": "language_model.model.", "qwen2_5_vl": "model."}
-MODULE = "model.language_model."
+SAVED = {"gemma3": "language_model.model.", "mistral3": "language_model.model.", "qwen2_5_vl": "model.",
+         "llama4": "language_model.model."}
+MODULE = "model.language_model."  # Llama 4's module names are its saved names (transformers 5 kept them)
+MODULES = {"llama4": "language_model.model."}
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -49,7 +51,7 @@ def test_both_namings_cover_the_checkpoint_and_every_other_tensor_passes_through
         with safe_open(str(tmp_path / model_type / "model.safetensors"), "pt") as handle:
             saved = list(handle.keys())
         modules = [name for name in model.state_dict() if not (config.tie_word_embeddings and name == "lm_head.weight")]
-        for names, prefix in ((saved, SAVED[model_type]), (modules, MODULE)):
+        for names, prefix in ((saved, SAVED[model_type]), (modules, MODULES.get(model_type, MODULE))):
             settings = model_settings(config, tensor_names=names)
             assert settings.family.weights[0].hf == (prefix + "embed_tokens.weight",), model_type
             assert check_hf_coverage(items=settings.load_items(), hf_names=names, ignored=settings.ignored_hf(),

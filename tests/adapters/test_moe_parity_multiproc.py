@@ -2,8 +2,8 @@
 (renormalised top-2), Qwen3-MoE (raw top-2 probabilities, and renormalised), DeepSeek-V2-Lite-shaped (multi-latent
 attention with a plain q projection, YaRN, a dense first layer, shared experts; and its group_limited_greedy routing),
 DeepSeek-V3-shaped (low-rank q, sigmoid routing in expert groups over a correction bias), Qwen1.5-MoE-shaped
-(gated shared expert, a dense layer in the middle) and GLM-4.5-shaped (V3's routing, grouped-query attention with
-biases, q / k norms and partial RoPE), straight from the HF checkpoints and from their streamed dsmt
+(gated shared expert, a dense layer in the middle), GLM-4.5-shaped (V3's routing, grouped-query attention with
+biases, q / k norms and partial RoPE), GPT-OSS-, Qwen3-Next- and Llama-4-shaped, straight from the HF checkpoints and from their streamed dsmt
 conversions (dist_checkpointing spreads the stored experts over the EP ranks), all in one launch per layout. With
 ep = 2 the world is tp x pp x 2: two data-parallel replicas fed the same tokens, exchanging them through megatron's
 all-to-all dispatcher. Measured: <= 3.0e-7 (fp32)."""
@@ -32,6 +32,12 @@ MODELS = {
     # GPT-OSS-shaped: sinks, q / k / v / o biases, windowed and full layers, YaRN, biased experts stacked in the
     # checkpoint with interleaved gate / up, the clamped SwiGLU
     "gpt_oss": dict(model_type="gpt_oss", seed=21),
+    # Qwen3-Next-shaped: Gated DeltaNet layers (conv, delta rule, gated norm; HF's per-key-head interleave split over
+    # TP) around one gated full-attention layer with partial RoPE, zero-centred norms, a gated shared expert
+    "qwen3_next": dict(model_type="qwen3_next", seed=23),
+    # Llama-4-shaped: dense and MoE layers interleaved, top-1 sigmoid routing applied to the expert input, a shared
+    # expert, stacked transposed experts, a NoPE layer with temperature tuning, chunked attention with L2 q / k norm
+    "llama4_text": dict(model_type="llama4_text", seed=22),
 }
 
 

@@ -67,7 +67,7 @@ def converted(tiny_checkpoints, tmp_path_factory):
 
 # Multimodal checkpoints (`...ForConditionalGeneration`, toolkit/models/tiny_multimodal.py): their language model
 # against transformers' image-text class fed input_ids only, the vision tower passed through; at TP <= 2.
-MULTIMODAL = {"gemma3": 23, "mistral3": 24, "qwen2_5_vl": 25}
+MULTIMODAL = {"gemma3": 23, "mistral3": 24, "qwen2_5_vl": 25, "llama4": 26}
 
 
 @pytest.fixture(scope="module")

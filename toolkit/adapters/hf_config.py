@@ -86,7 +86,7 @@ def rope_parameters(hf_config) -> dict:
 # Model types whose transformers attention rotates only the first int(head_dim * partial_rotary_factor) dims of each
 # head (phi3's and glm4_moe's `apply_rotary_pos_emb` split q / k into rotated and passed parts, rotate_half over the
 # rotated part): megatron's `rotary_percent`, the same split. Other families' HF models ignore the field (Llama).
-PARTIAL_ROTARY_MODEL_TYPES = ("phi3", "glm4_moe")
+PARTIAL_ROTARY_MODEL_TYPES = ("phi3", "glm4_moe", "qwen3_next")
 
 
 def head_dim_of(hf_config) -> int:

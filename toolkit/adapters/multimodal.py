@@ -1,7 +1,8 @@
 """Multimodal checkpoints fine-tuned on their text: Gemma 3 4B / 12B / 27B (`gemma3`), Mistral-Small-3.1 / 3.2
-(`mistral3`) and Qwen2.5-VL (`qwen2_5_vl`) ship as `...ForConditionalGeneration`, a vision tower and a projector
-around a language model that is exactly a text family dsmt already has (gemma3_text, mistral, qwen2). dsmt trains
-that language model on text records, and carries every other tensor through conversion, training and export bit
+(`mistral3`), Qwen2.5-VL (`qwen2_5_vl`) and Llama 4 Scout / Maverick (`llama4`) ship as
+`...ForConditionalGeneration`, a vision tower and a projector around a language model that is exactly a text family
+dsmt already has (gemma3_text, mistral, qwen2, llama4_text). dsmt trains that language model on text records, and
+carries every other tensor through conversion, training and export bit
 for bit, so the exported folder loads as the same multimodal class with the same vision weights.
 
 What differs from the text family, all of it in the table below (`WRAPPERS`):
@@ -29,6 +30,7 @@ import functools
 from typing import Callable
 
 from toolkit.adapters.families.gemma3 import GEMMA3_TEXT
+from toolkit.adapters.families.llama4 import LLAMA4_TEXT
 from toolkit.adapters.families.mistral import MISTRAL
 from toolkit.adapters.families.qwen2 import QWEN2
 from toolkit.adapters.family import AdapterError, ModelFamily, WeightMapping, register
@@ -73,6 +75,11 @@ _LLAVA_LAYOUTS = (
     NameLayout("language_model.model.", "language_model.lm_head.weight", ("vision_tower.*", "multi_modal_projector.*")),
     NameLayout("model.language_model.", "lm_head.weight", ("model.vision_tower.*", "model.multi_modal_projector.*")),
 )
+# Llama 4's naming: its modules hold the text model as `language_model` (a Llama4ForCausalLM) beside
+# `vision_model` and `multi_modal_projector`, saved under those names.
+_LLAMA4_LAYOUTS = (
+    NameLayout("language_model.model.", "language_model.lm_head.weight", ("vision_model.*", "multi_modal_projector.*")),
+)
 # Qwen2-VL's naming: saved as a Qwen2 text model beside `visual.*`, then module names.
 _QWEN_VL_LAYOUTS = (
     NameLayout("model.", "lm_head.weight", ("visual.*",)),
@@ -108,6 +115,8 @@ WRAPPERS = (
     Wrapper("mistral3", "Mistral3ForConditionalGeneration", "mistral", MISTRAL, _LLAVA_LAYOUTS),
     # Qwen2_5_VLTextModel is Qwen2's layer (q / k / v biases, SwiGLU, RMSNorm) with multimodal RoPE, 1D on text.
     Wrapper("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text", QWEN2, _QWEN_VL_LAYOUTS),
+    # Llama4ForConditionalGeneration embeds the text with its language model's table and runs that model as it is.
+    Wrapper("llama4", "Llama4ForConditionalGeneration", "llama4_text", LLAMA4_TEXT, _LLAMA4_LAYOUTS),
 )
 
 

@@ -7,7 +7,8 @@ layers, heads, KV heads, FFN width, vocabulary, tied embeddings. They come from 
   * a built-in table of well-known models (`llama3-70b`), so planning works with no checkpoint on disk.
 The adapters (`toolkit/adapters`) do the full config translation for conversion; this module only reads shapes.
 DeepSeek-V2 / V3 (multi-latent attention, shared experts, dense first layers) and Qwen2-MoE (a gated shared expert,
-dense layers by `decoder_sparse_step` / `mlp_only_layers`) are read here too: toolkit/models/moe_shapes.py.
+dense layers by `decoder_sparse_step` / `mlp_only_layers`) are read here too: toolkit/models/moe_shapes.py; the
+token mixers of Qwen3-Next (Gated DeltaNet layers) and Llama 4 (chunked attention): toolkit/models/mixer_shapes.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 from pathlib import Path
 
 from toolkit.errors import DsmtError
+from toolkit.models.mixer_shapes import (ATTENTION, CHUNKED, LINEAR, GatedDeltaNetShape, attention_extras,
+                                         attention_softcap, llama4_text_fields, mixer_config_fields)
 from toolkit.models.moe_shapes import MlaShape, MoeConfigError, moe_config_fields
 
 
@@ -64,6 +67,17 @@ class ModelShape:
     attention_sinks: bool = False  # one learnable logit per query head joining each softmax (GPT-OSS)
     # GPT-OSS: the router [E, h] has a bias [E], and each expert biases on its fc1 [2f] and fc2 [h].
     expert_bias: bool = False
+    # Qwen3-Next: the layers whose token mixer is a Gated DeltaNet of these widths instead of softmax attention; its
+    # attention layers' q_proj also makes an output gate per channel ([2·a·d, h]), and they norm each q / k head ([d]
+    # weights); RoPE turns rotary_fraction of each head (partial_rotary_factor).
+    linear_attention: GatedDeltaNetShape | None = None
+    linear_attention_layers: tuple[int, ...] = ()
+    gated_query: bool = False
+    qk_norm: bool = False
+    rotary_fraction: float = 1.0
+    # Llama 4: the layers attending only within blocks of attention_chunk_size tokens (chunked local attention)
+    attention_chunk_size: int | None = None
+    chunked_attention_layers: tuple[int, ...] = ()
 
     @property
     def kv_channels(self) -> int:
@@ -81,7 +95,31 @@ class ModelShape:
     @property
     def rope_dim(self) -> int:
         """The dims RoPE rotates per head: MLA's decoupled qk_rope_head_dim, else the whole head."""
-        return self.mla.qk_rope_head_dim if self.mla else self.kv_channels
+        return self.mla.qk_rope_head_dim if self.mla else int(self.kv_channels * self.rotary_fraction)
+
+    def layer_mixer(self, layer: int) -> str:
+        """How layer `layer` mixes tokens: mixer_shapes.LINEAR (Gated DeltaNet), CHUNKED or ATTENTION."""
+        if layer in self.linear_attention_layers:
+            return LINEAR
+        return CHUNKED if layer in self.chunked_attention_layers else ATTENTION
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether layers differ in their token mixer (then the planner follows each layer's)."""
+        return bool(self.linear_attention_layers or self.chunked_attention_layers)
+
+    def layer_kinds(self, layers=None) -> dict[tuple[bool, str], int]:
+        """(is an MoE layer, token mixer) -> how many of `layers` (default: all) are of that kind."""
+        found: dict[tuple[bool, str], int] = {}
+        for i in range(self.num_layers) if layers is None else layers:
+            kind = (self.is_moe_layer(i), self.layer_mixer(i))
+            found[kind] = found.get(kind, 0) + 1
+        return found
+
+    def attention_keys(self, *, mixer: str, seq_length: int) -> int:
+        """The keys one query is scored against in a layer that computes only what its mask lets through: chunked
+        attention's min(s, chunk), else s."""
+        return min(seq_length, self.attention_chunk_size) if mixer == CHUNKED else seq_length
 
     @property
     def is_moe(self) -> bool:
@@ -124,7 +162,8 @@ class ModelShape:
         if self.mla:
             return self.mla.matrix_params(hidden_size=h, num_heads=heads)
         d = self.kv_channels
-        return h * d * (heads + 2 * self.num_kv_heads) + heads * d * h
+        gate = heads * d * h if self.gated_query else 0
+        return h * d * (heads + 2 * self.num_kv_heads) + heads * d * h + gate
 
     def attention_params(self) -> int:
         """One layer's attention parameters: the matrices, MLA's two latent norms, the q / k / v and output biases,
@@ -133,7 +172,16 @@ class ModelShape:
         if self.qkv_bias:
             extra += self.kv_channels * (self.num_attention_heads + 2 * self.num_kv_heads)
         extra += (self.hidden_size if self.output_bias else 0) + (self.num_attention_heads if self.attention_sinks else 0)
-        return self.attention_matrix_params() + extra
+        return self.attention_matrix_params() + extra + (2 * self.kv_channels if self.qk_norm else 0)
+
+    def mixer_params(self, mixer: str = ATTENTION) -> int:
+        """One layer's token mixer: a Gated DeltaNet's parameters on LINEAR layers, else the attention's."""
+        return self.linear_attention.params(hidden_size=self.hidden_size) if mixer == LINEAR else self.attention_params()
+
+    def mixer_matrix_params(self, mixer: str = ATTENTION) -> int:
+        if mixer == LINEAR:
+            return self.linear_attention.matrix_params(hidden_size=self.hidden_size)
+        return self.attention_matrix_params()
 
     def mlp_params(self, *, moe: bool) -> int:
         """One layer's MLP: dense at ffn_hidden_size, or the routed experts, router [E, h] and shared experts."""
@@ -150,26 +198,23 @@ class ModelShape:
                                   + self.expert_bias_params())
         return self.router_params() + routed + self.shared_expert_params()
 
-    def params_per_layer(self, *, moe: bool | None = None) -> int:
+    def params_per_layer(self, *, moe: bool | None = None, mixer: str = ATTENTION) -> int:
         """One layer's parameters (an MoE layer's when `moe`, default: whether the model is MoE)."""
         moe = self.is_moe if moe is None else moe
-        return self.attention_params() + self.mlp_params(moe=moe) + 2 * self.hidden_size  # two norms
+        return self.mixer_params(mixer) + self.mlp_params(moe=moe) + 2 * self.hidden_size  # two norms
 
     def num_params(self) -> int:
         """Parameter count of the unpadded model (norm weights, attention, router and expert biases included; the
         biases of dense MLPs and LayerNorms (GPT-2, StarCoder2), a few thousand per layer, not)."""
-        moe_layers = self.num_moe_layers
-        layers = (moe_layers * self.params_per_layer(moe=True)
-                  + (self.num_layers - moe_layers) * self.params_per_layer(moe=False))
+        layers = sum(count * self.params_per_layer(moe=moe, mixer=mixer)
+                     for (moe, mixer), count in self.layer_kinds().items())
         return layers + self.embedding_params() + self.hidden_size
 
     def active_params(self) -> int:
         """Parameters one token uses (MoE: the top-k experts of each MoE layer; embeddings and norms included)."""
-        moe_layers = self.num_moe_layers
-        per_layer = self.attention_params() + 2 * self.hidden_size
-        mlp = (moe_layers * self.active_mlp_params(moe=True)
-               + (self.num_layers - moe_layers) * self.active_mlp_params(moe=False))
-        return self.num_layers * per_layer + mlp + self.embedding_params() + self.hidden_size
+        layers = sum(count * (self.mixer_params(mixer) + 2 * self.hidden_size + self.active_mlp_params(moe=moe))
+                     for (moe, mixer), count in self.layer_kinds().items())
+        return layers + self.embedding_params() + self.hidden_size
 
     def embedding_params(self) -> int:
         """Input embedding plus output layer (counted once when tied)."""
@@ -199,6 +244,16 @@ def _gpt_oss(name, *, layers, experts):
     return ModelShape(name, 2880, layers, 64, 8, 2880, 201088, False, True, 131072, head_dim=64, num_experts=experts,
                       moe_topk=4, moe_ffn_hidden_size=2880, qkv_bias=True, output_bias=True, attention_sinks=True,
                       expert_bias=True)
+
+
+def _llama4(name, *, experts, moe_every, max_pos):
+    """A Llama 4 text shape (transformers' Llama4TextConfig defaults, Scout's: h 5120, 48 layers, 40 query / 8 KV heads
+    of 128, experts and shared expert of 8192, dense layers of 16384, vocabulary 202048, top-1, untied; chunks of
+    8192 tokens on the RoPE layers, all but every 4th)."""
+    return ModelShape(name, 5120, 48, 40, 8, 16384, 202048, False, True, max_pos, head_dim=128, num_experts=experts,
+                      moe_topk=1, moe_ffn_hidden_size=8192, shared_expert_ffn_hidden_size=8192,
+                      dense_layers=tuple(i for i in range(48) if (i + 1) % moe_every), attention_chunk_size=8192,
+                      chunked_attention_layers=tuple(i for i in range(48) if (i + 1) % 4))
 
 
 # Published shapes (config.json of each release).
@@ -243,6 +298,19 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
         ModelShape("glm-4.5-air", 4096, 46, 96, 8, 10944, 151552, False, True, 131072, head_dim=128, num_experts=128,
                    moe_topk=8, moe_ffn_hidden_size=1408, shared_expert_ffn_hidden_size=1408, dense_layers=(0,),
                    qkv_bias=True),
+        # Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults are its config.json but for intermediate_size,
+        # 5120 there, which no layer uses: every layer is MoE; and max_position_embeddings 262144): Gated DeltaNet on
+        # 3 of every 4 layers (16 key / 32 value heads of 128, conv kernel 4), gated attention on the 4th (16 query /
+        # 2 KV heads of 256, RoPE on a quarter), 512 experts of 512 top-10 and a gated shared expert of 512.
+        ModelShape("qwen3-next-80b-a3b", 2048, 48, 16, 2, 5120, 151936, False, True, 262144, head_dim=256,
+                   num_experts=512, moe_topk=10, moe_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512,
+                   shared_expert_gate=True, linear_attention=GatedDeltaNetShape(16, 32, 128, 128, 4),
+                   linear_attention_layers=tuple(i for i in range(48) if (i + 1) % 4), gated_query=True,
+                   qk_norm=True, rotary_fraction=0.25),
+        # Llama-4-Scout-17B-16E and Maverick-17B-128E's text_config (Scout: every layer MoE over 16 experts, context
+        # 10M; Maverick: 128 experts on every 2nd layer, interleave_moe_layer_step 2, context 1M).
+        _llama4("llama4-scout-17b-16e", experts=16, moe_every=1, max_pos=10485760),
+        _llama4("llama4-maverick-17b-128e", experts=128, moe_every=2, max_pos=1048576),
         _qwen2_moe("qwen1.5-moe-a2.7b", 2048, 24, 16, 16, 5632, experts=60, topk=4, moe_ffn=1408, shared=5632,
                    max_pos=8192),
         _qwen2_moe("qwen2-57b-a14b", 3584, 28, 28, 4, 18944, experts=64, topk=8, moe_ffn=2560, shared=20480,
@@ -321,6 +389,7 @@ def shape_from_fields(config: dict, *, name: str, gated_mlp: bool, kv_heads_repl
             vocab_size=_field(config, "vocab_size", name), tied_embeddings=config.get("tie_word_embeddings", True),
             gated_mlp=False, max_position_embeddings=config.get("n_positions", 1024),
         )
+    config = llama4_text_fields(config)  # a Llama 4 multimodal config not yet read through its wrapper
     heads = _field(config, "num_attention_heads", name)
     layers = _field(config, "num_hidden_layers", name)
     fields = dict(
@@ -329,31 +398,15 @@ def shape_from_fields(config: dict, *, name: str, gated_mlp: bool, kv_heads_repl
         ffn_hidden_size=_field(config, "intermediate_size", name), vocab_size=_field(config, "vocab_size", name),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=gated_mlp,
         max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
-        attention_softcap=_attention_softcap(config),
-        kv_heads_replicable=kv_heads_replicable, **_attention_extras(config, qkv_bias=qkv_bias),
+        attention_softcap=attention_softcap(config),
+        kv_heads_replicable=kv_heads_replicable, **attention_extras(config, qkv_bias=qkv_bias),
     )
     try:  # MoE (Mixtral, Qwen-MoE, DeepSeek) and multi-latent attention fields; they may replace the KV heads
         fields.update(moe_config_fields(config, num_layers=layers))
+        fields.update(mixer_config_fields(config, num_layers=layers))  # Qwen3-Next, Llama 4: after the MoE fields
     except MoeConfigError as err:
         raise ModelShapeError(f"{name}: {err}") from err
     return ModelShape(**fields)
-
-
-def _attention_extras(config: dict, *, qkv_bias: bool) -> dict:
-    """The attention's biases and sinks. `attention_bias` puts biases on q / k / v (Seed-OSS, GLM-4.5, GPT-OSS) and
-    on the output projection too where the family's code does (GPT-OSS; Seed-OSS when `attention_out_bias`; GLM-4.5
-    never); GPT-OSS adds a sink logit per head and biases on its router and experts."""
-    model_type = config.get("model_type")
-    # the config's own field decides where it has one (Seed-OSS and GLM-4.5 may turn the biases off), else the family
-    attention_bias = bool(config["attention_bias"]) if "attention_bias" in config else qkv_bias
-    gpt_oss = model_type == "gpt_oss"
-    output_bias = attention_bias and (gpt_oss or (model_type == "seed_oss" and bool(config.get("attention_out_bias"))))
-    return dict(qkv_bias=attention_bias, output_bias=output_bias, attention_sinks=gpt_oss, expert_bias=gpt_oss)
-
-
-def _attention_softcap(config: dict) -> float | None:
-    """Gemma 2's attn_logit_softcapping (Gemma 3 configs carry the field, but transformers does not apply it)."""
-    return (config.get("attn_logit_softcapping") or None) if config.get("model_type") == "gemma2" else None
 
 
 def _field(config: dict, key: str, name: str) -> int:

@@ -113,6 +113,30 @@ _FAMILY_FIELDS = {
                     rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16},
                     **_TOKEN_IDS),
+    # Llama 4 text: layers 1 and 3 MoE (4 experts, top-1, width 48, plus the shared expert), 0 and 2 dense (width
+    # 96), so each PP2 stage has both; layer 2 NoPE with temperature tuning that moves within 32 tokens (floor_scale
+    # 4) and no q / k norm, the others chunked (8 tokens, shorter than verify's 32) with the L2 q / k norm;
+    # head_dim 16 (not hidden / heads), llama3-scaled RoPE as Scout (so max_position_embeddings is past its
+    # original 8192).
+    "llama4_text": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size=48,
+                        intermediate_size_mlp=96, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
+                        attention_chunk_size=8, floor_scale=4, attn_scale=0.5, use_qk_norm=True,
+                        attention_dropout=0.0, max_position_embeddings=65536,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192},
+                        **_TOKEN_IDS),
+    # Qwen3-Next: DeltaNet layers 0, 2, 3 and full attention on layer 1 (each PP2 stage then has a different mix,
+    # so a stage numbering its layers from 0 builds the wrong kinds); 2 key heads serving 2 value heads each (HF's
+    # per-key-head interleave of in_proj_qkvz / in_proj_ba shows at TP 2), key and value head dims that differ;
+    # gated attention with RoPE on 4 of head_dim 16 (partial_rotary_factor 0.25, as released); 4 experts top-2
+    # renormalised plus the gated shared expert, layer 2 dense. Zero-centred norms are randomised around 1 here.
+    "qwen3_next": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=[2], linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=12, linear_conv_kernel_dim=4, attention_dropout=0.0,
+                       layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                       **_TOKEN_IDS),
     "gpt2": dict(n_embd=64, n_inner=96, n_layer=4, n_head=8, n_positions=128, vocab_size=250, resid_pdrop=0.0,
                  embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
                  bos_token_id=1, eos_token_id=2),
@@ -144,7 +168,9 @@ def make_tiny_checkpoint(path: Path, *, model_type: str = "llama", seed: int = 0
                 param.copy_(0.1 * torch.randn_like(param))
             elif name.endswith("self_attn.sinks"):  # GPT-OSS's attention sinks (HF: normal(0, 0.02)): so they show
                 param.copy_(torch.randn_like(param))
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE router: decisive routing, so no near-ties between experts
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "feed_forward.router.weight")):
+                param.copy_(0.5 * torch.randn_like(param))  # MoE router: decisive routing, no near-ties between experts
+            elif name.endswith("linear_attn.dt_bias"):  # Qwen3-Next (HF: ones): per value head, so a head order shows
                 param.copy_(0.5 * torch.randn_like(param))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: away from 0, so it shows

@@ -1,5 +1,5 @@
-"""Tiny random multimodal checkpoints (Gemma 3, Mistral 3, Qwen2.5-VL `...ForConditionalGeneration`) for the tests of
-toolkit/adapters/multimodal.py: the language model is the text family's tiny one (toolkit/models/tiny.py), the vision
+"""Tiny random multimodal checkpoints (Gemma 3, Mistral 3, Qwen2.5-VL, Llama 4 `...ForConditionalGeneration`) for
+the tests of toolkit/adapters/multimodal.py: the language model is the text family's tiny one (toolkit/models/tiny.py), the vision
 tower a one-layer toy on 28-56 pixel images, every norm weight and bias randomised as `make_tiny_checkpoint` does.
 Saved with `save_pretrained`, so the tensor names are the ones transformers writes; nothing is downloaded."""
 
@@ -34,7 +34,12 @@ _TINY_MULTIMODAL = {
         vision=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
                     spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0]),
         fields=dict(image_token_id=249, video_token_id=248, vision_start_token_id=246, vision_end_token_id=247,
-                    tie_word_embeddings=False)),
+                    tie_word_embeddings=False)),    # Llama 4: a one-layer vision tower on 28-pixel images, its pixel-shuffle MLP 4 x hidden wide as released.
+    "llama4": dict(
+        text=("llama4_text", "llama4_text"),
+        vision=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                    patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
+        fields=dict(boi_token_index=247, eoi_token_index=248, image_token_index=249, tie_word_embeddings=False)),
 }
 
 
@@ -51,8 +56,8 @@ def tiny_multimodal_config(model_type: str):
 
 def make_tiny_multimodal_checkpoint(path: Path, *, model_type: str, seed: int = 0,
                                     dtype: torch.dtype = torch.float32) -> Path:
-    """Save a randomly initialised tiny `...ForConditionalGeneration` of `model_type` (gemma3, mistral3, qwen2_5_vl)
-    with the tiny character tokenizer to `path`; return the path."""
+    """Save a randomly initialised tiny `...ForConditionalGeneration` of `model_type` (gemma3, mistral3, qwen2_5_vl,
+    llama4) with the tiny character tokenizer to `path`; return the path."""
     from transformers import AutoModelForImageTextToText
 
     config = tiny_multimodal_config(model_type)
@@ -64,6 +69,8 @@ def make_tiny_multimodal_checkpoint(path: Path, *, model_type: str, seed: int = 
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith("feed_forward.router.weight"):  # Llama 4's router: decisive routing, as tiny.py's
+                param.copy_(0.5 * torch.randn_like(param))
     model.save_pretrained(path)
     _save_tiny_tokenizer(path, vocab_size=config.text_config.vocab_size)
     return Path(path)

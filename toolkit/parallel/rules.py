@@ -45,6 +45,9 @@ class ModelFacts:
     # from ffn_hidden_size (DeepSeek's dense layers are intermediate_size wide, its experts moe_intermediate_size).
     other_ffn_sizes: tuple[tuple[str, int], ...] = ()
     mla: bool = False  # multi-latent attention (DeepSeek)
+    # Head counts TP splits with no replication, as (HF name, count): Qwen3-Next's Gated DeltaNet key and value heads
+    # (each rank holds whole key-head groups: toolkit/adapters/qwen3_next_layers.py).
+    unreplicated_heads: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_shape(cls, shape, *, vocab_multiple: int) -> "ModelFacts":
@@ -59,7 +62,14 @@ class ModelFacts:
                    num_layers=shape.num_layers,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, multiple=vocab_multiple),
                    num_experts=shape.num_experts, attention_softcap=shape.attention_softcap,
-                   kv_heads_replicable=shape.kv_heads_replicable)
+                   kv_heads_replicable=shape.kv_heads_replicable, unreplicated_heads=_linear_attention_heads(shape))
+
+
+def _linear_attention_heads(shape) -> tuple[tuple[str, int], ...]:
+    gdn = shape.linear_attention
+    if gdn is None:
+        return ()
+    return (("linear_num_key_heads", gdn.num_key_heads), ("linear_num_value_heads", gdn.num_value_heads))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,7 +106,7 @@ def valid_tp_sizes(*, model: ModelFacts, limit: int) -> list[int]:
     or are a multiple of them (megatron-core replicates each KV head on tp / kv ranks)."""
     kv = model.num_kv_heads
     return [t for t in divisors(limit) if model.num_attention_heads % t == 0 and model.ffn_hidden_size % t == 0
-            and all(size % t == 0 for _, size in model.other_ffn_sizes)
+            and all(size % t == 0 for _, size in model.other_ffn_sizes + model.unreplicated_heads)
             and model.padded_vocab_size % t == 0 and (kv % t == 0 or (t % kv == 0 and model.kv_heads_replicable))]
 
 
@@ -142,6 +152,8 @@ def rule_tensor_parallel(*, layout: Layout, model: ModelFacts, run: RunFacts | N
         ("kv_heads_vs_tp", kv % tp and not tp % kv and not model.kv_heads_replicable,
          f"tp={tp} does not divide num_kv_heads={kv}, and this model's q / k norms span all heads (OLMo-2), so "
          "each TP rank needs whole KV heads (none replicated)"),
+        *(("heads_vs_tp", count % tp, f"tp={tp} does not divide {name}={count} (Gated DeltaNet heads are split "
+                                      "over TP, none replicated)") for name, count in model.unreplicated_heads),
         ("ffn_vs_tp", model.ffn_hidden_size % tp, f"tp={tp} does not divide ffn_hidden_size={model.ffn_hidden_size}"),
         *(("ffn_vs_tp", size % tp, f"tp={tp} does not divide the {name} width {size}")
           for name, size in model.other_ffn_sizes),

@@ -32,6 +32,13 @@ per activation element):
                  keeps, whichever kernel (ab·a·(2(nope + rope) + v)); the output projection's input ab·a·v; RoPE's
                  cos / sin at the rope dims (4·s·rope·ab). The up projections' outputs are freed (split views, then
                  copies)
+  Qwen3-Next     gated attention also keeps the output gate's sigmoid and the core output its product reads
+                 (2·ab·a·d); RoPE turns rotary_fraction of each head. Gated DeltaNet layers have no s x s tensors
+                 and no RoPE: GatedDeltaNetShape.activation_bytes_per_token (toolkit/models/mixer_shapes.py), split
+                 over TP with the heads, in place of q, k, v, the scores and the output projection's input
+  Llama 4        chunked attention keeps what full attention keeps: megatron's local attention computes all s x s
+                 scores and masks those outside the chunk (toolkit/adapters/families/llama4.py), and a fused kernel
+                 keeps none at any span
 Selective recompute re-runs core attention: its inputs stay (q, k and the QKV output v is a view of), its s x s
 tensors do not. Full recompute keeps each layer's input (and the fp32 RoPE frequencies once). In backward the
 layer being recomputed holds again what it does not keep (memory.py adds it once per stage).
@@ -41,6 +48,7 @@ The local figures are checked against megatron-core's forward on CPU (tests/plan
 
 from __future__ import annotations
 
+from toolkit.models.mixer_shapes import ATTENTION, LINEAR
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.experts import router_activation_bytes, routed_activation_bytes
 from toolkit.models.shapes import ModelShape
@@ -105,6 +113,11 @@ def _score_bytes(*, shape: ModelShape, tp: int, keys: int, a: Assumptions) -> in
     return heads * keys * (softmax + after_softmax)
 
 
+def _gate_bytes(*, shape: ModelShape, tp: int, a: Assumptions) -> int:
+    """Qwen3-Next's output gate: its sigmoid output and the core output, both kept by their product."""
+    return 2 * a.activation_bytes * (shape.num_attention_heads // tp) * shape.kv_channels if shape.gated_query else 0
+
+
 def _latent_bytes(*, shape: ModelShape, a: Assumptions) -> int:
     """MLA's latents per token (on the rank's own tokens: split by SP): each latent norm's input and its output,
     which the up projection keeps."""
@@ -123,9 +136,9 @@ def _moe_replicated_bytes(*, shape: ModelShape, a: Assumptions) -> int:
 
 def activation_bytes_per_layer(*, shape: ModelShape, seq_length: int, micro_batch_size: int, tp: int,
                                sequence_parallel: bool, recompute: str, assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
-                               cp: int = 1, ep: int = 1, moe: bool | None = None) -> int:
+                               cp: int = 1, ep: int = 1, moe: bool | None = None, mixer: str = ATTENTION) -> int:
     """Stored activations of one transformer layer for one micro-batch on one TP (and CP, EP) rank (an MoE layer's
-    when `moe`, by default when the model is MoE)."""
+    when `moe`, by default when the model is MoE; a Gated DeltaNet layer's when `mixer` is LINEAR)."""
     a, h = assumptions, shape.hidden_size
     moe = shape.is_moe if moe is None else moe
     s = seq_length // cp
@@ -138,8 +151,12 @@ def activation_bytes_per_layer(*, shape: ModelShape, seq_length: int, micro_batc
     replicated = 2 * _norm_bytes(h=h, a=a) + 2 * ab * h + (2 * h if a.dropout else 0) + _latent_bytes(shape=shape, a=a)
     if moe:
         replicated += _moe_replicated_bytes(shape=shape, a=a)
-    split = (_qkv_bytes(shape=shape, tp=tp, a=a, selective=selective) + ab * heads * shape.v_head_dim
-             + _mlp_bytes(shape=shape, tp=tp, a=a, moe=moe, ep=ep))
+    mlp = _mlp_bytes(shape=shape, tp=tp, a=a, moe=moe, ep=ep)
+    if mixer == LINEAR:  # no scores, no RoPE; the same under selective recompute (it re-runs softmax attention only)
+        return tokens * replicated // sp_div + tokens * (
+            shape.linear_attention.activation_bytes_per_token(tp=tp, activation_bytes=ab) + mlp)
+    split = (_qkv_bytes(shape=shape, tp=tp, a=a, selective=selective) + ab * heads * shape.v_head_dim + mlp
+             + _gate_bytes(shape=shape, tp=tp, a=a))
     per_micro_batch = 4 * s * shape.rope_dim * ab  # RoPE cos / sin of q and k
     if not selective:
         split += _score_bytes(shape=shape, tp=tp, keys=seq_length, a=a)

@@ -17,14 +17,20 @@ megatron-core's sharding, per layer and TP rank (h hidden, a / g query / KV head
                  width (split over TP, replicated over EP, in the dense data-parallel group), Qwen2-MoE's gate [1, h]
                  replicated; the routed experts are toolkit/plan/experts.py's
   norms          input and pre-MLP norms replicated
+  Qwen3-Next     gated attention: linear_qkv's query rows twice as many (query and output gate per head), q / k
+                 norms [d] replicated; Gated DeltaNet layers (mixer_shapes.LINEAR): in_proj_qkvz, in_proj_ba,
+                 A_log, dt_bias split over whole key-head groups, out_proj by input columns, conv1d and the gated
+                 norm whole on every rank (toolkit/adapters/qwen3_next_layers.py)
 A stage holds megatron's chunks: the layers cut into pp·vpp equal chunks, stage s holding chunks s, s + pp, ...
-An MoE model with dense layers (DeepSeek's first_k_dense_replace) has stages of different content, so the memory
-and time of `representative_stages` are computed: the first stage of each distinct mix of layers, and the last.
+An MoE model with dense layers (DeepSeek's first_k_dense_replace), or with layers of different token mixers
+(Qwen3-Next's Gated DeltaNet, Llama 4's chunked attention), has stages of different content, so the memory and time
+of `representative_stages` are computed: the first stage of each distinct mix of layers, and the last.
 """
 
 from __future__ import annotations
 
 from toolkit.models import shapes
+from toolkit.models.mixer_shapes import ATTENTION, LINEAR
 from toolkit.models.shapes import ModelShape
 from toolkit.plan.activations import heads_per_rank
 from toolkit.plan.experts import (expert_params_per_layer_per_gpu, expert_tensors, local_experts,
@@ -33,7 +39,8 @@ from toolkit.plan.experts import (expert_params_per_layer_per_gpu, expert_tensor
 VOCAB_DIVISIBLE_BY = 128  # megatron's --make-vocab-size-divisible-by default; the padded vocab is split by tp
 # 1-D parameters: no weight decay, so DeepSpeed's second parameter group (toolkit/train/engine/hybrid.py)
 ONE_D_TENSORS = frozenset({"input_layernorm", "pre_mlp_layernorm", "linear_qkv_bias", "q_layernorm", "kv_layernorm",
-                           "linear_proj_bias", "attention_sinks", "router_bias", "expert_fc1_bias", "expert_fc2_bias"})
+                           "linear_proj_bias", "attention_sinks", "router_bias", "expert_fc1_bias", "expert_fc2_bias",
+                           "k_layernorm", "A_log", "dt_bias", "gdn_norm"})
 
 
 def padded_vocab_size(*, shape: ModelShape, tp: int) -> int:
@@ -57,12 +64,18 @@ def mla_tensors(*, shape: ModelShape, tp: int) -> dict[str, int]:
                     "linear_kv_up_proj": heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank}
 
 
-def attention_tensors(*, shape: ModelShape, tp: int, layer_spec: str = "te") -> dict[str, int]:
+def attention_tensors(*, shape: ModelShape, tp: int, layer_spec: str = "te", mixer: str = ATTENTION) -> dict[str, int]:
+    """One layer's token mixer on one TP rank: the attention's tensors, or a Gated DeltaNet's on LINEAR layers."""
+    if mixer == LINEAR:
+        return shape.linear_attention.tensors(hidden_size=shape.hidden_size, tp=tp)
     if shape.mla:
         return mla_tensors(shape=shape, tp=tp)
     h, d = shape.hidden_size, shape.kv_channels
     heads, groups = heads_per_rank(shape=shape, tp=tp)
-    found = {"linear_proj": heads * d * h, "linear_qkv": h * (heads + 2 * groups) * d}
+    query_rows = 2 * heads if shape.gated_query else heads  # Qwen3-Next: a gate row per query row
+    found = {"linear_proj": heads * d * h, "linear_qkv": h * (query_rows + 2 * groups) * d}
+    if shape.qk_norm:  # one [d] weight each for the q heads and the k heads, whole on every rank
+        found |= {"q_layernorm": d, "k_layernorm": d}
     if shape.qkv_bias:
         found["linear_qkv_bias"] = (heads + 2 * groups) * d
     if shape.output_bias:  # a row-parallel layer's bias is added after the all-reduce: whole on every TP rank
@@ -82,13 +95,16 @@ def mlp_tensors(*, shape: ModelShape, tp: int, moe: bool) -> dict[str, int]:
     return {"linear_fc1": shape.hidden_size * f * (2 if shape.gated_mlp else 1), "linear_fc2": f * shape.hidden_size}
 
 
-def layer_tensors(*, shape: ModelShape, tp: int, moe: bool | None = None, layer_spec: str = "te") -> dict[str, int]:
+def layer_tensors(*, shape: ModelShape, tp: int, moe: bool | None = None, layer_spec: str = "te",
+                  mixer: str = ATTENTION) -> dict[str, int]:
     """One transformer layer's parameter tensors on one TP rank, elements each, in megatron-core's module order
     (linear_proj is built before linear_qkv; the ZeRO partition overlap depends on it), an MoE layer's when `moe`
-    (default: when the model is MoE; its routed experts are `expert_tensors`, E / ep of them per rank)."""
+    (default: when the model is MoE; its routed experts are `expert_tensors`, E / ep of them per rank), with the
+    token mixer `mixer` (mixer_shapes.LINEAR: a Gated DeltaNet)."""
     moe = shape.is_moe if moe is None else moe
     h = shape.hidden_size
-    return (attention_tensors(shape=shape, tp=tp, layer_spec=layer_spec) | mlp_tensors(shape=shape, tp=tp, moe=moe)
+    return (attention_tensors(shape=shape, tp=tp, layer_spec=layer_spec, mixer=mixer)
+            | mlp_tensors(shape=shape, tp=tp, moe=moe)
             | {"input_layernorm": h, "pre_mlp_layernorm": h})
 
 
@@ -110,13 +126,23 @@ def stage_layer_counts(*, shape: ModelShape, layout, stage: int) -> tuple[int, i
     return len(layers) - moe, moe
 
 
+def stage_layer_kinds(*, shape: ModelShape, layout, stage: int) -> dict[tuple[bool, str], int]:
+    """(is an MoE layer, token mixer) -> how many layers of that kind stage `stage` holds; a model whose layers all
+    mix alike is counted as `stage_layer_counts` does."""
+    if not shape.mixed_layers:
+        dense, moe = stage_layer_counts(shape=shape, layout=layout, stage=stage)
+        mixer = shape.layer_mixer(0)
+        return {kind: count for kind, count in (((False, mixer), dense), ((True, mixer), moe)) if count}
+    return shape.layer_kinds(stage_layer_indices(shape=shape, layout=layout, stage=stage))
+
+
 def representative_stages(*, shape: ModelShape, layout) -> list[int]:
     """The stages whose memory or time can be the largest: the first, the last, and the first of each distinct mix
-    of dense and MoE layers (a later stage with the same layers holds fewer micro-batches and no output layer)."""
+    of layer kinds (a later stage with the same layers holds fewer micro-batches and no output layer)."""
     found, seen = {0, layout.pp - 1}, set()
-    if shape.dense_layers:
+    if shape.dense_layers or shape.mixed_layers:
         for stage in range(layout.pp):
-            counts = stage_layer_counts(shape=shape, layout=layout, stage=stage)
+            counts = tuple(sorted(stage_layer_kinds(shape=shape, layout=layout, stage=stage).items()))
             if counts not in seen:
                 seen.add(counts)
                 found.add(stage)
@@ -128,12 +154,12 @@ def stage_tensors(*, shape: ModelShape, layout, stage: int, layer_spec: str = "t
 
     Embedding on the first stage, final norm and output layer on the last. A tied output layer is the embedding
     itself at pp=1; at pp>1 the last stage keeps its own copy, kept equal by an all-reduce (megatron)."""
-    dense, moe = stage_layer_counts(shape=shape, layout=layout, stage=stage)
+    kinds = stage_layer_kinds(shape=shape, layout=layout, stage=stage)
     found = []
-    for is_moe, count in ((False, dense), (True, moe)):
-        if count:
-            tensors = layer_tensors(shape=shape, tp=layout.tp, moe=is_moe, layer_spec=layer_spec)
-            found += [(name, numel, count) for name, numel in tensors.items()]
+    for (is_moe, mixer), count in kinds.items():
+        tensors = layer_tensors(shape=shape, tp=layout.tp, moe=is_moe, layer_spec=layer_spec, mixer=mixer)
+        found += [(name, numel, count) for name, numel in tensors.items()]
+    moe = sum(count for (is_moe, _), count in kinds.items() if is_moe)
     if moe:
         experts = moe * local_experts(shape=shape, ep=layout.ep)
         found += [(name, numel, experts) for name, numel in expert_tensors(shape=shape, tp=layout.tp).items()]
@@ -154,11 +180,11 @@ def stage_params_per_gpu(*, shape: ModelShape, layout, stage: int, layer_spec: s
 
 
 def layer_params_per_gpu(*, shape: ModelShape, tp: int, ep: int = 1, moe: bool | None = None,
-                         layer_spec: str = "te") -> int:
+                         layer_spec: str = "te", mixer: str = ATTENTION) -> int:
     """One transformer layer's parameters on one TP (and EP) rank, its routed experts included."""
     moe = shape.is_moe if moe is None else moe
     experts = expert_params_per_layer_per_gpu(shape=shape, tp=tp, ep=ep) if moe else 0
-    return sum(layer_tensors(shape=shape, tp=tp, moe=moe, layer_spec=layer_spec).values()) + experts
+    return sum(layer_tensors(shape=shape, tp=tp, moe=moe, layer_spec=layer_spec, mixer=mixer).values()) + experts
 
 
 def stage_expert_params_per_gpu(*, shape: ModelShape, layout, stage: int) -> int:

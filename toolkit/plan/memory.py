@@ -33,9 +33,10 @@ from toolkit.plan.experts import require_expert_layout
 from toolkit.plan.hardware import GpuSpec
 from toolkit.plan.layers import (ONE_D_TENSORS, VOCAB_DIVISIBLE_BY, layer_params_per_gpu,  # noqa: F401 (re-exported)
                                  layer_tensors, padded_vocab_size, representative_stages, stage_expert_params_per_gpu,
-                                 stage_layer_counts, stage_params_per_gpu, stage_tensors)
+                                 stage_layer_counts, stage_layer_kinds, stage_params_per_gpu, stage_tensors)
 from toolkit.plan.layout import RECOMPUTE_CHOICES, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.model_states import model_state_bytes  # noqa: F401  (re-exported for callers of this module)
+from toolkit.models.mixer_shapes import ATTENTION
 from toolkit.models.shapes import ModelShape
 
 DEFAULT_ASSUMPTIONS = Assumptions()
@@ -117,11 +118,10 @@ def _optimizer_groups(*, shape: ModelShape, layout: PlanLayout, stage: int,
     (approximately: each layer's tensors in layer_tensors' order): the matrices (weight decay) and the 1-D norms and
     biases (none; toolkit/train/engine/hybrid.py `weight_decay_groups`). MoE experts are a group of their own,
     partitioned over expert_dp: not listed here."""
-    dense, moe = stage_layer_counts(shape=shape, layout=layout, stage=stage)
     vocab = padded_vocab_size(shape=shape, tp=layout.tp) // layout.tp * shape.hidden_size
     matrices, norms = ([vocab] if stage == 0 else []), []
-    for is_moe, count in ((False, dense), (True, moe)):
-        tensors = layer_tensors(shape=shape, tp=layout.tp, moe=is_moe, layer_spec=layer_spec)
+    for (is_moe, mixer), count in stage_layer_kinds(shape=shape, layout=layout, stage=stage).items():
+        tensors = layer_tensors(shape=shape, tp=layout.tp, moe=is_moe, layer_spec=layer_spec, mixer=mixer)
         matrices += [numel for name, numel in tensors.items() if name not in ONE_D_TENSORS] * count
         norms += [numel for name, numel in tensors.items() if name in ONE_D_TENSORS] * count
     if stage == layout.pp - 1:
@@ -241,30 +241,29 @@ def lora_model_states(*, shape: ModelShape, layout: PlanLayout, lora, base_param
     return states, base_params + adapters
 
 
-def _layer_bytes(*, shape, layout, training, recompute, assumptions, moe: bool | None = None) -> int:
+def _layer_bytes(*, shape, layout, training, recompute, assumptions, moe: bool | None = None,
+                 mixer: str = ATTENTION) -> int:
     return activation_bytes_per_layer(
         shape=shape, seq_length=training.seq_length, micro_batch_size=layout.micro_batch_size, tp=layout.tp,
         sequence_parallel=layout.sp, recompute=recompute, assumptions=assumptions, cp=layout.cp, ep=layout.ep,
-        moe=moe)
+        moe=moe, mixer=mixer)
 
 
 def _recomputed_layer_bytes(*, shape, layout, training, assumptions, stage: int) -> int:
     """What backward's re-run of one layer holds beyond what the layer keeps (the larger of the stage's kinds)."""
-    dense, moe = stage_layer_counts(shape=shape, layout=layout, stage=stage)
-    kinds = [kind for kind, count in ((False, dense), (True, moe)) if count]
+    kinds = stage_layer_kinds(shape=shape, layout=layout, stage=stage)
     return max(max(0, _layer_bytes(shape=shape, layout=layout, training=training, recompute="none",
-                                   assumptions=assumptions, moe=kind)
+                                   assumptions=assumptions, moe=moe, mixer=mixer)
                    - _layer_bytes(shape=shape, layout=layout, training=training, recompute=layout.recompute,
-                                  assumptions=assumptions, moe=kind)) for kind in kinds)
+                                  assumptions=assumptions, moe=moe, mixer=mixer)) for moe, mixer in kinds)
 
 
 def stage_activation_bytes(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape,
                            assumptions: Assumptions = DEFAULT_ASSUMPTIONS, stage: int = 0) -> int:
     """One micro-batch's stored activations of a whole stage's layers (the unit micro_batches_in_flight counts)."""
-    dense, moe = stage_layer_counts(shape=shape, layout=layout, stage=stage)
     layers = sum(count * _layer_bytes(shape=shape, layout=layout, training=training, recompute=layout.recompute,
-                                      assumptions=assumptions, moe=kind)
-                 for kind, count in ((False, dense), (True, moe)) if count)
+                                      assumptions=assumptions, moe=moe, mixer=mixer)
+                 for (moe, mixer), count in stage_layer_kinds(shape=shape, layout=layout, stage=stage).items())
     rope = ROPE_FREQ_BYTES * training.seq_length // layout.cp * shape.rope_dim if layout.recompute == "full" else 0
     return layers + rope
 
@@ -289,9 +288,8 @@ def largest_gathered_params(*, shape: ModelShape, tp: int, layer_spec: str = "te
     """The largest unit ZeRO-3 gathers at once on one TP rank: a layer (all its experts) or the embedding
     (DeepSpeed's 'largest_layer_params')."""
     embedding = padded_vocab_size(shape=shape, tp=tp) // tp * shape.hidden_size
-    kinds = {shape.is_moe_layer(i) for i in range(shape.num_layers)}
-    return max(embedding, *(layer_params_per_gpu(shape=shape, tp=tp, moe=kind, layer_spec=layer_spec)
-                            for kind in kinds))
+    return max(embedding, *(layer_params_per_gpu(shape=shape, tp=tp, moe=moe, layer_spec=layer_spec, mixer=mixer)
+                            for moe, mixer in shape.layer_kinds()))
 
 
 def build_peak_bytes(*, shape: ModelShape, layout: PlanLayout, stage: int,

@@ -27,6 +27,11 @@ Sources
     combine, forward and backward: 4 per layer and micro-batch) is its own term, over NVLink when the EP group
     fits in a node, else over the NICs. Expert gradients reduce, and their optimizer runs, over the expert_dp
     ranks (tp × ep apart) that hold the same experts; the other parameters over dp × cp.
+  * Qwen3-Next's Gated DeltaNet layers (toolkit/models/mixer_shapes.py): their projections as matmuls and the
+    chunked delta rule's FLOPs, linear in s, in place of the attention core; its gated attention's q projection
+    twice as wide. Llama 4's chunked attention layers score min(s, attention_chunk_size) keys per query in the
+    model FLOPs and under a fused kernel; megatron's local attention (what dsmt's llama4 family runs) computes
+    all s and masks, so its time counts s.
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from toolkit.models.mixer_shapes import ATTENTION, LINEAR
 from toolkit.plan.activations import heads_per_rank
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.collectives import group_ring_time_s
 from toolkit.plan.experts import all_to_all_s, imbalance_extra_flops
 from toolkit.plan.layers import (padded_vocab_size, representative_stages, stage_expert_params_per_gpu,
-                                 stage_layer_counts, stage_params_per_gpu)
+                                 stage_layer_kinds, stage_params_per_gpu)
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS
 from toolkit.plan.lora import lora_params
@@ -78,32 +84,32 @@ def matmul_efficiency(*, gpu, assumptions: Assumptions) -> float:
     return assumptions.efficiency if assumptions.efficiency is not None else gpu.matmul_efficiency
 
 
-def layer_forward_flops(*, shape: ModelShape, tokens: int, seq_length: int,
-                        moe: bool | None = None) -> tuple[float, float]:
+def layer_forward_flops(*, shape: ModelShape, tokens: int, seq_length: int, moe: bool | None = None,
+                        mixer: str = ATTENTION, keys: int | None = None) -> tuple[float, float]:
     """(matmul FLOPs, attention-core FLOPs) of one layer's forward over `tokens` tokens, each query attending to
     `seq_length` keys (counted in full, as Narayanan's formula does). An MoE layer's (when `moe`, default: when the
     model is MoE) token runs through the router, its top-k experts and the shared experts, not all experts; MLA's
-    through its down and up projections (ModelShape.attention_matrix_params)."""
+    through its down and up projections (ModelShape.attention_matrix_params). A Gated DeltaNet layer (`mixer`
+    LINEAR) runs its projections and the chunked delta rule; `keys` caps the keys per query (chunked attention)."""
     moe = shape.is_moe if moe is None else moe
-    matmul_params = shape.attention_matrix_params() + shape.active_mlp_params(moe=moe)
+    matmul_params = shape.mixer_matrix_params(mixer) + shape.active_mlp_params(moe=moe)
+    if mixer == LINEAR:
+        return 2.0 * tokens * matmul_params, tokens * shape.linear_attention.core_flops_per_token()
     # QK^T over the query / key width, AV over the value width (MLA: nope + rope and v_head_dim; else both d)
-    core = 2.0 * tokens * seq_length * shape.num_attention_heads * (shape.qk_head_dim + shape.v_head_dim)
+    keys = seq_length if keys is None else keys
+    core = 2.0 * tokens * keys * shape.num_attention_heads * (shape.qk_head_dim + shape.v_head_dim)
     return 2.0 * tokens * matmul_params, core
 
 
-def _model_layer_kinds(shape: ModelShape) -> list[tuple[bool, int]]:
-    """(is an MoE layer, how many) over the whole model."""
-    moe = shape.num_moe_layers
-    return [(kind, count) for kind, count in ((False, shape.num_layers - moe), (True, moe)) if count]
-
-
 def training_flops(*, shape: ModelShape, tokens: int, seq_length: int, recompute: str, tp: int = 1) -> float:
-    """Training FLOPs (forward + backward, recompute included) of the whole model over `tokens` tokens."""
+    """Training FLOPs (forward + backward, recompute included) of the whole model over `tokens` tokens (chunked
+    attention's queries scored against the keys of their chunk only)."""
     passes = 4.0 if recompute == "full" else 3.0
     layers = 0.0
-    for moe, count in _model_layer_kinds(shape):
-        matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=seq_length, moe=moe)
-        layers += count * ((matmul + core) * passes + (core if recompute == "selective" else 0.0))
+    for (moe, mixer), count in shape.layer_kinds().items():
+        matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=seq_length, moe=moe, mixer=mixer,
+                                           keys=shape.attention_keys(mixer=mixer, seq_length=seq_length))
+        layers += count * ((matmul + core) * passes + (core if recompute == "selective" and mixer != LINEAR else 0.0))
     logits = 2.0 * tokens * padded_vocab_size(shape=shape, tp=tp) * shape.hidden_size
     return layers + 3.0 * logits
 
@@ -154,16 +160,22 @@ class _MicroBatch:
 
 def _timed_stages(*, shape: ModelShape, layout: PlanLayout) -> list[int]:
     """The stages that can be the slowest: the last (its layers plus the logits) when every layer is alike, else
-    also the first of each other mix of dense and MoE layers."""
-    return representative_stages(shape=shape, layout=layout) if shape.dense_layers else [layout.pp - 1]
+    also the first of each other mix of layer kinds."""
+    mixed = shape.dense_layers or shape.mixed_layers
+    return representative_stages(shape=shape, layout=layout) if mixed else [layout.pp - 1]
 
 
-def _stage_layer_kinds(*, shape: ModelShape, layout: PlanLayout, stage: int) -> tuple[int, int]:
-    """(dense, MoE) layers of a stage: megatron splits evenly; a published uneven split holds at most the ceiling."""
-    if shape.dense_layers:
-        return stage_layer_counts(shape=shape, layout=layout, stage=stage)
-    layers = math.ceil(shape.num_layers / layout.pp)
-    return (0, layers) if shape.is_moe else (layers, 0)
+def _stage_layer_kinds(*, shape: ModelShape, layout: PlanLayout, stage: int) -> dict[tuple[bool, str], int]:
+    """(is MoE, token mixer) -> layers of a stage: megatron splits evenly; a published uneven split holds at most
+    the ceiling."""
+    if shape.dense_layers or shape.mixed_layers:
+        return stage_layer_kinds(shape=shape, layout=layout, stage=stage)
+    return {(shape.is_moe, shape.layer_mixer(0)): math.ceil(shape.num_layers / layout.pp)}
+
+
+def _dense_and_moe(kinds: dict[tuple[bool, str], int]) -> tuple[int, int]:
+    moe = sum(count for (is_moe, _), count in kinds.items() if is_moe)
+    return sum(kinds.values()) - moe, moe
 
 
 def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions, stage: int) -> _MicroBatch:
@@ -171,18 +183,22 @@ def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions, stage: 
     a, t, cp = assumptions, layout.tp, layout.cp
     s = training.seq_length
     tokens = s * layout.micro_batch_size // cp          # this rank's share of the micro-batch
-    dense, moe = _stage_layer_kinds(shape=shape, layout=layout, stage=stage)
+    kinds = _stage_layer_kinds(shape=shape, layout=layout, stage=stage)
+    dense, moe = _dense_and_moe(kinds)
     layers = dense + moe
     passes = 4.0 if layout.recompute == "full" else 3.0
     layer_flops = core_flops = elementwise = 0.0
-    for is_moe, count in ((False, dense), (True, moe)):
-        matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=s, moe=is_moe)
-        flops = (matmul + core) * passes + (core if layout.recompute == "selective" else 0.0)
+    for (is_moe, mixer), count in kinds.items():
+        # a fused kernel skips the blocks chunked attention masks; megatron's local attention computes them
+        keys = shape.attention_keys(mixer=mixer, seq_length=s) if a.attention == "fused" else s
+        matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=s, moe=is_moe, mixer=mixer,
+                                           keys=keys)
+        flops = (matmul + core) * passes + (core if layout.recompute == "selective" and mixer != LINEAR else 0.0)
         if is_moe:  # the step waits on the EP rank the router sends the most tokens to
             flops += imbalance_extra_flops(shape=shape, tokens=tokens, passes=passes, ep=layout.ep, assumptions=a)
         layer_flops, core_flops = layer_flops + count * flops, core_flops + count * core
         elementwise += count * elementwise_bytes(shape=shape, layout=layout, tokens=tokens, seq_length=s,
-                                                 assumptions=a, moe=is_moe)
+                                                 assumptions=a, moe=is_moe, mixer=mixer)
     logits = 6.0 * tokens * padded_vocab_size(shape=shape, tp=t) * shape.hidden_size if stage == layout.pp - 1 else 0.0
     stage_flops = (layer_flops + logits) / t
     flops_per_s = cluster.gpu.peak_bf16_tflops * 1e12 * matmul_efficiency(gpu=cluster.gpu, assumptions=a)
@@ -201,7 +217,7 @@ def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions, stage: 
 
 
 def elementwise_bytes(*, shape: ModelShape, layout: PlanLayout, tokens: int, seq_length: int,
-                      assumptions: Assumptions, moe: bool | None = None) -> float:
+                      assumptions: Assumptions, moe: bool | None = None, mixer: str = ATTENTION) -> float:
     """HBM bytes one rank's memory-bound kernels move in one layer for `tokens` tokens (forward, backward and any
     recomputed forward), counted in bf16 elements per token of the forward:
       hidden width h (split by SP): two norms (read h, write h), two residual adds (read 2h, write h), with
@@ -212,6 +228,7 @@ def elementwise_bytes(*, shape: ModelShape, layout: PlanLayout, tokens: int, seq
       MLA's latents (split by SP): their norms (read and write q_lora_rank and kv_lora_rank)
       attention scores a·s (split by TP), only without fused attention: softmax read and write, with dropout
         also its mask and output                                             -> 2as, +2.5as with dropout
+      a Gated DeltaNet layer (mixer LINEAR) has no scores: its conv, silu and gated norm instead (split by TP)
     """
     a, h, t = assumptions, shape.hidden_size, layout.tp
     hidden = (10 + (5 if a.dropout else 0)) * h / (t if layout.sp else 1)
@@ -222,10 +239,13 @@ def elementwise_bytes(*, shape: ModelShape, layout: PlanLayout, tokens: int, seq
                  else shape.ffn_hidden_size)
     ffn = (3 if shape.gated_mlp else 2) * ffn_width / t
     scores = 0.0
-    if a.attention == "local":  # unfused attention writes the s x s scores to memory (fused / flash does not)
+    if mixer == LINEAR:
+        scores = shape.linear_attention.elementwise_elements_per_token(tp=t)
+    elif a.attention == "local":  # unfused attention writes the s x s scores to memory (fused / flash does not)
         scores = (2 + (2.5 if a.dropout else 0)) * shape.num_attention_heads * seq_length / t
     forward = (hidden + ffn + scores) * tokens * a.activation_bytes
-    recomputed = {"full": forward, "selective": scores * tokens * a.activation_bytes}.get(layout.recompute, 0.0)
+    selective = 0.0 if mixer == LINEAR else scores * tokens * a.activation_bytes  # re-runs softmax attention only
+    recomputed = {"full": forward, "selective": selective}.get(layout.recompute, 0.0)
     return forward * (1 + a.elementwise_backward_factor) + recomputed
 
 
@@ -272,7 +292,7 @@ def _dp_traffic(*, shape, layout, cluster, num_micro, forward_s, backward_s, ass
     groups = [(params - experts, layout.zero_size, layout.tp)]
     if experts:
         groups.append((experts, layout.expert_dp, layout.tp * layout.ep))
-    dense, moe = _stage_layer_kinds(shape=shape, layout=layout, stage=stage)
+    dense, moe = _dense_and_moe(_stage_layer_kinds(shape=shape, layout=layout, stage=stage))
     modules = gathered_modules(shape=shape, layout=layout, layers=dense + moe, moe_layers=moe)
     last = stage == layout.pp - 1
     head = padded_vocab_size(shape=shape, tp=layout.tp) * shape.hidden_size // layout.tp if last else 0

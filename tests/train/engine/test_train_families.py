@@ -19,20 +19,29 @@ from pathlib import Path
 
 import pytest
 
+from tests.adapters.conftest import PHI4_MINI
+
 # model_type -> seed of its tiny checkpoint
 FAMILIES = {"qwen3": 5, "gemma": 7, "phi3": 8, "gpt2": 9, "granite": 10, "starcoder2": 11, "olmo2": 12, "gemma2": 15,
-            "gemma3_text": 16, "seed_oss": 17, "smollm3": 18, "ernie4_5": 19, "olmo3": 20, "exaone4": 21, "gemma3": 22}
+            "gemma3_text": 16, "seed_oss": 17, "smollm3": 18, "ernie4_5": 19, "olmo3": 20, "exaone4": 21, "gemma3": 22,
+            "phi4_mini": 23}
 # Gemma3ForConditionalGeneration (toolkit/models/tiny_multimodal.py): its language model trained on text, the vision
 # tower passed through; the reference trains transformers' image-text class on the same input_ids.
 MULTIMODAL = ("gemma3",)
 # Granite's tiny logits_scaling (2.5) leaves the gradient norm near the clip (0.5); 0.5 (logits x 2) keeps it above.
 OVERRIDES = {"granite": dict(logits_scaling=0.5)}
+# Phi-4-mini: the phi3 family with partial rotary (0.75) under long-RoPE, tied (tests/adapters/conftest.py). HF picks
+# the short or long factors per forward by its length, which for the reference is each record alone and for dsmt the
+# micro-batch (README, Phi-3 long-RoPE): they agree while every row fits original_max_position_embeddings (64 here;
+# with 16, short records packed beside long ones rotate by the long factors: loss 2.9e-5 off).
+MODEL_TYPES = {"phi4_mini": "phi3"}
+OVERRIDES["phi4_mini"] = {**PHI4_MINI, "original_max_position_embeddings": 64}
 LAYOUTS = {"tp2-pp2-dp1": dict(tp=2, pp=2, dp=1, zero=1), "tp2-pp2-dp2": dict(tp=2, pp=2, dp=2, zero=1)}
 # Which families train at which layout. What a family changes lives in its layers, which TP2 x PP2 exercises in
 # both; data parallelism (ZeRO-1's reduce and partition) is the engine's and family-blind (test_train_parity.py).
-# So each family trains in one of the two launches: 15 runs, not 30 (the suite's time).
+# So each family trains in one of the two launches: 16 runs, not 32 (the suite's time).
 FAMILY_LAYOUTS = {
-    "tp2-pp2-dp1": ("qwen3", "gemma", "gpt2", "starcoder2", "gemma2", "seed_oss", "ernie4_5", "exaone4"),
+    "tp2-pp2-dp1": ("qwen3", "gemma", "gpt2", "starcoder2", "gemma2", "seed_oss", "ernie4_5", "exaone4", "phi4_mini"),
     "tp2-pp2-dp2": ("gemma3", "phi3", "granite", "olmo2", "gemma3_text", "smollm3", "olmo3"),
 }
 RUNS = [(family, layout) for layout, families in FAMILY_LAYOUTS.items() for family in families]
@@ -55,7 +64,8 @@ def family_checkpoints(tmp_path_factory) -> dict[str, Path]:
     from toolkit.models.tiny_multimodal import make_tiny_multimodal_checkpoint
 
     root = tmp_path_factory.mktemp("family-hf")
-    made = {family: make_tiny_checkpoint(root / family, model_type=family, seed=seed, **OVERRIDES.get(family, {}))
+    made = {family: make_tiny_checkpoint(root / family, model_type=MODEL_TYPES.get(family, family), seed=seed,
+                                         **OVERRIDES.get(family, {}))
             for family, seed in FAMILIES.items() if family not in MULTIMODAL}
     return made | {family: make_tiny_multimodal_checkpoint(root / family, model_type=family, seed=FAMILIES[family])
                    for family in MULTIMODAL}
