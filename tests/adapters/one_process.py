@@ -58,3 +58,17 @@ def max_logit_gap(path, *, tokens: torch.Tensor, vocab: int = 250) -> float:
     with torch.no_grad():
         reference = hf_model(path)(tokens).logits
     return (logits[..., :vocab] - reference).abs().max().item()
+
+
+def packed_vs_alone_gap(path, *, lengths: tuple[int, ...], vocab: int = 250) -> float:
+    """max |logits of records packed in one row (positions restarting, dsmt's packed mask) - logits of each record
+    alone|, megatron both sides."""
+    from toolkit.adapters.packed import packed_attention_mask
+
+    torch.manual_seed(0)
+    records = [torch.randint(3, vocab, (1, length)) for length in lengths]
+    tokens = torch.cat(records, dim=1)
+    positions = torch.cat([rows(record) for record in records], dim=1)
+    batches = [(tokens, positions, packed_attention_mask(positions))] + [(r, rows(r), None) for r in records]
+    packed, *alone = megatron_logits(path, batches=batches)
+    return (packed[..., :vocab] - torch.cat(alone, dim=1)[..., :vocab]).abs().max().item()

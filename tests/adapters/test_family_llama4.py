@@ -14,7 +14,7 @@ from tests.adapters.one_process import hf_model, megatron_logits, rows
 from toolkit.adapters.family import AdapterError
 from toolkit.adapters.hf_config import model_settings
 from toolkit.adapters.transforms import Kind
-from toolkit.models.tiny import tiny_config
+from toolkit.models.tiny import make_tiny_checkpoint, tiny_config
 
 
 def test_config_reads_moe_pattern_sigmoid_top1_on_input_interleaved_rope_and_nope():
@@ -25,7 +25,7 @@ def test_config_reads_moe_pattern_sigmoid_top1_on_input_interleaved_rope_and_nop
     assert fields["moe_router_score_function"] == "sigmoid" and fields["moe_router_topk"] == 1
     assert fields["moe_apply_probs_on_input"] and fields["moe_router_load_balancing_type"] == "none"
     assert fields["rotary_interleaved"] and fields["no_rope_freq"] == [0, 0, 1, 0]
-    assert fields["kv_channels"] == 16 and not fields["attention_softmax_in_fp32"]
+    assert fields["kv_channels"] == 16 and fields["moe_router_dtype"] == "fp32"
     assert not fields["qk_layernorm"]  # the L2 q / k norm is the attention-input hook's, after RoPE
 
 
@@ -71,22 +71,40 @@ def test_qk_norm_and_temperature_are_transformers_pieces():
         assert torch.equal(weightless_rms_norm(x.to(dtype), eps=1e-5), Llama4TextWeightlessRMSNorm(1e-5)(x.to(dtype)))
     positions = torch.arange(32).float()  # HF's Llama4TextAttention, written out
     expected = torch.log1p(torch.floor((positions + 1.0) / 4.0)) * 0.5 + 1.0
-    assert torch.equal(query_temperature(32, 4.0, 0.5, device="cpu").flatten(), expected)
+    assert torch.equal(query_temperature(positions.long().view(1, 32), 4.0, 0.5).flatten(), expected)
 
 
-def test_chunked_mask_is_transformers_chunked_causal_mask():
+def test_chunked_mask_is_transformers_chunked_causal_mask_per_record():
+    """Chunks count from each record's start (as HF fed the record alone): a record packed from column 10 has its
+    own chunk boundary at column 18, not the row's at 16."""
     from transformers.masking_utils import chunked_causal_mask_function
 
-    from toolkit.adapters.families.llama4 import chunked_causal_mask
+    from toolkit.adapters.families.llama4 import chunked_causal_mask, token_positions
+    from toolkit.adapters.packed import packed_attention_mask
 
     allowed = chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long))
-    zero, positions = torch.tensor(0), torch.arange(20)
-    expected = ~allowed(zero, zero, positions.view(20, 1), positions.view(1, 20))  # megatron's True = masked
-    assert torch.equal(chunked_causal_mask(20, 20, 8, given=None, device="cpu")[0, 0], expected)
-    given = torch.zeros(2, 1, 20, 20, dtype=torch.bool)
-    given[1, :, 10:, :10] = True  # a second packed record from position 10
-    combined = chunked_causal_mask(20, 20, 8, given=given, device="cpu")
-    assert torch.equal(combined[0, 0], expected) and torch.equal(combined[1, 0], expected | given[1, 0])
+
+    def masked_alone(length: int) -> torch.Tensor:  # megatron's True = masked, for a record alone
+        zero, positions = torch.tensor(0), torch.arange(length)
+        return ~allowed(zero, zero, positions.view(length, 1), positions.view(1, length))
+
+    row = torch.arange(20).view(1, 20)
+    assert torch.equal(chunked_causal_mask(row, key_positions=row, chunk_size=8, given=None)[0, 0], masked_alone(20))
+    packed = packed_attention_mask(torch.cat([torch.arange(10), torch.arange(10)]).view(1, 20))
+    positions = token_positions(packed, seq_length=20, device="cpu")
+    expected = torch.ones(20, 20, dtype=torch.bool)
+    expected[:10, :10], expected[10:, 10:] = masked_alone(10), masked_alone(10)
+    assert torch.equal(chunked_causal_mask(positions, key_positions=positions, chunk_size=8, given=packed)[0, 0],
+                       expected)
+
+
+def test_packed_records_chunk_and_scale_as_alone(tmp_path):
+    """Records packed in one row, the second starting mid-chunk: each record's logits are those of its forward
+    alone (chunks and temperature from the record's own positions)."""
+    from tests.adapters.one_process import packed_vs_alone_gap
+
+    path = make_tiny_checkpoint(tmp_path / "llama4_text", model_type="llama4_text", seed=3)
+    assert packed_vs_alone_gap(path, lengths=(11, 21)) < 1e-5
 
 
 def test_stacked_expert_rows_read_gate_then_up_of_the_transposed_slice():
@@ -103,7 +121,6 @@ def test_stacked_expert_rows_read_gate_then_up_of_the_transposed_slice():
 
 def test_tiny_logits_match_transformers_and_each_attention_piece_shows(tmp_path):
     from toolkit.adapters.families import llama4
-    from toolkit.models.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "llama4", model_type="llama4_text")
     tokens = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))

@@ -6,7 +6,8 @@ DeepSeek-V3-shaped (low-rank q, sigmoid routing in expert groups over a correcti
 biases, q / k norms and partial RoPE), GPT-OSS-, Qwen3-Next- and Llama-4-shaped, straight from the HF checkpoints and from their streamed dsmt
 conversions (dist_checkpointing spreads the stored experts over the EP ranks), all in one launch per layout. With
 ep = 2 the world is tp x pp x 2: two data-parallel replicas fed the same tokens, exchanging them through megatron's
-all-to-all dispatcher. Measured: <= 3.0e-7 (fp32)."""
+all-to-all dispatcher. Measured (fp32): <= 3.0e-7, Qwen3-Next <= 1.9e-6 (its small hidden states: the final norm
+scales their rounding up)."""
 
 import pytest
 

@@ -121,7 +121,7 @@ TABLE = [
 def test_every_rule_is_reachable_from_the_table_or_the_unit_tests():
     tabled = set().union(*(expected for _, expected in TABLE))
     unit = {"layout_sizes", "cp_on_cpu", "fused_attention_on_cpu", "tp_crosses_nodes", "attention_softcap_needs_local",
-            "cp_with_mla"}
+            "cp_with_mla", "local_layers_only"}
     assert LAYOUT_RULES == tabled | unit
     assert MODEL_RULES == LAYOUT_RULES - RUN_RULES  # what the model loader (and the dry run's build) can decide
 
@@ -200,7 +200,7 @@ RUN_RULES = {"world_size", "batch_divisibility", "vpp_microbatches", "zero_with_
              "cp_with_mla",
              "sequence_parallel_vs_seq_length",
              "cp_needs_fused_attention", "cp_vs_seq_length", "tp_crosses_nodes", "moe_tp_needs_sequence_parallel",
-             "zero3_with_ep", "attention_softcap_needs_local"}
+             "zero3_with_ep", "attention_softcap_needs_local", "local_layers_only"}
 
 
 @pytest.mark.parametrize("row,expected", TABLE, ids=[str(row) for row, _ in TABLE])

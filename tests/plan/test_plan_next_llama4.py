@@ -6,6 +6,8 @@ Gated DeltaNet heads; and the published totals of Qwen3-Next-80B-A3B and Llama 4
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from toolkit.adapters.model_shape import load_model_shape
@@ -128,6 +130,24 @@ def test_gated_deltanet_heads_vs_tp():
     problems = layout_problems(layout=Layout(tp=4), model=facts)
     assert any("linear_num_key_heads=2" in p.message for p in problems)
     assert all(4 not in p.valid for p in problems if p.rule == "heads_vs_tp")
+
+
+def test_the_released_qwen3_next_splits_its_two_kv_heads_and_plans_on_local_layers():
+    """The gated attention splits k / v with no replication (tp <= 2 on the release's 2 KV heads), and both families
+    run on megatron's local layers: `dsmt check` refuses fused attention by name, as the build would."""
+    from toolkit.parallel.rules import RunFacts, valid_tp_sizes
+
+    facts = ModelFacts.from_shape(BUILTIN_SHAPES["qwen3-next-80b-a3b"], vocab_multiple=128)
+    assert valid_tp_sizes(model=facts, limit=16) == [1, 2]
+    for name in ("qwen3-next-80b-a3b", "llama4-scout-17b-16e"):
+        facts = ModelFacts.from_shape(BUILTIN_SHAPES[name], vocab_multiple=128)
+        run = RunFacts(world_size=8, gpus_per_node=8, seq_length=4096, global_batch_size=8, micro_batch_size=1,
+                       zero_stage=1, device="cuda", attention="fused")
+        (problem,) = [p for p in layout_problems(layout=Layout(dp=8), model=facts, run=run)
+                      if p.rule == "local_layers_only"]
+        assert "training.attention: local" in problem.fix
+        run = dataclasses.replace(run, attention="local")
+        assert "local_layers_only" not in {p.rule for p in layout_problems(layout=Layout(dp=8), model=facts, run=run)}
 
 
 def test_plan_runs_on_the_builtin_shapes():

@@ -2,8 +2,8 @@
 (`mistral3`), Qwen2.5-VL (`qwen2_5_vl`) and Llama 4 Scout / Maverick (`llama4`) ship as
 `...ForConditionalGeneration`, a vision tower and a projector around a language model that is exactly a text family
 dsmt already has (gemma3_text, mistral, qwen2, llama4_text). dsmt trains that language model on text records, and
-carries every other tensor through conversion, training and export bit
-for bit, so the exported folder loads as the same multimodal class with the same vision weights.
+carries every other tensor through conversion, training and export bit for bit, so the exported folder loads as
+the same multimodal class with the same vision weights.
 
 What differs from the text family, all of it in the table below (`WRAPPERS`):
 

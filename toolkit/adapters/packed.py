@@ -39,6 +39,23 @@ def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cumsum((position_ids == 0).to(torch.int32), dim=1)
 
 
+def record_starts_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [b, s]: where a record starts in rows given a `packed_attention_mask` [b, 1, s, s] (True = masked): at
+    column 0 and wherever a token may not see the one before it. Layers read the records from the mask they are
+    called with (an argument, so activation recompute sees the same micro-batch's records)."""
+    cannot_see_previous = torch.diagonal(mask[:, 0], offset=-1, dim1=-2, dim2=-1).to(torch.bool)  # [b, s - 1]
+    first = torch.ones_like(cannot_see_previous[:, :1])
+    return torch.cat([first, cannot_see_previous], dim=1)
+
+
+def record_positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """int64 [b, s]: each token's position within its record (0 at each record start), read from a packed mask."""
+    starts = record_starts_from_mask(mask)
+    columns = torch.arange(starts.shape[1], device=starts.device).expand_as(starts)
+    record_start = torch.cummax(torch.where(starts, columns, torch.zeros_like(columns)), dim=1).values
+    return columns - record_start
+
+
 def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """bool [b, 1, s, s], True where query t must NOT see key k: k in another record, or k after t."""
     segments = segment_ids(position_ids)

@@ -21,6 +21,8 @@ behind megatron's `linear_qkv` (megatron's `attention_output_gate` then applies 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -28,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from toolkit.adapters.packed import record_starts_from_mask
 from toolkit.backend import cpu_gdn
 
 
@@ -85,19 +88,55 @@ class GatedQkvProjection(torch.nn.Module):
         return result
 
 
+class LocalConvWeight(torch.nn.Module):
+    """HF's depthwise conv1d.weight [channels, 1, kernel], whole on every TP rank. Called, it returns this rank's
+    channels [its q | its k | its v] as [channels, kernel] (a module call, so ZeRO-3 gathers the weight for it);
+    the whole weight's gradient is all-reduced over TP, each rank's channels coming from its own backward."""
+
+    def __init__(self, channels: int, kernel: int, *, slices, tp_group, dtype):
+        super().__init__()
+        self.slices, self.tp_group = slices, tp_group
+        self.weight = torch.nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype))
+        torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Conv1d's init (a checkpoint load overwrites it)
+
+    def forward(self) -> torch.Tensor:
+        weight = copy_to_tensor_model_parallel_region(self.weight, group=self.tp_group)
+        return torch.cat([weight[start:start + width] for start, width in self.slices]).squeeze(1)
+
+
 class GatedRMSNorm(torch.nn.Module):
     """HF's Qwen3NextRMSNormGated: RMSNorm in fp32 (plain weight, not zero-centred), cast back, times the weight,
     times silu(gate) in fp32, cast back."""
 
-    def __init__(self, size: int, *, eps: float):
+    def __init__(self, size: int, *, eps: float, tp_group):
         super().__init__()
-        self.weight, self.eps = torch.nn.Parameter(torch.ones(size)), eps
+        self.weight, self.eps, self.tp_group = torch.nn.Parameter(torch.ones(size)), eps, tp_group
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        weight = copy_to_tensor_model_parallel_region(self.weight)  # every rank's heads add to its gradient
+        weight = copy_to_tensor_model_parallel_region(self.weight, group=self.tp_group)  # each rank's heads add to it
         x32 = x.float()
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+def record_spans(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the (start, end) columns of each packed record (and of the padding after them)."""
+    starts = record_starts_from_mask(mask)
+    spans = []
+    for row in starts:
+        begins = torch.nonzero(row).flatten().tolist() + [row.numel()]
+        spans.append(list(zip(begins[:-1], begins[1:])))
+    return spans
+
+
+def per_record(fn, *tensors: torch.Tensor, spans: list[list[tuple[int, int]]], dim: int) -> torch.Tensor:
+    """`fn` over each record of each row (`tensors` batch-first, records along `dim`), put back in place: no
+    state or conv window crosses from one record into the next."""
+    rows = []
+    for row, row_spans in enumerate(spans):
+        rows.append(torch.cat([fn(*(t[row:row + 1].narrow(dim, start, end - start) for t in tensors))
+                               for start, end in row_spans], dim=dim))
+    return torch.cat(rows, dim=0)
 
 
 class GatedDeltaNetMixer(MegatronModule):
@@ -123,28 +162,26 @@ class GatedDeltaNetMixer(MegatronModule):
         # HF's conv channels [all q | all k | all v]: (start, width) of this rank's q, k and v channels
         rank, qk_all, qk_local = tp_group.rank(), num_k * self.key_dim, self.local_k_heads * self.key_dim
         v_local = self.local_v_heads * self.value_dim
-        self.conv_slices = ((rank * qk_local, qk_local), (qk_all + rank * qk_local, qk_local),
-                            (2 * qk_all + rank * v_local, v_local))
-        kernel, dtype = config.linear_conv_kernel_dim, config.params_dtype
-        self.conv1d = torch.nn.Module()
-        self.conv1d.weight = torch.nn.Parameter(torch.empty(2 * qk_all + num_v * self.value_dim, 1, kernel, dtype=dtype))
-        self.A_log = torch.nn.Parameter(torch.empty(self.local_v_heads, dtype=dtype))
+        slices = ((rank * qk_local, qk_local), (qk_all + rank * qk_local, qk_local), (2 * qk_all + rank * v_local,
+                                                                                     v_local))
+        dtype = config.params_dtype
+        self.conv1d = LocalConvWeight(2 * qk_all + num_v * self.value_dim, config.linear_conv_kernel_dim,
+                                      slices=slices, tp_group=tp_group, dtype=dtype)
+        # HF's init (every checkpoint load overwrites it): A uniform in (0, 16), stored as its log
+        self.A_log = torch.nn.Parameter(torch.empty(self.local_v_heads, dtype=dtype).uniform_(0, 16).log())
         self.dt_bias = torch.nn.Parameter(torch.ones(self.local_v_heads, dtype=dtype))
         for param in (self.A_log, self.dt_bias):
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
-        self.norm = GatedRMSNorm(self.value_dim, eps=config.layernorm_epsilon).to(dtype)
+        self.norm = GatedRMSNorm(self.value_dim, eps=config.layernorm_epsilon, tp_group=tp_group).to(dtype)
         self.out_proj = RowParallelLinear(num_v * self.value_dim, hidden, config=config, bias=False,
                                           init_method=config.output_layer_init_method, input_is_parallel=True,
                                           skip_bias_add=True, tp_group=tp_group)
         self.rule, self.conv = cpu_gdn.kernels()
 
-    def local_conv_weight(self) -> torch.Tensor:
-        """This rank's conv channels [its q | its k | its v], [channels, kernel]; the whole weight's gradient is
-        all-reduced over TP (each rank's channels come from its own ranks' backward)."""
-        weight = copy_to_tensor_model_parallel_region(self.conv1d.weight)
-        return torch.cat([weight[start:start + width] for start, width in self.conv_slices]).squeeze(1)
-
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **unused):
+        """`attention_mask`: None, or packed records' block-diagonal mask (toolkit/adapters/packed.py), whose
+        records the conv and the delta rule then run over one by one, as each record alone."""
+        spans = None if attention_mask is None else record_spans(attention_mask)
         qkvz, _ = self.in_proj_qkvz(hidden_states)
         ba, _ = self.in_proj_ba(hidden_states)
         seq, batch = qkvz.shape[:2]
@@ -153,14 +190,16 @@ class GatedDeltaNetMixer(MegatronModule):
         query, key, value, z = torch.split(qkvz, [self.key_dim, self.key_dim, v_rows, v_rows], dim=-1)
         b, a = torch.split(ba.transpose(0, 1).reshape(batch, seq, self.local_k_heads, -1), self.values_per_key, dim=-1)
         mixed = torch.cat([t.reshape(batch, seq, -1) for t in (query, key, value)], dim=-1).transpose(1, 2)
-        mixed = self.conv(mixed, self.local_conv_weight(), activation=F.silu).transpose(1, 2)
+        conv = functools.partial(self.conv, weight=self.conv1d(), activation=F.silu)
+        mixed = (conv(mixed) if spans is None else per_record(conv, mixed, spans=spans, dim=2)).transpose(1, 2)
         qk_local = self.local_k_heads * self.key_dim
         query, key, value = torch.split(mixed, [qk_local, qk_local, mixed.shape[-1] - 2 * qk_local], dim=-1)
         beta = b.reshape(batch, seq, -1).sigmoid()
         # fp32 decay (HF: a half-precision A could overflow to -inf)
         g = -self.A_log.float().exp() * F.softplus(a.reshape(batch, seq, -1).float() + self.dt_bias)
-        out = self.rule(query.reshape(batch, seq, -1, self.key_dim), key.reshape(batch, seq, -1, self.key_dim),
-                        value.reshape(batch, seq, -1, self.value_dim), g, beta)
+        inputs = (query.reshape(batch, seq, -1, self.key_dim), key.reshape(batch, seq, -1, self.key_dim),
+                  value.reshape(batch, seq, -1, self.value_dim), g, beta)
+        out = self.rule(*inputs) if spans is None else per_record(self.rule, *inputs, spans=spans, dim=1)
         out = self.norm(out, z.reshape(batch, seq, -1, self.value_dim))
         return self.out_proj(out.reshape(batch, seq, -1).transpose(0, 1).contiguous())
 

@@ -25,7 +25,6 @@ import sys
 import threading
 
 import torch
-import torch._dynamo
 import torch.utils._device
 
 # Factories megatron-core calls with a CUDA device (mcore 0.16.1 / 0.19.2 sites; see shared/mcore-*-cuda-sites.txt).
@@ -83,8 +82,7 @@ def uninstall() -> None:
         _installed = False
 
 
-_OWNERS: dict[str, object] = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.cuda": torch.cuda,
-                               "torch._dynamo.config": torch._dynamo.config}
+_OWNERS: dict[str, object] = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.cuda": torch.cuda}
 
 
 def _eager_jit_fusers() -> None:
@@ -93,8 +91,9 @@ def _eager_jit_fusers() -> None:
     the CPU, inductor compiles each one in every process at its first call (Qwen3-Next's output gate: 4.4 s of a
     first training step that otherwise takes 0.04 s) into kernels that need not round as the eager ops transformers
     runs. With dynamo off they run eagerly; torch.compile of anything else on a CPU-only machine runs eagerly too."""
-    import torch._dynamo
+    import torch._dynamo  # megatron imports it anyway; not at this module's import
 
+    _OWNERS["torch._dynamo.config"] = torch._dynamo.config
     _patch(torch._dynamo.config, "disable", True)
 
 

@@ -1,9 +1,10 @@
 """The Gated DeltaNet kernels (Qwen3-Next's linear-attention layers) in plain torch, for machines without the
 `fla` (flash-linear-attention) and `causal_conv1d` CUDA kernels: the CPU backend, and any GPU lacking them.
 
-`kernels()` is the one place that picks: fla's `chunk_gated_delta_rule` where it is importable on a CUDA machine,
-these torch references otherwise. Training needs no recurrent or conv state carried between calls, so neither
-function takes or returns one.
+`gated_delta_rule` is the one place that picks, per call: fla's `chunk_gated_delta_rule` for bf16 / fp16 CUDA
+tensors where fla imports, the torch chunked rule otherwise. Training needs no recurrent or conv state carried
+between calls, so neither function takes or returns one; packed records are run one by one by the caller
+(toolkit/adapters/qwen3_next_layers.py).
 
 The gated delta rule, per value head, with S_0 = 0 (S: [k_head_dim, v_head_dim]):
     S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T        o_t = S_t^T q_t / sqrt(k_head_dim)
@@ -15,7 +16,7 @@ scan over blocks carries S (HF modeling_qwen3_next.torch_chunk_gated_delta_rule,
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -76,22 +77,6 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     return out.transpose(1, 2).contiguous().to(out_dtype)
 
 
-def recurrent_gated_delta_rule(query, key, value, g, beta) -> torch.Tensor:
-    """The same rule one position at a time (the definition above, slow): the reference the chunked form is
-    tested against."""
-    out_dtype = query.dtype
-    query, key, value, g, beta = _heads_first_fp32(query, key, value, g, beta)
-    state = query.new_zeros(*query.shape[:2], key.shape[-1], value.shape[-1])
-    outputs = []
-    for t in range(query.shape[2]):
-        state = state * g[:, :, t].exp()[..., None, None]
-        k_t = key[:, :, t]
-        predicted = (state * k_t.unsqueeze(-1)).sum(dim=-2)
-        state = state + k_t.unsqueeze(-1) * ((value[:, :, t] - predicted) * beta[:, :, t, None]).unsqueeze(-2)
-        outputs.append((state * query[:, :, t].unsqueeze(-1)).sum(dim=-2))
-    return torch.stack(outputs, dim=1).to(out_dtype)
-
-
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, activation) -> torch.Tensor:
     """Depthwise causal convolution: x [b, channels, s], weight [channels, kernel]; output position t sees inputs
     t - kernel + 1 .. t (zeros before the start), then `activation`. In the weight's dtype, cast back to x's (HF
@@ -100,17 +85,34 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, activation) -> torch
     return activation(out[..., : x.shape[-1]]).to(x.dtype)
 
 
-def _fla_chunk_gated_delta_rule(query, key, value, g, beta):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+@functools.cache
+def _fla_rule():
+    """fla's chunk_gated_delta_rule where fla imports on a CUDA machine, else None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+    except Exception:  # not installed, or built for another torch / CUDA: the torch rule is exact, only slower
+        return None
+    return fla_rule
 
+
+def gated_delta_rule(query, key, value, g, beta) -> torch.Tensor:
+    """fla's chunk kernel for bf16 / fp16 CUDA tensors where fla imports, the torch chunked rule otherwise (fla
+    computes in tf32, or refuses fp32, so fp32 stays on torch). q and k are repeated to the value heads first, as
+    megatron-core's GatedDeltaNet does: fla releases before grouped key heads index g and beta by the key heads."""
+    fla_rule = _fla_rule() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
+    if fla_rule is None:
+        return chunk_gated_delta_rule(query, key, value, g, beta)
+    repeats = value.shape[2] // key.shape[2]
+    if repeats > 1:
+        query, key = query.repeat_interleave(repeats, dim=2), key.repeat_interleave(repeats, dim=2)
     out, _ = fla_rule(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
                       use_qk_l2norm_in_kernel=True)
     return out
 
 
 def kernels():
-    """(gated delta rule, causal conv1d) for this machine: fla's chunked kernel on CUDA where importable, the torch
-    references otherwise (the conv is torch's either way: one depthwise conv, exact)."""
-    if torch.cuda.is_available() and importlib.util.find_spec("fla") is not None:
-        return _fla_chunk_gated_delta_rule, causal_conv1d
-    return chunk_gated_delta_rule, causal_conv1d
+    """(gated delta rule, causal conv1d) for this machine: `gated_delta_rule` picks fla or torch per call; the conv
+    is torch's either way (one depthwise conv, exact)."""
+    return gated_delta_rule, causal_conv1d

@@ -53,6 +53,9 @@ MIXER_DEFAULTS: dict[str, dict] = {
 }
 # what Qwen3NextConfig defaults without a field (partial_rotary_factor is set in __post_init__, not a field)
 QWEN3_NEXT_FULL_ATTENTION_INTERVAL, QWEN3_NEXT_ROTARY = 4, 0.25
+# Why each family runs on megatron's local layers only in dsmt (ModelShape.local_layers_only)
+QWEN3_NEXT_LOCAL = "Qwen3-Next's Gated DeltaNet layers"
+LLAMA4_LOCAL = "Llama 4's chunked attention and query temperature"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +143,9 @@ def _qwen3_next_fields(config: dict, *, num_layers: int) -> dict:
                              conv_kernel=_get(config, "linear_conv_kernel_dim"))
     return dict(linear_attention=gdn, linear_attention_layers=tuple(i for i, t in enumerate(types) if t == LINEAR),
                 gated_query=True, qk_norm=True, head_dim=_get(config, "head_dim"),
+                # the gated attention's k / v are column-split with no replication (qwen3_next_layers.py): tp divides
+                # the KV heads
+                kv_heads_replicable=False, local_layers_only=QWEN3_NEXT_LOCAL,
                 moe_topk=_get(config, "num_experts_per_tok"))
 
 
@@ -170,7 +176,7 @@ def _llama4_fields(config: dict, *, num_layers: int) -> dict:
                 moe_topk=_get(config, "num_experts_per_tok"), moe_ffn_hidden_size=config["intermediate_size"],
                 shared_expert_ffn_hidden_size=config["intermediate_size"], shared_expert_gate=False,
                 dense_layers=tuple(i for i in range(num_layers) if i not in moe),
-                attention_chunk_size=_get(config, "attention_chunk_size"),
+                attention_chunk_size=_get(config, "attention_chunk_size"), local_layers_only=LLAMA4_LOCAL,
                 chunked_attention_layers=_llama4_chunked_layers(config, num_layers=num_layers))
 
 

@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 
 from toolkit.errors import DsmtError
-from toolkit.models.mixer_shapes import (ATTENTION, CHUNKED, LINEAR, GatedDeltaNetShape, attention_extras,
-                                         attention_softcap, llama4_text_fields, mixer_config_fields)
+from toolkit.models.mixer_shapes import (ATTENTION, CHUNKED, LINEAR, LLAMA4_LOCAL, QWEN3_NEXT_LOCAL, GatedDeltaNetShape,
+                                         attention_extras, attention_softcap, llama4_text_fields, mixer_config_fields)
 from toolkit.models.moe_shapes import MlaShape, MoeConfigError, moe_config_fields
 
 
@@ -78,6 +78,9 @@ class ModelShape:
     # Llama 4: the layers attending only within blocks of attention_chunk_size tokens (chunked local attention)
     attention_chunk_size: int | None = None
     chunked_attention_layers: tuple[int, ...] = ()
+    # Why dsmt builds the model on megatron's local layers only (Qwen3-Next, Llama 4: their adapters refuse
+    # Transformer Engine's), or None
+    local_layers_only: str | None = None
 
     @property
     def kv_channels(self) -> int:
@@ -253,7 +256,7 @@ def _llama4(name, *, experts, moe_every, max_pos):
     return ModelShape(name, 5120, 48, 40, 8, 16384, 202048, False, True, max_pos, head_dim=128, num_experts=experts,
                       moe_topk=1, moe_ffn_hidden_size=8192, shared_expert_ffn_hidden_size=8192,
                       dense_layers=tuple(i for i in range(48) if (i + 1) % moe_every), attention_chunk_size=8192,
-                      chunked_attention_layers=tuple(i for i in range(48) if (i + 1) % 4))
+                      chunked_attention_layers=tuple(i for i in range(48) if (i + 1) % 4), local_layers_only=LLAMA4_LOCAL)
 
 
 # Published shapes (config.json of each release).
@@ -297,7 +300,7 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
         # is not part of the model transformers loads.
         ModelShape("glm-4.5-air", 4096, 46, 96, 8, 10944, 151552, False, True, 131072, head_dim=128, num_experts=128,
                    moe_topk=8, moe_ffn_hidden_size=1408, shared_expert_ffn_hidden_size=1408, dense_layers=(0,),
-                   qkv_bias=True),
+                   qkv_bias=True, rotary_fraction=0.5),
         # Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults are its config.json but for intermediate_size,
         # 5120 there, which no layer uses: every layer is MoE; and max_position_embeddings 262144): Gated DeltaNet on
         # 3 of every 4 layers (16 key / 32 value heads of 128, conv kernel 4), gated attention on the 4th (16 query /
@@ -306,7 +309,7 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
                    num_experts=512, moe_topk=10, moe_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512,
                    shared_expert_gate=True, linear_attention=GatedDeltaNetShape(16, 32, 128, 128, 4),
                    linear_attention_layers=tuple(i for i in range(48) if (i + 1) % 4), gated_query=True,
-                   qk_norm=True, rotary_fraction=0.25),
+                   qk_norm=True, rotary_fraction=0.25, kv_heads_replicable=False, local_layers_only=QWEN3_NEXT_LOCAL),
         # Llama-4-Scout-17B-16E and Maverick-17B-128E's text_config (Scout: every layer MoE over 16 experts, context
         # 10M; Maverick: 128 experts on every 2nd layer, interleave_moe_layer_step 2, context 1M).
         _llama4("llama4-scout-17b-16e", experts=16, moe_every=1, max_pos=10485760),

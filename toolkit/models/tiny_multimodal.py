@@ -34,7 +34,8 @@ _TINY_MULTIMODAL = {
         vision=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
                     spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0]),
         fields=dict(image_token_id=249, video_token_id=248, vision_start_token_id=246, vision_end_token_id=247,
-                    tie_word_embeddings=False)),    # Llama 4: a one-layer vision tower on 28-pixel images, its pixel-shuffle MLP 4 x hidden wide as released.
+                    tie_word_embeddings=False)),
+    # Llama 4: a one-layer vision tower on 28-pixel images, its pixel-shuffle MLP 4 x hidden wide as released.
     "llama4": dict(
         text=("llama4_text", "llama4_text"),
         vision=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=28,

@@ -20,6 +20,7 @@ LAYOUT_RULES = frozenset({
     "vpp_needs_pp", "sequence_parallel_needs_tp", "sequence_parallel_vs_seq_length", "fused_attention_on_cpu", "cp_on_cpu", "cp_needs_fused_attention", "cp_vs_seq_length", "cp_with_mla",
     "ep_needs_experts", "experts_vs_ep", "ep_vs_data_parallel", "moe_tp_needs_sequence_parallel", "zero3_with_ep",
     "batch_divisibility", "vpp_microbatches", "zero_with_pp", "tp_crosses_nodes", "attention_softcap_needs_local",
+    "local_layers_only",
 })
 
 # The rules that need only the layout and the model (no world, batch or device): what the model loader applies.
@@ -48,6 +49,8 @@ class ModelFacts:
     # Head counts TP splits with no replication, as (HF name, count): Qwen3-Next's Gated DeltaNet key and value heads
     # (each rank holds whole key-head groups: toolkit/adapters/qwen3_next_layers.py).
     unreplicated_heads: tuple[tuple[str, int], ...] = ()
+    # Why dsmt builds this model on megatron's local layers only (its adapter refuses Transformer Engine's), or None
+    local_layers_only: str | None = None
 
     @classmethod
     def from_shape(cls, shape, *, vocab_multiple: int) -> "ModelFacts":
@@ -62,7 +65,8 @@ class ModelFacts:
                    num_layers=shape.num_layers,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, multiple=vocab_multiple),
                    num_experts=shape.num_experts, attention_softcap=shape.attention_softcap,
-                   kv_heads_replicable=shape.kv_heads_replicable, unreplicated_heads=_linear_attention_heads(shape))
+                   kv_heads_replicable=shape.kv_heads_replicable, unreplicated_heads=_linear_attention_heads(shape),
+                   local_layers_only=shape.local_layers_only)
 
 
 def _linear_attention_heads(shape) -> tuple[tuple[str, int], ...]:
@@ -150,8 +154,9 @@ def rule_tensor_parallel(*, layout: Layout, model: ModelFacts, run: RunFacts | N
         ("kv_heads_vs_tp", kv % tp and tp % kv, f"tp={tp} neither divides nor is a multiple of num_kv_heads={kv} "
                                                  "(KV heads are split, or each replicated on tp/kv ranks)"),
         ("kv_heads_vs_tp", kv % tp and not tp % kv and not model.kv_heads_replicable,
-         f"tp={tp} does not divide num_kv_heads={kv}, and this model's q / k norms span all heads (OLMo-2), so "
-         "each TP rank needs whole KV heads (none replicated)"),
+         f"tp={tp} does not divide num_kv_heads={kv}, and this model's KV heads cannot be replicated (OLMo-2's q / "
+         "k norms span all heads; Qwen3-Next's gated attention splits k and v as they are), so each TP rank needs "
+         "whole KV heads"),
         *(("heads_vs_tp", count % tp, f"tp={tp} does not divide {name}={count} (Gated DeltaNet heads are split "
                                       "over TP, none replicated)") for name, count in model.unreplicated_heads),
         ("ffn_vs_tp", model.ffn_hidden_size % tp, f"tp={tp} does not divide ffn_hidden_size={model.ffn_hidden_size}"),
@@ -225,6 +230,17 @@ def rule_attention_softcap(*, layout: Layout, model: ModelFacts, run: RunFacts |
                     "with training.attention=fused: Transformer Engine's attention has no logit softcapping, so the "
                     "model would train without it", "set training.attention: local (megatron's attention, softcapped "
                     "as HF does; it stores the s x s scores: see dsmt plan for the memory)")]
+
+
+def rule_local_layers_only(*, layout: Layout, model: ModelFacts, run: RunFacts | None) -> list[Problem]:
+    """Qwen3-Next's Gated DeltaNet and Llama 4's chunked, temperature-tuned attention exist on megatron's local
+    layers only in dsmt (families/qwen3_next.py, families/llama4.py): Transformer Engine's are refused at build."""
+    if run is None or model.local_layers_only is None or run.attention != "fused":
+        return []
+    return [Problem("error", "local_layers_only", f"{model.local_layers_only} with training.attention=fused: dsmt "
+                    "builds these on megatron's local layers only; Transformer Engine's would be refused at build",
+                    "set training.attention: local (it stores the s x s attention scores: see dsmt plan for the "
+                    "memory)")]
 
 
 def valid_ep_sizes(*, model: ModelFacts, layout: Layout) -> tuple[int, ...]:
@@ -333,7 +349,7 @@ def rule_sequence_split(*, layout: Layout, model: ModelFacts, run: RunFacts | No
 
 
 RULES: tuple[Rule, ...] = (rule_sizes, rule_world_size, rule_tensor_parallel, rule_pipeline, rule_context_parallel,
-                           rule_attention_softcap,
+                           rule_attention_softcap, rule_local_layers_only,
                            rule_sequence_split, rule_expert_parallel, rule_moe_training, rule_batch,
                            rule_zero_with_pp, rule_tp_within_node)
 

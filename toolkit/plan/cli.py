@@ -195,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
               "so the run uses megatron's local attention (training.attention: local); planned with it (the s x s "
               "scores stored)", file=sys.stderr)
         args.attention = "local"
+    if shape.local_layers_only and args.attention == "fused":
+        print(f"note: {shape.local_layers_only}: dsmt builds them on megatron's local layers only "
+              "(training.attention: local); planned with them (the s x s scores stored)", file=sys.stderr)
+        args.attention = "local"
     result = plan(shape=shape, training=training, cluster=cluster, assumptions=_assumptions(args),
                   limits=_limits(args))
     if args.explain:

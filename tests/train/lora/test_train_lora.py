@@ -38,24 +38,22 @@ RUNS = {
                          targets=["k_proj", "o_proj", "gate_proj"]),
     "gpt2-tp2-dp2": dict(model="gpt2", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),  # Conv1D, packed qkv
     "phi3-tp2-pp2": dict(model="phi3", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),  # packed qkv, gate_up
-    # Granite's residual multiplier scales the linear_proj / linear_fc2 deltas; OLMo-2's post-norms follow them and
-    # its whole-projection q / k norms follow linear_qkv's delta; StarCoder2: biases, GELU MLP (c_fc / c_proj), tied
-    "granite-tp2-pp2": dict(model="granite", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
+    # OLMo-2's post-norms follow the linear_proj / linear_fc2 deltas and its whole-projection q / k norms follow
+    # linear_qkv's delta; StarCoder2: biases, GELU MLP (c_fc / c_proj), tied. (Granite's residual multipliers scale
+    # the deltas outside the linears, as Llama's path: not run, the suite's time.)
     "olmo2-tp2-pp2": dict(model="olmo2", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
     "starcoder2-tp2-dp2": dict(model="starcoder2", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),
-    # Gemma 2: post-norms after linear_proj / linear_fc2's deltas, softcapped scores and logits, tied; Gemma 3: q / k
-    # head norms after linear_qkv's delta, two RoPEs
+    # Gemma 2: post-norms after linear_proj / linear_fc2's deltas, softcapped scores and logits, tied (Gemma 3's
+    # per-head q / k norms after linear_qkv's delta are megatron's own, as Qwen3's: not run, the suite's time)
     "gemma2-tp2-pp2": dict(model="gemma2", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
-    "gemma3-tp2-dp2": dict(model="gemma3_text", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),
     # ERNIE 4.5: its own attention class (interleaved-pair RoPE computed in fp32) after linear_qkv's delta, tied
     "ernie4_5-tp2-dp2": dict(model="ernie4_5", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),
     "tp2-dp2-zero3": dict(model="llama", layout=dict(tp=2, pp=1, dp=2, zero=3), targets=None,
                           communication={"param_persistence_threshold_elements": 0}),
-    # Llama-3.2-1B / Qwen2.5-0.5B style: tied embeddings (frozen under LoRA: no copies to synchronise) at PP > 1,
-    # with an odd vocabulary (251 -> padded 256, split over TP)
-    "tied-odd-vocab-tp2-pp2": dict(model="llama_tied", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None),
-    # the same with the tied embedding trained too (PEFT's modules_to_save): its two copies, on the first and the
-    # last stage, kept equal by summing their gradients, exported once in final-hf-adapter
+    # Llama-3.2-1B / Qwen2.5-0.5B style: tied embeddings at PP > 1 with an odd vocabulary (251 -> padded 256, split
+    # over TP), the tied embedding trained too (PEFT's modules_to_save): its two copies, on the first and the last
+    # stage, kept equal by summing their gradients, exported once in final-hf-adapter. (Frozen, the same copies
+    # are only loaded, as every tied model's at PP > 1 in the parity tests: not run here, the suite's time.)
     "tied-embeddings-tp2-pp2": dict(model="llama_tied", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None,
                                     lora={"train_embeddings": True}),
 }
@@ -93,9 +91,8 @@ def lora_runs(tiny_llama, tmp_path_factory):
               "phi3": make_tiny_checkpoint(root / "phi3", model_type="phi3", seed=4),
               "llama_tied": make_tiny_checkpoint(root / "llama-tied", model_type="llama", tie_word_embeddings=True,
                                                  vocab_size=251, seed=5),
-              **{family: make_tiny_checkpoint(root / family, model_type=family, seed=6 + index)
-                 for index, family in enumerate(("granite", "olmo2", "starcoder2", "gemma2", "gemma3_text",
-                                                 "ernie4_5"))}}
+              **{family: make_tiny_checkpoint(root / family, model_type=family, seed=7 + index)
+                 for index, family in enumerate(("olmo2", "starcoder2", "gemma2", "ernie4_5"))}}
     specs = {}
     for index, (name, run) in enumerate(RUNS.items()):
         model_dir = models[run["model"]]

@@ -21,8 +21,8 @@ with an MoE decoder and three attention changes, each checked against transforme
   chunks      `layer_types` "chunked_attention" layers attend causally within blocks of `attention_chunk_size`
               tokens (transformers' chunked mask: q // chunk == k // chunk): a block-diagonal causal mask given
               to megatron's local softmax, combined with any mask the batch brings (packed records).
-  softmax     HF's eager attention takes the softmax in the activations' dtype (no fp32 upcast):
-              `attention_softmax_in_fp32=False`.
+  softmax     in fp32 (megatron's default): HF's default attention (sdpa) accumulates in fp32 too; only its eager
+              path takes it in bf16.
 
 The three attention changes are one forward pre-hook on each layer's core attention (`Llama4AttentionInputs`), so
 every TP / PP / EP layout sees the layer's own global index. Transformer Engine's attention is refused: the chunked
@@ -40,6 +40,7 @@ from toolkit.adapters.families.ernie4_5 import edit_ernie4_5_layer_spec
 from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS
 from toolkit.adapters.families.moe import LLAMA_WITHOUT_MLP, shared_expert_rows
 from toolkit.adapters.hf_config import rope_settings
+from toolkit.adapters.packed import record_positions_from_mask
 from toolkit.adapters.transforms import Kind
 
 M = WeightMapping
@@ -81,14 +82,15 @@ def read_llama4_config(hf_config) -> dict:
         moe_shared_expert_intermediate_size=hf_config.intermediate_size,
         moe_router_score_function="sigmoid",
         moe_apply_probs_on_input=True,
-        moe_router_dtype=None,  # HF's router: logits in the activations' dtype, the sigmoid in fp32 and back
+        # HF takes the top-1 of the router logits; megatron takes it of the sigmoid scores, which in bf16 round
+        # together near 1 (logits 7 and 8 both give 1.0): an fp32 router picks HF's expert
+        moe_router_dtype="fp32",
         moe_grouped_gemm=False,  # SequentialMLP, as the other MoE families (families/moe.py)
         moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="none",  # Llama4ForCausalLM adds no load-balancing term
         moe_aux_loss_coeff=0.0,
         rotary_interleaved=True,
         no_rope_freq=no_rope if any(no_rope) else None,
-        attention_softmax_in_fp32=False,  # HF's eager softmax runs in the activations' dtype
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
     )
 
@@ -147,16 +149,30 @@ class Llama4AttentionInputs:
     chunk_size: int | None = None
 
     def __call__(self, module, args, kwargs):
-        if len(args) < 4:
-            return None
+        if len(args) < 4:  # megatron passes query, key, value, mask positionally (plain and recomputed calls)
+            raise AdapterError(f"llama4: the core attention was called with {len(args)} positional arguments, not "
+                               "query, key, value, mask: this megatron-core calls it otherwise than 0.16 did")
         query, key, value, mask, *rest = args
         if self.qk_norm_eps is not None:
             query, key = weightless_rms_norm(query, eps=self.qk_norm_eps), weightless_rms_norm(key, eps=self.qk_norm_eps)
+        if self.temperature is None and self.chunk_size is None:
+            return (query, key, value, mask, *rest), kwargs
+        positions = token_positions(mask, seq_length=key.shape[0], device=query.device)[:, -query.shape[0]:]
         if self.temperature is not None:
-            query = (query * query_temperature(query.shape[0], *self.temperature, device=query.device)).to(query.dtype)
+            query = (query * query_temperature(positions, *self.temperature)).to(query.dtype)
         if self.chunk_size is not None and query.shape[0] > 1:
-            mask = chunked_causal_mask(query.shape[0], key.shape[0], self.chunk_size, given=mask, device=query.device)
+            mask = chunked_causal_mask(positions, key_positions=token_positions(mask, seq_length=key.shape[0],
+                                                                                device=query.device),
+                                       chunk_size=self.chunk_size, given=mask)
         return (query, key, value, mask, *rest), kwargs
+
+
+def token_positions(mask: torch.Tensor | None, *, seq_length: int, device) -> torch.Tensor:
+    """[b or 1, s]: each token's position in its record: the column without packed records (mask None), else read
+    from the packed mask (toolkit/adapters/packed.py), so each record chunks and scales as alone (as HF fed it)."""
+    if mask is None:
+        return torch.arange(seq_length, device=device).view(1, seq_length)
+    return record_positions_from_mask(mask)
 
 
 def weightless_rms_norm(x: torch.Tensor, *, eps: float) -> torch.Tensor:
@@ -165,21 +181,26 @@ def weightless_rms_norm(x: torch.Tensor, *, eps: float) -> torch.Tensor:
     return (x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
-def query_temperature(seq_length: int, floor_scale: float, attn_scale: float, *, device) -> torch.Tensor:
-    """[sq, 1, 1, 1] fp32 factors, log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 at position p, as HF."""
-    positions = torch.arange(seq_length, device=device).float()
-    scales = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0
-    return scales.view(seq_length, 1, 1, 1)
+def query_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """[sq, b or 1, 1, 1] fp32 factors, log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 at position p, as HF
+    (`positions` [b or 1, sq])."""
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return scales.transpose(0, 1)[:, :, None, None]
 
 
-def chunked_causal_mask(sq: int, sk: int, chunk_size: int, *, given: torch.Tensor | None, device) -> torch.Tensor:
-    """megatron's boolean mask (True = masked) [1 or b, 1, sq, sk]: a key later than the query, or in another
-    chunk of `chunk_size` positions; combined with the `given` one (packed records)."""
-    q = torch.arange(sk - sq, sk, device=device).view(sq, 1)  # queries are the last sq positions (no cache: all)
-    k = torch.arange(sk, device=device).view(1, sk)
-    outside = (k > q) | (torch.div(k, chunk_size, rounding_mode="floor") != torch.div(q, chunk_size, rounding_mode="floor"))
-    outside = outside.view(1, 1, sq, sk)
-    return outside if given is None else given.to(torch.bool) | outside
+def chunked_causal_mask(query_positions: torch.Tensor, *, key_positions: torch.Tensor, chunk_size: int,
+                        given: torch.Tensor | None) -> torch.Tensor:
+    """megatron's boolean mask (True = masked) [b or 1, 1, sq, sk]: a key in another chunk of `chunk_size`
+    positions of the record than the query, or (without a `given` packed mask, which already has it) later than
+    the query; combined with `given` (packed records: their own causal block-diagonal mask)."""
+    query_chunk = torch.div(query_positions, chunk_size, rounding_mode="floor")[:, :, None]
+    key_chunk = torch.div(key_positions, chunk_size, rounding_mode="floor")[:, None, :]
+    outside = (query_chunk != key_chunk)[:, None]
+    if given is not None:
+        return given.to(torch.bool) | outside
+    sq, sk = query_positions.shape[1], key_positions.shape[1]
+    later = torch.ones(sq, sk, dtype=torch.bool, device=outside.device).triu(sk - sq + 1)  # no cache: sq == sk
+    return outside | later
 
 
 def edit_llama4_layer_spec(spec, *, config, settings, transformer_engine: bool):

@@ -35,13 +35,19 @@ def read_qwen2_moe_config(hf_config) -> dict:
 
 
 def check_qwen2_moe_config(hf_config) -> list[str]:
-    problems = check_qwen2_config(hf_config) + moe_problems(hf_config, renormalise=bool(hf_config.norm_topk_prob))
+    return check_qwen2_config(hf_config) + shared_expert_moe_problems(
+        hf_config, family="Qwen2-MoE", no_moe_fix="convert it as a dense qwen2 model (model_type: qwen2)")
+
+
+def shared_expert_moe_problems(hf_config, *, family: str, no_moe_fix: str) -> list[str]:
+    """The routing megatron reproduces, at least one MoE layer, and the shared expert every Qwen-MoE layer has
+    (Qwen2-MoE, Qwen3-Next)."""
+    problems = moe_problems(hf_config, renormalise=bool(hf_config.norm_topk_prob))
     if not hf_config.num_experts or not any(moe_layer_pattern(hf_config)):
         problems.append(f"num_experts={hf_config.num_experts}, mlp_only_layers={hf_config.mlp_only_layers}, "
-                        f"decoder_sparse_step={hf_config.decoder_sparse_step}: no MoE layer. Fix: convert it as a "
-                        "dense qwen2 model (model_type: qwen2)")
+                        f"decoder_sparse_step={hf_config.decoder_sparse_step}: no MoE layer. Fix: {no_moe_fix}")
     if not hf_config.shared_expert_intermediate_size:
-        problems.append("shared_expert_intermediate_size=0: HF's Qwen2-MoE layer always has its shared expert. "
+        problems.append(f"shared_expert_intermediate_size=0: HF's {family} layer always has its shared expert. "
                         "Fix: correct config.json")
     return problems
 

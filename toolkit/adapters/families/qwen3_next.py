@@ -20,18 +20,19 @@ from __future__ import annotations
 import dataclasses
 
 from toolkit.adapters.family import AdapterError, Architecture, ModelFamily, WeightMapping, register
-from toolkit.adapters.families.llama import LLAMA_WEIGHTS, LM_HEAD, ROTARY_BUFFERS, check_llama_config
-from toolkit.adapters.families.moe import (DENSE_MLP, expert_rows, moe_fields, moe_layer_pattern, moe_problems,
+from toolkit.adapters.families.llama import LM_HEAD, ROTARY_BUFFERS, check_llama_config
+from toolkit.adapters.families.moe import (DENSE_MLP, LLAMA_WITHOUT_MLP, expert_rows, moe_fields, moe_layer_pattern,
                                            shared_expert_rows)
+from toolkit.adapters.families.qwen2_moe import shared_expert_moe_problems
 from toolkit.adapters.transforms import Kind
 
 M = WeightMapping
 LINEAR, FULL = "linear_attention", "full_attention"
 _MLP = "model.layers.*.mlp"
-# Rows every layer has: the embedding, both norms, the MLP (dense or MoE), the final norm.
 _MIXER_ROWS = ("decoder.layers.*.self_attention.linear_qkv.weight", "decoder.layers.*.self_attention.linear_proj.weight")
-SHARED_ROWS = tuple(row for row in LLAMA_WEIGHTS if row.megatron not in _MIXER_ROWS + tuple(r.megatron for r in DENSE_MLP)
-                    ) + DENSE_MLP + expert_rows(
+# Rows whatever a layer's mixer: the embedding, both norms, the MLP (dense or MoE), the final norm; the mixers' rows
+# are written per layer (`mixer_rows`).
+SHARED_ROWS = tuple(row for row in LLAMA_WITHOUT_MLP if row.megatron not in _MIXER_ROWS) + DENSE_MLP + expert_rows(
     router=f"{_MLP}.gate.weight", gate=f"{_MLP}.experts.*.gate_proj.weight", up=f"{_MLP}.experts.*.up_proj.weight",
     down=f"{_MLP}.experts.*.down_proj.weight", layers="moe",
 ) + shared_expert_rows(hf_prefix=f"{_MLP}.shared_expert") + (
@@ -91,18 +92,15 @@ def read_qwen3_next_config(hf_config) -> dict:
 
 
 def read_qwen3_next_quirks(hf_config) -> dict:
-    return {"layer_types": tuple(hf_config.layer_types)}
+    # local_attention: verify and convert, which leave the layers to the machine, build megatron's local ones
+    # (build.attention_for), not Transformer Engine's, which `edit_qwen3_next_layer_spec` refuses
+    return {"layer_types": tuple(hf_config.layer_types), "local_attention": True}
 
 
 def check_qwen3_next_config(hf_config) -> list[str]:
-    problems = check_llama_config(hf_config) + moe_problems(hf_config, renormalise=bool(hf_config.norm_topk_prob))
-    if not hf_config.num_experts or not any(moe_layer_pattern(hf_config)):
-        problems.append(f"num_experts={hf_config.num_experts}, mlp_only_layers={hf_config.mlp_only_layers}, "
-                        f"decoder_sparse_step={hf_config.decoder_sparse_step}: no MoE layer; the qwen3_next adapter "
-                        "builds MoE models (every release is one). Fix: none in dsmt")
-    if not hf_config.shared_expert_intermediate_size:
-        problems.append("shared_expert_intermediate_size=0: HF's Qwen3-Next MoE layer always has its shared expert. "
-                        "Fix: correct config.json")
+    problems = check_llama_config(hf_config) + shared_expert_moe_problems(
+        hf_config, family="Qwen3-Next MoE", no_moe_fix="none in dsmt (the qwen3_next adapter builds MoE models: "
+                                                       "every release is one)")
     unknown = sorted(set(hf_config.layer_types) - {LINEAR, FULL})
     if unknown:
         problems.append(f"layer_types {unknown}: the qwen3_next adapter knows {LINEAR!r} and {FULL!r}")
@@ -125,10 +123,12 @@ def check_qwen3_next_config(hf_config) -> list[str]:
 def tp_problems(*, settings, tp_size: int) -> list[str]:
     """The TP sizes the mixers split evenly: whole key-head groups (DeltaNet) and whole KV groups (attention)."""
     fields = settings.transformer_fields
-    counts = {"linear_num_key_heads": fields["linear_num_key_heads"], "num_key_value_heads": fields["num_query_groups"]}
-    return [f"tp={tp_size} does not divide {name}={count}: each TP rank must hold whole {name.split('_')[0]} head "
-            f"groups; valid tp: {', '.join(str(t) for t in range(1, count + 1) if count % t == 0)}"
-            for name, count in counts.items() if count % tp_size]
+    key_heads, kv_heads = fields["linear_num_key_heads"], fields["num_query_groups"]
+    valid = ", ".join(str(t) for t in range(1, key_heads + 1) if key_heads % t == 0 and kv_heads % t == 0)
+    return [f"tp={tp_size} does not divide {name}={count}: each TP rank holds whole {what}; valid tp: {valid}"
+            for name, count, what in (("linear_num_key_heads", key_heads, "Gated DeltaNet key-head groups"),
+                                      ("num_key_value_heads", kv_heads, "KV heads of the gated attention"))
+            if count % tp_size]
 
 
 def edit_qwen3_next_layer_spec(spec, *, config, settings, transformer_engine: bool):
