@@ -6,7 +6,8 @@ the first step), fp32, warmup + cosine LR, weight decay, gradient clipping that 
   * tp2-pp2: the megatron 1F1B schedule, every linear adapted (column and row bases, GQA qkv split over TP);
   * tp2-dp2-zero2-recompute: DeepSpeed's loop, ZeRO-2 over DP, full recompute, targets q_proj, v_proj, down_proj
     (k has no block in the fused qkv);
-  * tp2-sp-dp2: sequence parallelism; tp2-pp2-vpp2: interleaved schedule, the export gathers the VPP chunks;
+  * tp2-pp2-vpp2: interleaved schedule, the export gathers the VPP chunks (sequence parallelism: its gradient sums
+    are checked against TP1 by test_tp2_lora_gradients_equal_tp1; no run of its own, the suite's time);
   * gpt2-tp2-dp2: Conv1D (transposed) weights and a packed c_attn; phi3-tp2-pp2: packed qkv_proj and gate_up_proj;
   * tp2-dp2-zero3: base weights and adapters partitioned over DP (persistence threshold 0: no parameter kept whole),
     gathered by DeepSpeed for each module's forward / backward, and into CPU copies for the merge and the export.
@@ -32,8 +33,6 @@ RUNS = {
     # full recompute of every layer: the frozen embedding's output must still carry gradients into the blocks
     "tp2-dp2-zero2-recompute": dict(model="llama", layout=dict(tp=2, pp=1, dp=2, zero=2),
                                     targets=["q_proj", "v_proj", "down_proj"], training={"recompute": "full"}),
-    "tp2-sp-dp2": dict(model="llama", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None,
-                       parallel={"sequence_parallel": True}),
     "tp2-pp2-vpp2": dict(model="llama", layout=dict(tp=2, pp=2, vpp=2, dp=1, zero=1, micro=1, global_batch=4),
                          targets=["k_proj", "o_proj", "gate_proj"]),
     "gpt2-tp2-dp2": dict(model="gpt2", layout=dict(tp=2, pp=1, dp=2, zero=1), targets=None),  # Conv1D, packed qkv
