@@ -72,7 +72,7 @@ def main() -> None:
     if args.smoke:
         args.layers, args.workers, args.repeats = 1, [1], 1
     total, largest = write_random_checkpoint(hf, num_layers=args.layers, **shape)
-    baseline = import_baseline_rss()
+    baseline = 0 if args.smoke else import_baseline_rss()  # a process of its own: seconds the smoke run skips
     rows: dict[str, list[tuple[float, float, int]]] = {}
     copies, user_copies = [], []
     for _ in range(args.repeats):
@@ -87,7 +87,8 @@ def main() -> None:
                 timed_convert(["convert", "mcore-to-hf", str(mcore), str(back), *flags], back))
     copy_s = statistics.median(copies)
     print(f"model: {total / 2 // 1e6 / 1e3:.2f} B params, {total / 2**30:.2f} GiB bf16, largest tensor "
-          f"{largest / 2**20:.0f} MiB; imports alone: {baseline / 2**30:.2f} GiB RSS")
+          f"{largest / 2**20:.0f} MiB; imports alone: "
+          + ("not measured (--smoke)" if args.smoke else f"{baseline / 2**30:.2f} GiB RSS"))
     print(f"plain copy of the safetensors: {copy_s:.1f} s ({total / 1e9 / copy_s:.2f} GB/s), median of "
           f"{args.repeats}: {', '.join(f'{c:.1f}' for c in copies)} s (the ratios below are to this)")
     user_s = statistics.median(user_copies)
