@@ -32,9 +32,11 @@ def test_config_reads_moe_pattern_sigmoid_top1_on_input_interleaved_rope_and_nop
 def test_per_layer_attention_inputs_follow_rope_and_layer_types():
     from toolkit.adapters.families.llama4 import Llama4AttentionInputs
 
-    quirks = model_settings(tiny_config("llama4_text")).quirks
-    hooks = quirks["attention_inputs"]
-    assert quirks["local_attention"]  # verify / convert build megatron's local attention (build.attention_for)
+    from toolkit.adapters.build import attention_for
+
+    settings = model_settings(tiny_config("llama4_text"))
+    hooks = settings.quirks["attention_inputs"]
+    assert attention_for(settings=settings, attention=None) == "local"  # verify / convert build megatron's local one
     rope_layer = Llama4AttentionInputs(qk_norm_eps=1e-5, chunk_size=8)
     assert hooks == (rope_layer, rope_layer, Llama4AttentionInputs(temperature=(4.0, 0.5)), rope_layer)
     plain = tiny_config("llama4_text", use_qk_norm=False, attn_temperature_tuning=False, attention_chunk_size=None)

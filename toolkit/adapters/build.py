@@ -64,9 +64,10 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
 
 def attention_for(*, settings: ModelSettings, attention: str | None) -> str | None:
     """The attention kind to build: the caller's; when it leaves the choice to the machine (verify, convert: None),
-    local for a model with softcapped scores or a family's local-only attention (quirk `local_attention`: Llama 4's
-    chunked mask), which only megatron's local attention has (TE's would be refused)."""
-    if attention is None and (settings.attention_softcap is not None or settings.quirks.get("local_attention")):
+    local for a model with softcapped scores or a family whose layers exist only there (Architecture.local_layers_only:
+    Qwen3-Next, Llama 4): only megatron's local attention has them (TE's would be refused)."""
+    local_only = settings.attention_softcap is not None or settings.family.architecture.local_layers_only
+    if attention is None and local_only:
         return "local"
     return attention
 

@@ -133,6 +133,9 @@ class Architecture:
     linear_bias: bool = False  # biases on every linear layer (GPT-2)
     embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
     position_embedding: str = "rope"  # one of POSITION_EMBEDDINGS
+    # Why the family's layers exist on megatron's local layers only (its edit_layer_spec refuses Transformer
+    # Engine's: Qwen3-Next, Llama 4), or None: verify / convert then build local layers, and dsmt check / plan know it
+    local_layers_only: str | None = None
 
     def __post_init__(self):
         for field, value, allowed in (("activation", self.activation, ACTIVATIONS),

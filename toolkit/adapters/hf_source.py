@@ -218,23 +218,25 @@ class SafetensorsSource:
                                 f"{list(block_size)} (expected {expected})")
             else:
                 pairs[name] = Fp8Weight(scale_name=scale, block_size=block_size)
-        if problems:
-            raise QuantizedCheckpointError(
-                f"{self.checkpoint_dir}: {len(problems)} FP8 tensor(s) without matching block scales:\n  - "
-                + "\n  - ".join(problems), rule="fp8_scales",
-                fix="re-download the checkpoint; check weight_block_size in config.json against the scale shapes")
+        self._refuse_unpaired(problems, what="FP8 tensor(s) without matching block scales", rule="fp8_scales",
+                              fix="re-download the checkpoint; check weight_block_size in config.json against the "
+                                  "scale shapes")
         return pairs
 
     def _pair_mxfp4(self) -> dict[str, mxfp4.Mxfp4Weight]:
         """Presented name -> its MXFP4 blocks and scales, after checking every pair (one error lists every problem)."""
         entries = {name: (self.shape(name), self.file_dtype(name)) for name in self._file_of}
         pairs, problems = mxfp4.pair_mxfp4(entries)
-        if problems:
-            raise QuantizedCheckpointError(
-                f"{self.checkpoint_dir}: {len(problems)} MXFP4 tensor(s) without matching blocks / scales:\n  - "
-                + "\n  - ".join(problems), rule="mxfp4_tensors",
-                fix="re-download the checkpoint (GPT-OSS's release stores experts.*_blocks with experts.*_scales)")
+        self._refuse_unpaired(problems, what="MXFP4 tensor(s) without matching blocks / scales", rule="mxfp4_tensors",
+                              fix="re-download the checkpoint (GPT-OSS's release stores experts.*_blocks with "
+                                  "experts.*_scales)")
         return pairs
+
+    def _refuse_unpaired(self, problems: list[str], *, what: str, rule: str, fix: str) -> None:
+        """One error listing every quantised tensor whose companion (scales, blocks) is missing or misshapen."""
+        if problems:
+            raise QuantizedCheckpointError(f"{self.checkpoint_dir}: {len(problems)} {what}:\n  - " + "\n  - ".join(problems),
+                                           rule=rule, fix=fix)
 
     def names(self) -> list[str]:
         return list(self._names)

@@ -23,7 +23,8 @@ def shape_from_config(config: dict, *, name: str) -> ModelShape:
     if architecture is None:  # no adapter: read as Llama-like, a SwiGLU activation name meaning a gated MLP
         return shape_from_fields(config, name=name, gated_mlp=_named_gated(config), kv_heads_replicable=True)
     return shape_from_fields(config, name=name, gated_mlp=architecture.gated_mlp,
-                             kv_heads_replicable=not architecture.qk_norm_spans_heads, qkv_bias=architecture.qkv_bias)
+                             kv_heads_replicable=not architecture.qk_norm_spans_heads, qkv_bias=architecture.qkv_bias,
+                             local_layers_only=architecture.local_layers_only)
 
 
 def load_model_shape(ref: str | Path) -> ModelShape:

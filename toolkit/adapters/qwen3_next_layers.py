@@ -176,7 +176,6 @@ class GatedDeltaNetMixer(MegatronModule):
         self.out_proj = RowParallelLinear(num_v * self.value_dim, hidden, config=config, bias=False,
                                           init_method=config.output_layer_init_method, input_is_parallel=True,
                                           skip_bias_add=True, tp_group=tp_group)
-        self.rule, self.conv = cpu_gdn.kernels()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **unused):
         """`attention_mask`: None, or packed records' block-diagonal mask (toolkit/adapters/packed.py), whose
@@ -190,7 +189,7 @@ class GatedDeltaNetMixer(MegatronModule):
         query, key, value, z = torch.split(qkvz, [self.key_dim, self.key_dim, v_rows, v_rows], dim=-1)
         b, a = torch.split(ba.transpose(0, 1).reshape(batch, seq, self.local_k_heads, -1), self.values_per_key, dim=-1)
         mixed = torch.cat([t.reshape(batch, seq, -1) for t in (query, key, value)], dim=-1).transpose(1, 2)
-        conv = functools.partial(self.conv, weight=self.conv1d(), activation=F.silu)
+        conv = functools.partial(cpu_gdn.causal_conv1d, weight=self.conv1d(), activation=F.silu)
         mixed = (conv(mixed) if spans is None else per_record(conv, mixed, spans=spans, dim=2)).transpose(1, 2)
         qk_local = self.local_k_heads * self.key_dim
         query, key, value = torch.split(mixed, [qk_local, qk_local, mixed.shape[-1] - 2 * qk_local], dim=-1)
@@ -199,7 +198,8 @@ class GatedDeltaNetMixer(MegatronModule):
         g = -self.A_log.float().exp() * F.softplus(a.reshape(batch, seq, -1).float() + self.dt_bias)
         inputs = (query.reshape(batch, seq, -1, self.key_dim), key.reshape(batch, seq, -1, self.key_dim),
                   value.reshape(batch, seq, -1, self.value_dim), g, beta)
-        out = self.rule(*inputs) if spans is None else per_record(self.rule, *inputs, spans=spans, dim=1)
+        rule = cpu_gdn.gated_delta_rule  # fla's kernel or the torch rule, per call
+        out = rule(*inputs) if spans is None else per_record(rule, *inputs, spans=spans, dim=1)
         out = self.norm(out, z.reshape(batch, seq, -1, self.value_dim))
         return self.out_proj(out.reshape(batch, seq, -1).transpose(0, 1).contiguous())
 

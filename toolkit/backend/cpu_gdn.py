@@ -110,9 +110,3 @@ def gated_delta_rule(query, key, value, g, beta) -> torch.Tensor:
     out, _ = fla_rule(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
                       use_qk_l2norm_in_kernel=True)
     return out
-
-
-def kernels():
-    """(gated delta rule, causal conv1d) for this machine: `gated_delta_rule` picks fla or torch per call; the conv
-    is torch's either way (one depthwise conv, exact)."""
-    return gated_delta_rule, causal_conv1d

@@ -53,7 +53,8 @@ MIXER_DEFAULTS: dict[str, dict] = {
 }
 # what Qwen3NextConfig defaults without a field (partial_rotary_factor is set in __post_init__, not a field)
 QWEN3_NEXT_FULL_ATTENTION_INTERVAL, QWEN3_NEXT_ROTARY = 4, 0.25
-# Why each family runs on megatron's local layers only in dsmt (ModelShape.local_layers_only)
+# Why each family runs on megatron's local layers only in dsmt (the families' Architecture.local_layers_only, and
+# the built-in shapes')
 QWEN3_NEXT_LOCAL = "Qwen3-Next's Gated DeltaNet layers"
 LLAMA4_LOCAL = "Llama 4's chunked attention and query temperature"
 
@@ -145,7 +146,7 @@ def _qwen3_next_fields(config: dict, *, num_layers: int) -> dict:
                 gated_query=True, qk_norm=True, head_dim=_get(config, "head_dim"),
                 # the gated attention's k / v are column-split with no replication (qwen3_next_layers.py): tp divides
                 # the KV heads
-                kv_heads_replicable=False, local_layers_only=QWEN3_NEXT_LOCAL,
+                kv_heads_replicable=False,
                 moe_topk=_get(config, "num_experts_per_tok"))
 
 
@@ -176,7 +177,7 @@ def _llama4_fields(config: dict, *, num_layers: int) -> dict:
                 moe_topk=_get(config, "num_experts_per_tok"), moe_ffn_hidden_size=config["intermediate_size"],
                 shared_expert_ffn_hidden_size=config["intermediate_size"], shared_expert_gate=False,
                 dense_layers=tuple(i for i in range(num_layers) if i not in moe),
-                attention_chunk_size=_get(config, "attention_chunk_size"), local_layers_only=LLAMA4_LOCAL,
+                attention_chunk_size=_get(config, "attention_chunk_size"),
                 chunked_attention_layers=_llama4_chunked_layers(config, num_layers=num_layers))
 
 

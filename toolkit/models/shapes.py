@@ -378,11 +378,11 @@ def _not_a_model_folder(path: Path, *, text: str) -> str:
 
 
 def shape_from_fields(config: dict, *, name: str, gated_mlp: bool, kv_heads_replicable: bool,
-                      qkv_bias: bool = False) -> ModelShape:
+                      qkv_bias: bool = False, local_layers_only: str | None = None) -> ModelShape:
     """Shape from an HF config dict, Llama-like or GPT-2 shaped. What the config does not say of its family's layers
     comes from the caller (toolkit/adapters/model_shape.py reads it from the adapter family): whether the MLP is
-    gated (Gemma's GeGLU is, with a GELU) and whether TP may replicate KV heads (not where q / k norms span the
-    heads, OLMo-2)."""
+    gated (Gemma's GeGLU is, with a GELU), whether TP may replicate KV heads (not where q / k norms span the
+    heads, OLMo-2) and whether the family builds on megatron's local layers only (Qwen3-Next, Llama 4)."""
     if "n_embd" in config:  # GPT-2 naming
         h = _field(config, "n_embd", name)
         heads = _field(config, "n_head", name)
@@ -402,7 +402,8 @@ def shape_from_fields(config: dict, *, name: str, gated_mlp: bool, kv_heads_repl
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated_mlp=gated_mlp,
         max_position_embeddings=config.get("max_position_embeddings", 4096), head_dim=config.get("head_dim"),
         attention_softcap=attention_softcap(config),
-        kv_heads_replicable=kv_heads_replicable, **attention_extras(config, qkv_bias=qkv_bias),
+        kv_heads_replicable=kv_heads_replicable, local_layers_only=local_layers_only,
+        **attention_extras(config, qkv_bias=qkv_bias),
     )
     try:  # MoE (Mixtral, Qwen-MoE, DeepSeek) and multi-latent attention fields; they may replace the KV heads
         fields.update(moe_config_fields(config, num_layers=layers))

@@ -27,7 +27,7 @@ with an MoE decoder and three attention changes, each checked against transforme
 The three attention changes are one forward pre-hook on each layer's core attention (`Llama4AttentionInputs`), so
 every TP / PP / EP layout sees the layer's own global index. Transformer Engine's attention is refused: the chunked
 mask and the per-position query scale are written for megatron's local attention (which verify and convert pick
-by themselves: quirk `local_attention`)."""
+by themselves: Architecture.local_layers_only)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from toolkit.adapters.families.moe import LLAMA_WITHOUT_MLP, shared_expert_rows
 from toolkit.adapters.hf_config import rope_settings
 from toolkit.adapters.packed import record_positions_from_mask
 from toolkit.adapters.transforms import Kind
+from toolkit.models.mixer_shapes import LLAMA4_LOCAL
 
 M = WeightMapping
 F = "model.layers.*.feed_forward."
@@ -127,9 +128,7 @@ def check_llama4_config(hf_config) -> list[str]:
 def read_llama4_quirks(hf_config) -> dict:
     """Per layer (0-based), what `Llama4AttentionInputs` does to its core attention's inputs."""
     uses_rope, chunked = rope_layers(hf_config), chunked_layers(hf_config)
-    # local_attention: verify and convert, which leave the attention kind to the machine, build megatron's local
-    # attention (build.attention_for) rather than Transformer Engine's, which `edit_llama4_layer_spec` refuses
-    return {"local_attention": True, "attention_inputs": tuple(
+    return {"attention_inputs": tuple(
         Llama4AttentionInputs(
             qk_norm_eps=float(hf_config.rms_norm_eps) if hf_config.use_qk_norm and rope else None,
             temperature=(float(hf_config.floor_scale), float(hf_config.attn_scale))
@@ -157,13 +156,12 @@ class Llama4AttentionInputs:
             query, key = weightless_rms_norm(query, eps=self.qk_norm_eps), weightless_rms_norm(key, eps=self.qk_norm_eps)
         if self.temperature is None and self.chunk_size is None:
             return (query, key, value, mask, *rest), kwargs
-        positions = token_positions(mask, seq_length=key.shape[0], device=query.device)[:, -query.shape[0]:]
+        key_positions = token_positions(mask, seq_length=key.shape[0], device=query.device)
+        positions = key_positions[:, -query.shape[0]:]  # the queries are the last sq positions (no cache: all)
         if self.temperature is not None:
             query = (query * query_temperature(positions, *self.temperature)).to(query.dtype)
         if self.chunk_size is not None and query.shape[0] > 1:
-            mask = chunked_causal_mask(positions, key_positions=token_positions(mask, seq_length=key.shape[0],
-                                                                                device=query.device),
-                                       chunk_size=self.chunk_size, given=mask)
+            mask = chunked_causal_mask(positions, key_positions=key_positions, chunk_size=self.chunk_size, given=mask)
         return (query, key, value, mask, *rest), kwargs
 
 
@@ -222,7 +220,7 @@ def edit_llama4_model(model, *, settings) -> None:
 
 LLAMA4_TEXT = register(ModelFamily(
     model_type="llama4_text", hf_architecture="Llama4ForCausalLM", weights=LLAMA4_WEIGHTS, untied_output=LM_HEAD,
-    ignored_hf=ROTARY_BUFFERS, architecture=Architecture(), read_config=read_llama4_config,
+    ignored_hf=ROTARY_BUFFERS, architecture=Architecture(local_layers_only=LLAMA4_LOCAL), read_config=read_llama4_config,
     check_config=check_llama4_config, read_quirks=read_llama4_quirks, edit_layer_spec=edit_llama4_layer_spec,
     edit_model=edit_llama4_model,
 ))

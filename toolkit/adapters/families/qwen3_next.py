@@ -25,6 +25,7 @@ from toolkit.adapters.families.moe import (DENSE_MLP, LLAMA_WITHOUT_MLP, expert_
                                            shared_expert_rows)
 from toolkit.adapters.families.qwen2_moe import shared_expert_moe_problems
 from toolkit.adapters.transforms import Kind
+from toolkit.models.mixer_shapes import QWEN3_NEXT_LOCAL
 
 M = WeightMapping
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -92,9 +93,7 @@ def read_qwen3_next_config(hf_config) -> dict:
 
 
 def read_qwen3_next_quirks(hf_config) -> dict:
-    # local_attention: verify and convert, which leave the layers to the machine, build megatron's local ones
-    # (build.attention_for), not Transformer Engine's, which `edit_qwen3_next_layer_spec` refuses
-    return {"layer_types": tuple(hf_config.layer_types), "local_attention": True}
+    return {"layer_types": tuple(hf_config.layer_types)}
 
 
 def check_qwen3_next_config(hf_config) -> list[str]:
@@ -155,7 +154,7 @@ def edit_qwen3_next_layer_spec(spec, *, config, settings, transformer_engine: bo
 
 QWEN3_NEXT = register(ModelFamily(
     model_type="qwen3_next", hf_architecture="Qwen3NextForCausalLM", weights=QWEN3_NEXT_WEIGHTS, untied_output=LM_HEAD,
-    ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qk_norm=True, zero_centered_norm=True),
+    ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qk_norm=True, zero_centered_norm=True, local_layers_only=QWEN3_NEXT_LOCAL),
     read_config=read_qwen3_next_config, check_config=check_qwen3_next_config, read_quirks=read_qwen3_next_quirks,
     read_weights=read_qwen3_next_weights, edit_layer_spec=edit_qwen3_next_layer_spec,
     # The released checkpoints carry a multi-token-prediction module (`mtp.*`) HF does not build: kept bit-exact.
