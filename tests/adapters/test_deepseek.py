@@ -7,7 +7,7 @@ from safetensors import safe_open
 
 from tests.adapters.conftest import MOONLIGHT
 from tests.adapters.one_process import max_logit_gap, megatron_logits, rows
-from toolkit.adapters.family import AdapterError
+from toolkit.adapters.family import AdapterError, get_family
 from toolkit.adapters.hf_config import model_settings
 from toolkit.adapters.load import check_hf_coverage
 from toolkit.adapters.routing import GroupLimitedTopk
@@ -208,14 +208,21 @@ def _megatron_vs_hf_max_diff(path) -> float:
     return max_logit_gap(path, tokens=torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(0)))
 
 
-def test_lora_is_refused_by_name_before_any_rank_starts():
-    from toolkit.adapters.family import get_family
-    from toolkit.train.lora.adapters import LoraFamilyError, resolve_targets
+def test_lora_adapts_mla_and_the_routed_experts_not_what_peft_redirects():
+    """Issue 50: multi-latent attention's projections and the fused routed experts take adapters; the dense and
+    shared-expert MLPs of DeepSeek do not (PEFT on transformers 5 reads gate_proj / up_proj / down_proj of a
+    deepseek model as its routed experts), Qwen2-MoE's do (PEFT converts nothing there)."""
+    from toolkit.adapters.hf_config import model_settings
+    from toolkit.train.lora.targets import resolve_targets
 
-    for model_type in NEW_FAMILIES:
-        with pytest.raises(LoraFamilyError) as caught:
-            resolve_targets(get_family(model_type), None)
-        assert caught.value.rule == "lora_family" and model_type in str(caught.value)
+    names = {model_type: [m.name for m in resolve_targets(get_family(model_type), None,
+                                                          rows=model_settings(tiny_config(model_type)).rows)]
+             for model_type in NEW_FAMILIES}
+    experts = ["experts.gate_up_proj", "experts.down_proj"]
+    assert names["deepseek_v2"] == ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] + experts, names
+    assert names["deepseek_v3"] == ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] + experts
+    assert names["qwen2_moe"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                  "gate_proj", "up_proj", "down_proj"] + experts  # dense layers, shared expert
 
 
 def _mtp_tensors(hidden: int, vocab: int, *, layer: int) -> dict:

@@ -103,9 +103,9 @@ def test_configs_megatron_cannot_reproduce_are_refused_by_name(overrides, messag
         model_settings(tiny_config("glm4_moe", **overrides))
 
 
-def test_lora_is_refused_as_for_the_other_moe_families():
-    from toolkit.train.lora.adapters import LoraFamilyError, resolve_targets
+def test_lora_adapts_attention_and_the_routed_experts():
+    """GLM-4.5's dense and shared-expert MLP names are redirected by PEFT to its routed experts: not offered."""
+    from toolkit.train.lora.targets import resolve_targets
 
-    with pytest.raises(LoraFamilyError) as caught:
-        resolve_targets(get_family("glm4_moe"), None)
-    assert caught.value.rule == "lora_family" and "glm4_moe" in str(caught.value)
+    assert [m.name for m in resolve_targets(get_family("glm4_moe"), None)] == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"]

@@ -144,7 +144,7 @@ def test_the_processor_travels_with_the_checkpoint():
 def test_lora_is_refused_by_name():
     """A PEFT adapter of the multimodal class would need its module paths and targets limited to the language
     model; until dsmt writes those, LoRA on these checkpoints is refused."""
-    from toolkit.train.lora.adapters import LoraFamilyError, resolve_targets
+    from toolkit.train.lora.targets import LoraFamilyError, resolve_targets
 
     with pytest.raises(LoraFamilyError, match="training.lora on gemma3: a multimodal checkpoint"):
         resolve_targets(get_family("gemma3"), None)

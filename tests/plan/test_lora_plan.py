@@ -9,7 +9,7 @@ import pytest
 
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.layout import PlanLayout, TrainingShape
-from toolkit.plan.lora import LoraShape, lora_params
+from toolkit.plan.lora import LoraShape, lora_params, stage_lora_params
 from toolkit.plan.memory import model_state_bytes, persistent_params, stage_memory, stage_params_per_gpu
 from toolkit.models.shapes import BUILTIN_SHAPES
 
@@ -38,7 +38,7 @@ def test_lora_states_are_the_adapters_plus_frozen_weights(zero_stage):
     tuned = stage_memory(shape=shape, layout=layout, stage=0, assumptions=BF16,
                          training=TrainingShape(seq_length=4096, global_batch_size=32, lora=lora))
     base = stage_params_per_gpu(shape=shape, layout=layout, stage=0)
-    adapters = lora_params(shape=shape, lora=lora, num_layers=shape.num_layers // layout.pp)
+    adapters = stage_lora_params(shape=shape, lora=lora, layout=layout, stage=0).total
     expected = model_state_bytes(num_params=adapters, dp=4, zero_stage=zero_stage, assumptions=BF16)
     assert tuned.gradients == expected["gradients"] and tuned.optimizer == expected["optimizer"]
     if zero_stage < 3:

@@ -213,3 +213,29 @@ if __name__ == "__main__":
     import sys
 
     _train_worker(sys.argv[1])
+
+
+def write_peft_adapter(model_dir, out_dir, *, rank: int, alpha: float, targets, seed: int, b_scale: float) -> Path:
+    """peft's own LoRA adapter on the modules dsmt adapts for `targets` (toolkit/train/lora/targets.py: module names
+    as target_modules; the fused experts and the router as target_parameters), A and B random (B times `b_scale`,
+    so that every matrix gets a gradient from the first step), saved by peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.adapters.hf_config import model_settings
+    from toolkit.train.lora.targets import resolve_targets
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    settings = model_settings(model.config)
+    modules = resolve_targets(settings.family, targets, rows=settings.rows)
+    parameters = sorted({module.name for module in modules if module.parameter})
+    peft_model = get_peft_model(model, LoraConfig(
+        r=rank, lora_alpha=alpha, init_lora_weights=False, target_parameters=parameters or None,
+        target_modules=sorted({module.name for module in modules if not module.parameter})))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(b_scale)
+    peft_model.save_pretrained(out_dir)
+    return Path(out_dir)

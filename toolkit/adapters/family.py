@@ -229,6 +229,10 @@ class ModelFamily:
     # vocab_pad_multiple=, tensor_names=)` -> the settings of its language model in the checkpoint's tensor names
     # (`hf_config.model_settings` hands over to it). None for a text model.
     multimodal_settings: Callable | None = None
+    # transformers 5's module path (`*` = layer) of the fused routed experts (3-D gate_up_proj / down_proj), which
+    # PEFT adapts with `target_parameters` (toolkit/adapters/peft_names.py): set where dsmt's LoRA adapts the
+    # family's experts; None (an MoE family): its experts take no adapter.
+    peft_experts: str | None = None
 
     @property
     def is_encoder(self) -> bool:

@@ -21,6 +21,7 @@ from toolkit.spec.loopback import loopback_problems
 from toolkit.check.model_checks import (check_model_adapter, check_model_family, check_model_files,
                                        no_adapter_problems)
 from toolkit.spec.load import model_shape, read_spec, shape_problem, validate_spec
+from toolkit.check.lora_checks import check_lora, spec_lora_modules
 from toolkit.check.plain_checks import check_plain_model_data
 from toolkit.spec.schema import JobSpec
 
@@ -253,48 +254,6 @@ def check_encoder_model(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
                                 f"data.synthetic=true: model_type {model_type} trains its head's task "
                                 f"({(config.get('architectures') or ['?'])[0]}) on real records only",
                                 "set data.path (text records; with data.label_field for classification)"))
-    return problems
-
-
-def spec_lora_modules(spec: JobSpec):
-    """The HF modules `training.lora` adapts (toolkit/train/lora/adapters.py); raises LoraError / AdapterError."""
-    from toolkit.adapters.family import get_family
-    from toolkit.train.lora.adapters import resolve_targets
-
-    model_type = spec_model_type(spec)
-    if model_type is None:
-        raise DsmtError("training.lora: the model's config names no model_type, so its modules are unknown; set "
-                        "model.config.model_type (e.g. llama) or use a checkpoint directory")
-    return resolve_targets(get_family(model_type), spec.training.lora.targets)
-
-
-def check_lora(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
-    """training.lora needs pretrained weights of an adapter family whose linears it can split, and targets that
-    name its modules; an init_adapter must exist (its shapes are compared when the run loads it)."""
-    from toolkit.adapters.family import AdapterError, supported_model_types
-
-    lora = spec.training.lora
-    if lora is None or (spec.model.path is not None and spec_model_type(spec) not in supported_model_types()):
-        return []  # no adapter family: check_model_family's lora_needs_adapter
-    if spec.model.builtin is not None:
-        return [Problem("error", "lora_needs_weights", f"training.lora with model.builtin={spec.model.builtin}: the "
-                        "base weights would be megatron-core's random initialisation, frozen",
-                        "fine-tune a checkpoint (model.path) with LoRA, or pretrain without training.lora")]
-    from toolkit.train.lora.adapters import LoraFamilyError
-
-    try:
-        modules = spec_lora_modules(spec)
-    except LoraFamilyError as err:
-        return [Problem("error", err.rule, str(err), err.fix)]
-    except (AdapterError, DsmtError) as err:
-        return [Problem("error", "lora_targets", str(err), "set training.lora.targets to names listed above, or "
-                        "leave it unset for every attention and MLP projection")]
-    problems = [Problem("info", "lora", f"LoRA rank {lora.rank} on {len(modules)} modules per layer "
-                        f"({', '.join(dict.fromkeys(m.name for m in modules))}); base weights frozen")]
-    if lora.init_adapter is not None and not (Path(lora.init_adapter).expanduser() / "adapter_config.json").is_file():
-        problems.append(Problem("error", "lora_init_adapter", f"training.lora.init_adapter={lora.init_adapter} holds "
-                                "no adapter_config.json", "give a PEFT adapter directory (saved with "
-                                "save_pretrained: adapter_config.json + adapter_model.safetensors), or unset it"))
     return problems
 
 

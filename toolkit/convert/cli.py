@@ -1,4 +1,5 @@
-"""`dsmt convert hf-to-mcore SRC DST` and `dsmt convert mcore-to-hf SRC DST`."""
+"""`dsmt convert hf-to-mcore SRC DST`, `dsmt convert mcore-to-hf SRC DST` and
+`dsmt convert merge-lora BASE ADAPTER OUT`."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ def register(subparsers) -> None:
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
     _common_flags(to_hf)
     to_hf.set_defaults(func=run_mcore_to_hf)
+    merge = directions.add_parser("merge-lora", help="merge a PEFT LoRA adapter into its HF base checkpoint")
+    merge.add_argument("base", type=Path, help="the HF checkpoint the adapter was trained on")
+    merge.add_argument("adapter", type=Path, help="the adapter folder (adapter_config.json, adapter_model.safetensors)")
+    merge.add_argument("out", type=Path, help="the merged HF checkpoint to write")
+    merge.add_argument("--overwrite", action="store_true", help="replace an existing target directory")
+    merge.add_argument("--quiet", action="store_true", help="no progress lines, only the summary line")
+    merge.set_defaults(func=run_merge_lora)
 
 
 def _common_flags(parser) -> None:
@@ -67,5 +75,14 @@ def run_mcore_to_hf(args) -> int:
     summary = convert_mcore_to_hf(mcore_dir=args.source, out_dir=args.target, overwrite=args.overwrite,
                                   max_shard_bytes=int(args.max_shard_gb * 2**30), workers=args.workers,
                                   show_progress=not args.quiet)
+    print(summary.line())
+    return 0
+
+
+def run_merge_lora(args) -> int:
+    from toolkit.convert.merge_lora import merge_lora
+
+    summary = merge_lora(base_dir=args.base, adapter_dir=args.adapter, out_dir=args.out, overwrite=args.overwrite,
+                         show_progress=not args.quiet)
     print(summary.line())
     return 0

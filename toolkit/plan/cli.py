@@ -77,8 +77,9 @@ def register(subparsers) -> None:
                    help="fused: Transformer Engine / flash (no s x s scores stored, needed for cp > 1); local: "
                         "megatron's unfused attention (stores the s x s scores; what runs without TE)")
     p.add_argument("--dropout", action="store_true", help="count dropout masks (GPT-style models)")
-    p.add_argument("--lora-rank", type=int, metavar="R", help="LoRA fine-tuning with adapters of rank R on every "
-                   "attention and MLP projection: optimizer state for the adapters only (toolkit/plan/lora.py)")
+    p.add_argument("--lora-rank", type=int, metavar="R", help="LoRA fine-tuning with adapters of rank R on what "
+                   "dsmt adapts by default (attention, MLP, routed and shared experts): optimizer state for the "
+                   "adapters only (toolkit/plan/lora.py)")
     for flag in ("--gpu-mem-gb", "--peak-tflops", "--nvlink-gbps", "--ib-gbps", "--hbm-gbps"):
         p.add_argument(flag, type=float, help="override the GPU preset's figure (GB, TFLOPS, GB/s per direction)")
     for flag, (_, text) in OVERRIDES.items():
@@ -150,14 +151,33 @@ def _limits(args):
                         offload=args.allow_offload, max_micro_batch_size=args.max_mbs)
 
 
-def _lora(args):
-    from toolkit.plan.lora import LoraShape
+def _lora(args, shape):
+    """--lora-rank: adapters on what dsmt's LoRA adapts with training.lora.targets unset (toolkit/plan/lora.py
+    `default_projections`): attention (multi-latent attention's too), routed experts, and the dense MLP and shared
+    experts unless PEFT reads their names as the experts of the checkpoint's model type. A built-in shape (no model
+    type) is planned with every projection it has."""
+    from toolkit.plan.lora import LoraShape, default_projections
 
     if args.lora_rank is None:
         return None
     if args.lora_rank < 1:
         raise DsmtError(f"--lora-rank={args.lora_rank} must be at least 1 (typical: 8 to 64)")
-    return LoraShape(rank=args.lora_rank)
+    redirected = shape.is_moe and _peft_redirects_mlp(args.model)
+    return LoraShape(rank=args.lora_rank, projections=default_projections(shape, mlp_names_redirected=redirected))
+
+
+def _peft_redirects_mlp(ref: str) -> bool:
+    """Whether PEFT on transformers 5 reads the MLP names (gate_proj / up_proj / down_proj; Mixtral's w1 / w2 / w3)
+    of the checkpoint's model type as its fused routed experts (toolkit/adapters/peft_names.py). False for a
+    built-in or published shape (no model type)."""
+    from toolkit.adapters.peft_names import peft_redirected_names
+    from toolkit.models.shapes import read_model_ref
+
+    if not Path(ref).exists():
+        return False
+    read = read_model_ref(ref)
+    model_type = read.get("model_type") if isinstance(read, dict) else None
+    return bool(peft_redirected_names(model_type) - {"gate"})
 
 
 def _cluster(args):
@@ -189,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
                         "--nodes 8 --seq-len 4096 --global-batch 128")
     shape = _model_shape(args.model, load_model_shape)
     cluster = _cluster(args)
-    training = TrainingShape(seq_length=args.seq_len, global_batch_size=args.global_batch, lora=_lora(args))
+    training = TrainingShape(seq_length=args.seq_len, global_batch_size=args.global_batch,
+                             lora=_lora(args, shape))
     if shape.attention_softcap is not None and args.attention == "fused":
         print(f"note: attn_logit_softcapping={shape.attention_softcap}: Transformer Engine's attention has no softcap, "
               "so the run uses megatron's local attention (training.attention: local); planned with it (the s x s "

@@ -184,7 +184,8 @@ def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingSha
                                    expert_params=expert_params, persistent=persistent, assumptions=a, dp_rank=dp_rank)
     else:
         states, params = lora_model_states(shape=shape, layout=layout, lora=training.lora, base_params=params,
-                                           persistent=persistent, assumptions=a, stage=stage)
+                                           persistent=persistent, assumptions=a, stage=stage,
+                                           expert_params=expert_params)
     in_flight = micro_batches_in_flight(layout=layout, num_micro=num_micro_batches(layout=layout, training=training),
                                         stage=stage)
     activations = int(stage_activation_bytes(shape=shape, layout=layout, training=training, assumptions=a,
@@ -224,21 +225,31 @@ def full_model_states(*, shape: ModelShape, layout: PlanLayout, stage: int, para
 
 
 def lora_model_states(*, shape: ModelShape, layout: PlanLayout, lora, base_params: int, persistent: int,
-                      assumptions: Assumptions, stage: int = 0) -> tuple[dict[str, int], int]:
+                      assumptions: Assumptions, stage: int = 0, expert_params: int = 0) -> tuple[dict[str, int], int]:
     """(model-state bytes, parameters per GPU) with LoRA (toolkit/plan/lora.py): DeepSpeed's buffers for the
     adapter matrices only, plus the frozen base weights at their working width (ZeRO-3: this rank's partition and
-    the persistent norms). At ZeRO-3 the adapters are counted partitioned; DeepSpeed keeps those below its
-    persistence threshold whole (rank × hidden elements each: megabytes, not counted)."""
-    from toolkit.plan.lora import lora_params, trained_embedding_params
+    the persistent norms). The stage's adapters are this GPU's (its layers; the routed experts' of its E / ep
+    experts): the routed experts' partitioned over expert_dp like their base weights (`expert_params` of
+    `base_params`), the rest over dp × cp. At ZeRO-3 the adapters are counted partitioned; DeepSpeed keeps those
+    below its persistence threshold whole (rank × hidden elements each: megabytes, not counted)."""
+    from toolkit.plan.lora import stage_lora_params, trained_embedding_params
 
-    adapters = lora_params(shape=shape, lora=lora, num_layers=shape.num_layers // layout.pp)
+    adapters = stage_lora_params(shape=shape, lora=lora, layout=layout, stage=stage)
     # trained embeddings (train_embeddings) get DeepSpeed's buffers too; their weights are in base_params already
-    trained = adapters + trained_embedding_params(shape=shape, lora=lora, tp=layout.tp, pp=layout.pp, stage=stage)
+    trained = adapters.dense + trained_embedding_params(shape=shape, lora=lora, tp=layout.tp, pp=layout.pp,
+                                                        stage=stage)
     states = model_state_bytes(num_params=trained, dp=layout.zero_size, zero_stage=layout.zero_stage,
                                offload_optimizer=layout.offload_optimizer, assumptions=assumptions)
-    held = -(-base_params // layout.zero_size) + persistent if layout.zero_stage >= 3 else base_params
+    if adapters.experts:
+        experts = model_state_bytes(num_params=adapters.experts, dp=layout.expert_dp, zero_stage=layout.zero_stage,
+                                    offload_optimizer=layout.offload_optimizer, assumptions=assumptions)
+        states = {category: states[category] + experts[category] for category in states}
+    held = base_params
+    if layout.zero_stage >= 3:  # the frozen experts partitioned over expert_dp, the rest over dp × cp
+        held = (-(-(base_params - expert_params) // layout.zero_size) + persistent
+                + -(-expert_params // layout.expert_dp))
     states["parameters"] += assumptions.param_bytes * held
-    return states, base_params + adapters
+    return states, base_params + adapters.total
 
 
 def _layer_bytes(*, shape, layout, training, recompute, assumptions, moe: bool | None = None,

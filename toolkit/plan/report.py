@@ -161,12 +161,15 @@ def _layout_cells(lay: PlanLayout, *, moe: bool = False) -> str:
 
 
 def _lora_line(*, shape, training) -> list[str]:
-    from toolkit.plan.lora import lora_params
+    """The adapters of the whole model (every expert's); per GPU the plan counts its stage's layers and E / ep
+    experts (toolkit/plan/lora.py)."""
+    from toolkit.plan.lora import PROJECTIONS, lora_params, projection_sizes
 
     if training.lora is None:
         return []
     adapters = lora_params(shape=shape, lora=training.lora)
-    return [f"LoRA rank {training.lora.rank} on {', '.join(sorted(training.lora.projections))}: {adapters / 1e6:.1f} M "
+    names = [name for name in PROJECTIONS if name in training.lora.projections and name in projection_sizes(shape)]
+    return [f"LoRA rank {training.lora.rank} on {', '.join(names)}: {adapters / 1e6:.1f} M "
             f"trainable parameters ({adapters / shape.num_params():.2%}); gradients and optimizer state for those "
             "only (the step time still counts full backward FLOPs)"]
 
@@ -345,7 +348,7 @@ def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, trainin
     }
     if lay.zero_stage == 0:  # bf16 without ZeRO needs bf16 accumulation (dsmt check: fp32_accumulation_needs_zero)
         spec["communication"] = {"grad_accum_dtype": "bf16"}
-    if training.lora is not None:  # the plan counted adapters on every projection (PEFT's default targets: None)
+    if training.lora is not None:  # the plan counted dsmt's default targets (lora.default_projections)
         spec["training"]["lora"] = {"rank": training.lora.rank}
     return spec
 

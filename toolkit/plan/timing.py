@@ -48,7 +48,7 @@ from toolkit.plan.layers import (padded_vocab_size, representative_stages, stage
                                  stage_layer_kinds, stage_params_per_gpu)
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape, num_micro_batches
 from toolkit.plan.memory import DEFAULT_ASSUMPTIONS
-from toolkit.plan.lora import lora_params
+from toolkit.plan.lora import stage_lora_params
 from toolkit.plan.zero_traffic import DpTraffic, dp_traffic, gathered_modules
 from toolkit.models.shapes import ModelShape
 
@@ -296,7 +296,9 @@ def _dp_traffic(*, shape, layout, cluster, num_micro, forward_s, backward_s, ass
     modules = gathered_modules(shape=shape, layout=layout, layers=dense + moe, moe_layers=moe)
     last = stage == layout.pp - 1
     head = padded_vocab_size(shape=shape, tp=layout.tp) * shape.hidden_size // layout.tp if last else 0
-    trainable = 1.0 if lora is None else min(1.0, lora_params(shape=shape, lora=lora, num_layers=dense + moe) / params)
+    # with LoRA one trainable share for both groups: this GPU's adapters (its E / ep experts') over its parameters
+    adapters = 0 if lora is None else stage_lora_params(shape=shape, lora=lora, layout=layout, stage=stage).total
+    trainable = 1.0 if lora is None else min(1.0, adapters / params)
     return dp_traffic(layout=layout, cluster=cluster, num_micro=num_micro, groups=groups, modules=modules,
                       forward_compute_s=forward_s, backward_compute_s=backward_s, assumptions=assumptions,
                       layers=dense + moe, head_params=head, trainable=trainable)

@@ -35,7 +35,7 @@ GPU_MEMORY_GIB: dict[str, float | None] = {
 SCHEMA_RULES = frozenset({
     "bad_path", "batch_both", "batch_tokens_vs_seq", "duplicate_host", "env_name",
     "env_value", "gpu_device_mismatch", "host_name", "hosts_count", "hosts_required",
-    "job_name", "lora_rank", "sbatch_option", "slurm_line", "slurm_time", "slurm_value", "min_lr_above_lr",
+    "job_name", "lora_export", "lora_rank", "sbatch_option", "slurm_line", "slurm_time", "slurm_value", "min_lr_above_lr",
     "model_source", "network_interface", "offload_optimizer_needs_zero", "offload_params_needs_zero3", "unknown_gpu",
     "wandb_value", "warmup_vs_steps",
 }) | DATA_RULES
@@ -254,7 +254,10 @@ class LoraSpec(Section):
     GPT-2: c_attn, c_proj, c_fc); None: every linear of attention and MLP. `init_adapter`: a PEFT adapter
     directory (adapter_config.json + adapter_model.safetensors) to start from instead of PEFT's initialisation.
     `train_embeddings`: the input embedding and the output layer train as well (PEFT's `modules_to_save`; a tied
-    pair stays one tensor, PEFT's `ensure_weight_tying`), exported in final-hf-adapter next to the LoRA matrices."""
+    pair stays one tensor, PEFT's `ensure_weight_tying`), exported in final-hf-adapter next to the LoRA matrices.
+    `export`: what the run writes at its end: `adapter` (final-hf-adapter only: PEFT's files, no merged copy of the
+    whole model; `dsmt convert merge-lora` merges later), `merged` (final-hf and final-mcore with the adapters
+    merged in), or `both`."""
 
     rank: int = 8
     alpha: float = Field(16.0, gt=0)
@@ -262,6 +265,16 @@ class LoraSpec(Section):
     targets: list[str] | None = None
     init_adapter: str | None = None
     train_embeddings: bool = False
+    export: Literal["adapter", "merged", "both"] = "both"
+
+    @model_validator(mode="after")
+    def _embeddings_need_the_merged_export(self):
+        if self.train_embeddings and self.export == "adapter":
+            raise PydanticCustomError(
+                "lora_export", "training.lora.train_embeddings with export=adapter: the trained embeddings reach "
+                "final-hf-adapter through the merged export (gathered and unpadded there); set training.lora.export "
+                "to both, or leave the embeddings frozen", {})
+        return self
 
     @field_validator("rank")
     @classmethod

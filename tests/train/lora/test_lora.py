@@ -16,7 +16,9 @@ from toolkit.adapters.transforms import Kind
 from toolkit.spec.schema import LoraSpec
 from toolkit.models.tiny import tiny_config
 from toolkit.train.lora import adapters as lora_mod
-from toolkit.train.lora.adapters import LoraAdapter, LoraError, count_lora_params, module_shape, resolve_targets
+from toolkit.train.lora import targets as lora_targets
+from toolkit.train.lora.adapters import LoraAdapter
+from toolkit.train.lora.targets import LoraError, count_lora_params, module_shape, resolve_targets
 
 LLAMA_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -77,7 +79,7 @@ def _random_slots(settings, modules, *, rank, seed=0):
 def _hf_delta_layout_free(settings, linear, modules, a, b):
     """The megatron layout-free delta made from HF-layout deltas B A, through HF storage as the weights go."""
     module0 = modules[0]
-    shapes = transforms.expected_hf_shapes(module0.kind, lora_mod.linear_shape(settings, linear),
+    shapes = transforms.expected_hf_shapes(module0.kind, lora_targets.linear_shape(settings, linear),
                                            ctx=settings.shape_context())
     row = next(r for r in settings.family.weights if r.megatron == f"decoder.layers.*.{linear}.weight")
     hf = []
@@ -96,17 +98,17 @@ def test_megatron_assembly_equals_transformed_hf_delta(model_type, targets, tp_s
     GQA at tp 4 > 2 KV heads splits groups, phi3 unpacks, gpt2 goes through Conv1D's transposed storage."""
     settings = model_settings(tiny_config(model_type))
     modules = resolve_targets(settings.family, targets)
-    for linear in lora_mod.LINEARS:
+    for linear in lora_targets.LINEARS:
         chosen = [m for m in modules if m.linear == linear]
         if not chosen:
             continue
         a, b = _random_slots(settings, chosen, rank=3)
         full = _hf_delta_layout_free(settings, linear, chosen, a, b)
         kind = chosen[0].kind
-        out_rows = [s[0] for s in transforms.expected_hf_shapes(kind, lora_mod.linear_shape(settings, linear),
+        out_rows = [s[0] for s in transforms.expected_hf_shapes(kind, lora_targets.linear_shape(settings, linear),
                                                                  ctx=settings.shape_context())]
         for tp_rank in range(tp_size):
-            if lora_mod.LINEARS[linear] == "column":
+            if lora_targets.LINEARS[linear] == "column":
                 a_all, b_local = lora_mod.column_lora_matrices(kind=kind, a=a, b=b, out_rows=out_rows,
                                                                ctx=settings.shape_context(), tp_rank=tp_rank,
                                                                tp_size=tp_size)
@@ -119,7 +121,7 @@ def test_megatron_assembly_equals_transformed_hf_delta(model_type, targets, tp_s
 
 def _adapter(settings, linear, modules, *, rank, alpha, tp_rank=0, tp_size=1):
     kind = modules[0].kind
-    out_rows = [s[0] for s in transforms.expected_hf_shapes(kind, lora_mod.linear_shape(settings, linear),
+    out_rows = [s[0] for s in transforms.expected_hf_shapes(kind, lora_targets.linear_shape(settings, linear),
                                                              ctx=settings.shape_context())]
     return LoraAdapter(linear=linear, kind=kind, modules={m.slot: m.path_for(0) for m in modules},
                        shapes={m.slot: module_shape(settings, m) for m in modules}, out_rows=out_rows, rank=rank,
@@ -142,8 +144,10 @@ def test_merge_equals_peft_merge(model_type):
                                                      init_lora_weights=False))
     peft_state = peft_model.state_dict()
     merged_hf = peft_model.merge_and_unload().state_dict()
-    for linear in lora_mod.LINEARS:
+    for linear in lora_targets.LINEARS:
         chosen = [m for m in modules if m.linear == linear]
+        if not chosen:
+            continue
         adapter = _adapter(settings, linear, chosen, rank=4, alpha=12)
         with torch.no_grad():
             for m in chosen:
@@ -220,7 +224,7 @@ def test_te_layernorm_linear_feeds_the_normalised_input(monkeypatch, te_return_b
     with torch.no_grad():
         for param in adapter.parameters():
             param.copy_(torch.randn_like(param))
-    qkv_rows = lora_mod.linear_shape(settings, "self_attention.linear_qkv")[0]
+    qkv_rows = lora_targets.linear_shape(settings, "self_attention.linear_qkv")[0]
     te_linear = TELayerNormColumnParallelLinear(64, qkv_rows, te_return_bias=te_return_bias)
     x = 3.0 * torch.randn(5, 2, 64)
     plain, plain_bias = te_linear(x)
@@ -259,7 +263,7 @@ def test_zero3_gathers_what_the_adapter_reads(monkeypatch):
     adapter = _adapter(settings, "self_attention.linear_qkv", modules, rank=2, alpha=4)
     assert list(adapter.children()) == [] and len(list(adapter.parameters(recurse=False))) == 4
     assert [name for name, _ in adapter.named_parameters()] == ["lora_A_0", "lora_B_0", "lora_A_2", "lora_B_2"]
-    linear = TELayerNormColumnParallelLinear(64, lora_mod.linear_shape(settings, "self_attention.linear_qkv")[0])
+    linear = TELayerNormColumnParallelLinear(64, lora_targets.linear_shape(settings, "self_attention.linear_qkv")[0])
     calls = []
     adapter.register_forward_pre_hook(lambda module, inputs: calls.append(module))
     lora_mod.attach(linear, adapter)

@@ -13,7 +13,7 @@ the first step), fp32, warmup + cosine LR, weight decay, gradient clipping that 
     gathered by DeepSpeed for each module's forward / backward, and into CPU copies for the merge and the export.
 Checked per run: per-step loss and pre-clip grad norm (relative), the exported adapter against the reference's,
 peft's `PeftModel.from_pretrained(original, final-hf-adapter)` logits against the merged final-hf's, and final-hf's
-base tensors minus the adapter's delta against the original checkpoint. `pytest -s` prints the figures."""
+tensors against peft's own merge (`merge_and_unload`) of final-hf-adapter into the original checkpoint. `pytest -s` prints the figures."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_helpers import PARITY_TRAINING, read_metrics, write_spec
+from train_helpers import PARITY_TRAINING, read_metrics, write_peft_adapter, write_spec
 
 RANK, ALPHA = 4, 8.0
 LORA_GRAD_CLIP = 0.02  # below every step's pre-clip LoRA gradient norm here, so clipping acts on every step
@@ -55,28 +55,48 @@ RUNS = {
     # are only loaded, as every tied model's at PP > 1 in the parity tests: not run here, the suite's time.)
     "tied-embeddings-tp2-pp2": dict(model="llama_tied", layout=dict(tp=2, pp=2, dp=1, zero=1), targets=None,
                                     lora={"train_embeddings": True}),
+    # Mixture-of-experts (issue 50): every routed expert's gate_up_proj / down_proj adapted (PEFT's fused
+    # target_parameters), its adapters split over EP with the experts and over expert-TP as their linears, their
+    # gradients reduced over the expert-DP group; full rows (no padding tokens routed). Qwen3-MoE at EP2 x DP4
+    # (expert-DP 2: an all-reduce over all 4 DP ranks would mix two experts' gradients; ZeRO-2 partitions the
+    # expert adapters' states over their expert-DP pair); Mixtral (per-expert w1 / w2 / w3 on disk) at PP2 x EP2;
+    # a DeepSeek-V2-Lite-shaped model (multi-latent attention with a plain q_proj, a dense layer then an MoE one with
+    # shared experts; PEFT redirects the dense and shared MLP's names to the routed experts, so those take none) at
+    # TP2 x EP2: the experts' adapters split over expert-TP, MLA's down projections whole on each TP rank with their
+    # gradients summed over TP under SP. (One rank: test_lora_moe.py's logits; EP2 -> EP4: the resharding launch.)
+    "qwen3_moe-ep2-dp4-zero2": dict(model="qwen3_moe", layout=dict(tp=1, pp=1, dp=4, zero=2), targets=None,
+                                    parallel={"ep": 2}, data=True),
+    # Qwen2-MoE's dense layer MLP and gated shared expert (ordinary MLP linears: PEFT redirects nothing of
+    # qwen2_moe) with the routed experts not targeted: all frozen, so DeepSpeed is not told of experts (it asserts
+    # that some optimizer group holds them), every adapter reduced over all of DP
+    "qwen2_moe-shared-ep2": dict(model="qwen2_moe", layout=dict(tp=1, pp=1, dp=4, zero=1),
+                                 targets=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+                                 parallel={"ep": 2}, data=True),
+    # training.lora.export: adapter (no final-hf / final-mcore); the test merges it with `dsmt convert merge-lora`
+    "mixtral-pp2-ep2": dict(model="mixtral", layout=dict(tp=1, pp=2, dp=2, zero=1, micro=1), targets=None,
+                            parallel={"ep": 2}, data=True, lora={"export": "adapter"}),
+    # ... and its router adapted too (named: frozen by default), whole on each TP rank as a duplicated linear
+    "deepseek_v2-tp2-ep2": dict(model="deepseek_v2", layout=dict(tp=2, pp=1, dp=2, zero=1),
+                                targets=["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "mlp.gate.weight",
+                                         "experts.gate_up_proj", "experts.down_proj"],
+                                parallel={"ep": 2, "sequence_parallel": True}, data=True),
 }
+MOE_SEQ = 32  # the MoE runs' rows: records of exactly this many characters, unpacked (`full_rows`)
+
+
+def full_rows(path: Path) -> Path:
+    """Records of exactly MOE_SEQ characters (+ EOS = one full row each): no padding token is routed, so a
+    micro-batch's routed tokens are the same in dsmt and the reference."""
+    from train_helpers import STORIES
+
+    texts = [json.loads(line)["text"][:MOE_SEQ] for line in STORIES.read_text().splitlines() if line.strip()]
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts if len(text) == MOE_SEQ))
+    return path
 
 
 def write_init_adapter(model_dir, out_dir, *, targets, seed: int):
-    """A PEFT adapter with random A and B (B scaled to keep the delta modest), saved by peft itself."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from toolkit.adapters.family import get_family
-    from toolkit.train.lora.adapters import resolve_targets
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    names = sorted({module.name for module in resolve_targets(get_family(model.config.model_type), targets)})
-    peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=names,
-                                                  init_lora_weights=False))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(0.05)
-    peft_model.save_pretrained(out_dir)
-    return out_dir
+    """A PEFT adapter with random A and B (B scaled by 0.05 to keep the delta modest), saved by peft itself."""
+    return write_peft_adapter(model_dir, out_dir, rank=RANK, alpha=ALPHA, targets=targets, seed=seed, b_scale=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +111,10 @@ def lora_runs(tiny_llama, tmp_path_factory):
               "llama_tied": make_tiny_checkpoint(root / "llama-tied", model_type="llama", tie_word_embeddings=True,
                                                  vocab_size=251, seed=5),
               **{family: make_tiny_checkpoint(root / family, model_type=family, seed=7 + index)
-                 for index, family in enumerate(("olmo2", "starcoder2", "gemma2", "ernie4_5"))}}
+                 for index, family in enumerate(("olmo2", "starcoder2", "gemma2", "ernie4_5"))},
+              **{family: make_tiny_checkpoint(root / family, model_type=family, num_hidden_layers=2, seed=21)
+                 for family in ("qwen3_moe", "mixtral", "deepseek_v2", "qwen2_moe")}}
+    moe_rows = full_rows(root / "moe-rows.jsonl")
     specs = {}
     for index, (name, run) in enumerate(RUNS.items()):
         model_dir = models[run["model"]]
@@ -101,8 +124,11 @@ def lora_runs(tiny_llama, tmp_path_factory):
         training = {**PARITY_TRAINING, "grad_clip": LORA_GRAD_CLIP, "lora": lora, **run.get("training", {})}
         extra = {"training": training, "parallel": run.get("parallel", {}),
                  "communication": run.get("communication", {})}
+        rows = {"seq": MOE_SEQ} if run.get("data") else {}
+        if run.get("data"):
+            extra["data"] = {"path": str(moe_rows), "packing": False}
         specs[name] = write_spec(root / f"{name}.yaml", model_dir=model_dir, output_dir=root / name,
-                                 steps=PARITY_TRAINING["train_steps"], extra=extra, **run["layout"])
+                                 steps=PARITY_TRAINING["train_steps"], extra=extra, **run["layout"], **rows)
     # trained to the end, then trained again from its step-3 checkpoint (test_lora_resume_continues_the_run)
     resume_training = {**PARITY_TRAINING, "grad_clip": LORA_GRAD_CLIP,
                        "lora": {"rank": RANK, "alpha": ALPHA, "init_adapter": str(root / "init-tp2-pp2")}}
@@ -119,40 +145,22 @@ def lora_runs(tiny_llama, tmp_path_factory):
 
 
 def _peft_vs_merged(model_dir, output_dir) -> tuple[float, float]:
-    """(max |logits of peft on the original - logits of final-hf|, max |final-hf - delta - original|)."""
+    """(max |logits of peft on the original - logits of final-hf|, max |final-hf - peft's own merge of
+    final-hf-adapter into the original|) over every tensor, as transformers holds them (fused experts included;
+    modules_to_save replace their tensors)."""
     from peft import PeftModel
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     tokens = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(0))
     original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    original_state = {k: v.clone() for k, v in original.state_dict().items()}
     peft_model = PeftModel.from_pretrained(original, output_dir / "final-hf-adapter").eval()
     merged = AutoModelForCausalLM.from_pretrained(output_dir / "final-hf", dtype=torch.float32).eval()
     with torch.no_grad():
         logits_gap = (peft_model(input_ids=tokens).logits - merged(input_ids=tokens).logits).abs().max().item()
-    config = json.loads((output_dir / "final-hf-adapter" / "adapter_config.json").read_text())
-    scaling = config["lora_alpha"] / config["r"]
-    adapter = load_file(output_dir / "final-hf-adapter" / "adapter_model.safetensors")
-    exported = load_file(output_dir / "final-hf" / "model.safetensors")
-    base_gap = 0.0
-    for key, a in adapter.items():
-        if ".lora_A." not in key:
-            continue
-        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-        delta = scaling * adapter[key.replace("lora_A", "lora_B")] @ a
-        if config["fan_in_fan_out"]:  # GPT-2's Conv1D stores [in, out]
-            delta = delta.t()
-        name = module + ".weight"
-        base_gap = max(base_gap, (exported[name] - delta - original_state[name]).abs().max().item())
-    # modules_to_save (trained embeddings): whole tensors, which must be final-hf's own
-    saved = {key.removeprefix("base_model.model.") for key in adapter if ".lora_" not in key}
-    base_gap = max([base_gap] + [(exported[k] - adapter["base_model.model." + k]).abs().max().item()
-                                 for k in saved if k in exported])
-    touched = {key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in adapter}
-    untouched = [k for k in exported if k.removesuffix(".weight") not in touched and k not in saved]
-    base_gap = max([base_gap] + [(exported[k] - original_state[k]).abs().max().item() for k in untouched])
-    return logits_gap, base_gap
+    by_peft = peft_model.merge_and_unload().state_dict()
+    exported = merged.state_dict()
+    assert set(by_peft) == set(exported), set(by_peft) ^ set(exported)
+    return logits_gap, max((exported[k] - by_peft[k]).abs().max().item() for k in exported)
 
 
 @pytest.mark.multiproc
@@ -178,7 +186,13 @@ def test_lora_run_matches_peft_reference(name, lora_runs):
         "adapter": max((exported[k] - reference.adapter[k]).abs().max().item() for k in exported),
         "moved": max((reference.adapter[k] - start[k]).abs().max().item() for k in start),
     }
-    figures["peft_vs_merged_logits"], figures["base_minus_delta"] = _peft_vs_merged(model_dir, output_dir)
+    if RUNS[name].get("lora", {}).get("export") == "adapter":  # only the adapter: merged here, by dsmt, later
+        from toolkit.cli import main
+
+        assert not (output_dir / "final-hf").exists() and not (output_dir / "final-mcore").exists()
+        assert main(["convert", "merge-lora", str(model_dir), str(output_dir / "final-hf-adapter"),
+                     str(output_dir / "final-hf"), "--quiet"]) == 0
+    figures["peft_vs_merged_logits"], figures["merged_vs_peft_merge"] = _peft_vs_merged(model_dir, output_dir)
     train_embeddings = RUNS[name].get("lora", {}).get("train_embeddings", False)
     if train_embeddings:
         embedding = exported["base_model.model.model.embed_tokens.weight"]
@@ -197,7 +211,7 @@ def test_lora_run_matches_peft_reference(name, lora_runs):
         assert figures["embedding_moved"] > 1e-3, figures
     assert figures["loss_rel"] <= 1e-5 and figures["grad_norm_rel"] <= 1e-5, figures
     assert figures["adapter"] <= 2e-6 and figures["moved"] > 1e-3, figures
-    assert figures["peft_vs_merged_logits"] <= 1e-4 and figures["base_minus_delta"] <= 1e-6, figures
+    assert figures["peft_vs_merged_logits"] <= 1e-4 and figures["merged_vs_peft_merge"] <= 1e-6, figures
 
 
 @pytest.mark.multiproc
@@ -251,9 +265,10 @@ def lora_grads(*, model_dir: str, adapter_dir: str, tp: int, sp: bool, summed: b
     from toolkit.parallel.groups import Layout, init_process_groups
     from toolkit.spec.schema import LoraSpec
     from toolkit.train.engine.hybrid import sum_sequence_parallel_grads
-    from toolkit.train.lora.adapters import LINEARS, adapted_linears
+    from toolkit.train.lora.adapters import adapted_linears
+    from toolkit.train.lora.targets import LINEARS
     from toolkit.train.lora.apply import apply_lora
-    from toolkit.train.lora.export import peft_key
+    from toolkit.adapters.peft_names import peft_key
     from toolkit.train.engine.loss import masked_token_loss_sum
 
     if parallel_state.model_parallel_is_initialized():

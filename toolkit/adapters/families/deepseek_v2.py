@@ -42,7 +42,7 @@ def group_choice(hf_config) -> GroupLimitedTopk | None:
 DEEPSEEK_V2 = register(ModelFamily(
     model_type="deepseek_v2", hf_architecture="DeepseekV2ForCausalLM",
     weights=deepseek_weights(None, expert_bias=False, q_rows=MLA_PLAIN_Q_ROWS + MLA_LOW_RANK_Q_ROWS),
-    untied_output=LM_HEAD, ignored_hf=ROTARY_BUFFERS, read_config=read_deepseek_v2_config,
+    untied_output=LM_HEAD, peft_experts="model.layers.*.mlp.experts", ignored_hf=ROTARY_BUFFERS, read_config=read_deepseek_v2_config,
     check_config=check_deepseek_v2_config, read_weights=lambda hf_config: deepseek_weights(hf_config, expert_bias=False),
     read_quirks=lambda hf_config: group_quirks(group_choice(hf_config)), edit_model=edit_routers,
     edit_layer_spec=edit_mla_layer_spec,  # the latent norms at HF's eps (toolkit/adapters/mla.py)

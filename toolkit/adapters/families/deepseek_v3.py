@@ -66,7 +66,7 @@ def mtp_layers(hf_config) -> tuple[str, ...]:
 DEEPSEEK_V3 = register(ModelFamily(
     model_type="deepseek_v3", hf_architecture="DeepseekV3ForCausalLM",
     weights=deepseek_weights(None, expert_bias=True, q_rows=MLA_PLAIN_Q_ROWS + MLA_LOW_RANK_Q_ROWS),
-    untied_output=LM_HEAD, ignored_hf=ROTARY_BUFFERS, read_config=read_deepseek_v3_config,
+    untied_output=LM_HEAD, peft_experts="model.layers.*.mlp.experts", ignored_hf=ROTARY_BUFFERS, read_config=read_deepseek_v3_config,
     check_config=check_deepseek_v3_config, read_weights=lambda hf_config: deepseek_weights(hf_config, expert_bias=True),
     read_quirks=lambda hf_config: group_quirks(group_choice(hf_config)), edit_model=edit_routers, read_passthrough=mtp_layers,
     edit_layer_spec=edit_mla_layer_spec,  # the latent norms at HF's eps (toolkit/adapters/mla.py)

@@ -91,7 +91,7 @@ def edit_glm4_moe_layer_spec(spec, *, config, settings, transformer_engine: bool
 
 
 GLM4_MOE = register(ModelFamily(
-    model_type="glm4_moe", hf_architecture="Glm4MoeForCausalLM", weights=GLM4_MOE_WEIGHTS, untied_output=LM_HEAD,
+    model_type="glm4_moe", hf_architecture="Glm4MoeForCausalLM", weights=GLM4_MOE_WEIGHTS, untied_output=LM_HEAD, peft_experts="model.layers.*.mlp.experts",
     ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qk_norm=True, qkv_bias=True),
     read_config=read_glm4_moe_config, check_config=check_glm4_moe_config, read_weights=glm4_moe_weights,
     read_quirks=read_glm4_moe_quirks, edit_layer_spec=edit_glm4_moe_layer_spec, edit_model=edit_routers,

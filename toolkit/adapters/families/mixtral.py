@@ -24,6 +24,6 @@ def check_mixtral_config(hf_config) -> list[str]:
 
 
 MIXTRAL = register(ModelFamily(
-    model_type="mixtral", hf_architecture="MixtralForCausalLM", weights=MIXTRAL_WEIGHTS, untied_output=LM_HEAD,
+    model_type="mixtral", hf_architecture="MixtralForCausalLM", weights=MIXTRAL_WEIGHTS, untied_output=LM_HEAD, peft_experts="model.layers.*.mlp.experts",
     ignored_hf=ROTARY_BUFFERS, read_config=read_mixtral_config, check_config=check_mixtral_config,
 ))

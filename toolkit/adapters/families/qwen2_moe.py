@@ -53,7 +53,7 @@ def shared_expert_moe_problems(hf_config, *, family: str, no_moe_fix: str) -> li
 
 
 QWEN2_MOE = register(ModelFamily(
-    model_type="qwen2_moe", hf_architecture="Qwen2MoeForCausalLM", weights=QWEN2_MOE_WEIGHTS, untied_output=LM_HEAD,
+    model_type="qwen2_moe", hf_architecture="Qwen2MoeForCausalLM", weights=QWEN2_MOE_WEIGHTS, untied_output=LM_HEAD, peft_experts="model.layers.*.mlp.experts",
     ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qkv_bias=True), read_config=read_qwen2_moe_config,
     check_config=check_qwen2_moe_config,
 ))

@@ -38,7 +38,7 @@ def check_qwen3_moe_config(hf_config) -> list[str]:
 
 
 QWEN3_MOE = register(ModelFamily(
-    model_type="qwen3_moe", hf_architecture="Qwen3MoeForCausalLM", weights=QWEN3_MOE_WEIGHTS, untied_output=LM_HEAD,
+    model_type="qwen3_moe", hf_architecture="Qwen3MoeForCausalLM", weights=QWEN3_MOE_WEIGHTS, untied_output=LM_HEAD, peft_experts="model.layers.*.mlp.experts",
     ignored_hf=ROTARY_BUFFERS, architecture=Architecture(qk_norm=True), read_config=read_qwen3_moe_config,
     check_config=check_qwen3_moe_config,
 ))

@@ -42,7 +42,7 @@ def expert_group_name(ep_size: int) -> str:
 
 def register_expert_groups(chunks: list) -> str | None:
     """Give DeepSpeed megatron's EP and expert-DP groups and tag every expert parameter with their name; returns
-    the name (None at ep = 1, where nothing needs registering)."""
+    the name (None at ep = 1, where nothing needs registering, and when no expert parameter trains)."""
     import torch.distributed as dist
     from deepspeed.moe.utils import is_moe_param
     from deepspeed.utils import groups
@@ -58,16 +58,18 @@ def register_expert_groups(chunks: list) -> str | None:
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(expert_group)
     groups._EXPERT_DATA_PARALLEL_GROUP[name] = expert_dp_group
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(expert_dp_group)
-    tagged = 0
+    tagged = []
     for chunk in chunks:
         for param in chunk.parameters():
             if is_moe_param(param):
                 param.group_name = name
-                tagged += 1
-    if tagged == 0:
+                tagged.append(param)
+    if not tagged:
         raise DsmtError(f"ep={ep_size} but no parameter is marked as an expert (allreduce=False): this megatron-core "
                         "release marks experts differently; dsmt supports megatron-core 0.16")
-    return name
+    # LoRA without the experts targeted: every expert frozen, nothing for DeepSpeed's expert reduction (which
+    # asserts that some optimizer group holds experts); the trained parameters are all dense
+    return name if any(param.requires_grad for param in tagged) else None
 
 
 @contextlib.contextmanager

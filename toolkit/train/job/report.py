@@ -162,8 +162,10 @@ class RunLog:
             return
         self._plot_loss()
         first, last = self.history[0]["loss"], self.history[-1]["loss"]
-        print(f"dsmt train: done; loss {first:.4f} -> {last:.4f}; HF checkpoint in {self.output_dir / 'final-hf'}",
-              flush=True)
+        merged = self.output_dir / "final-hf"
+        where = (f"HF checkpoint in {merged}" if merged.is_dir()  # training.lora.export: adapter writes only this:
+                 else f"PEFT adapter in {self.output_dir / 'final-hf-adapter'}")
+        print(f"dsmt train: done; loss {first:.4f} -> {last:.4f}; {where}", flush=True)
 
     def _plot_loss(self) -> None:
         import matplotlib

@@ -273,26 +273,31 @@ def export_trained(*, hybrid, info, precision: str, lora, mcore_dir: Path, hf_di
     from toolkit.train.lora.export import gather_peft_adapter, merged_lora, write_peft_adapter
     from toolkit.adapters.zero3 import params_on_cpu
 
+    merged = lora is None or lora.export != "adapter"  # training.lora.export: adapter | merged | both
+    with_adapter = lora is not None and lora.export != "merged"
     adapter = None
     with params_on_cpu(hybrid.engine.module):
-        # LoRA: the exports get W + scaling * B A (merged into copies: the engine keeps the adapters)
-        with merged_lora(hybrid.chunks) if lora is not None else contextlib.nullcontext():
-            save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
-                                  params_dtype=params_dtype(precision), overwrite=True)
-        if lora is not None:  # PEFT's files, for PeftModel.from_pretrained(original model, adapter_dir)
+        if merged:  # LoRA: the exports get W + scaling * B A (merged into copies: the engine keeps the adapters)
+            with merged_lora(hybrid.chunks) if lora is not None else contextlib.nullcontext():
+                save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
+                                      params_dtype=params_dtype(precision), overwrite=True)
+        if with_adapter:  # PEFT's files, for PeftModel.from_pretrained(original model, adapter_dir)
             adapter = gather_peft_adapter(hybrid.chunks, settings=info.settings, lora=lora)
 
     def export(progress) -> str:
-        # Tensors the model does not load (multi-token prediction) go out as the run's source had them.
-        keep_source_passthrough(kind=info.kind, hf_dir=info.hf_dir, patterns=info.settings.passthrough_hf,
-                                mcore_dir=mcore_dir)
-        line = convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True, progress=progress).line()
-        if lora is not None:  # after the HF export: trained embeddings are read from it
+        line = ""
+        if merged:
+            # Tensors the model does not load (multi-token prediction) go out as the run's source had them.
+            keep_source_passthrough(kind=info.kind, hf_dir=info.hf_dir, patterns=info.settings.passthrough_hf,
+                                    mcore_dir=mcore_dir)
+            line = convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True, progress=progress).line()
+        if with_adapter:  # after the HF export: trained embeddings are read from it
             write_peft_adapter(adapter, settings=info.settings, lora=lora, out_dir=adapter_dir,
                                base_model=info.source_checkpoint(), hf_dir=hf_dir)
+            line = line or f"PEFT adapter written to {adapter_dir} (training.lora.export: adapter, no merged copy)"
         return line
 
-    on_rank0(export, status_file=status_file, what=f"export of {hf_dir}")
+    on_rank0(export, status_file=status_file, what=f"export of {hf_dir if merged else adapter_dir}")
 
 
 def run_job(*, job) -> None:

@@ -189,8 +189,10 @@ class TrainingRun:
         if verdict[0]:
             raise DsmtError(verdict[0])
         mcore_dir = out_dir.with_name(f".{out_dir.name}.mcore")
+        lora = self.spec.training.lora  # asked for an HF export: merged and adapter, whatever the run's end writes
+        lora = lora.model_copy(update={"export": "both"}) if lora is not None else None
         export_trained(hybrid=self.hybrid, info=self.info, precision=self.spec.training.precision,
-                       lora=self.spec.training.lora, mcore_dir=mcore_dir, hf_dir=out_dir, adapter_dir=adapter_dir,
+                       lora=lora, mcore_dir=mcore_dir, hf_dir=out_dir, adapter_dir=adapter_dir,
                        status_file=out_dir.with_name(f".{out_dir.name}.status.json"))
         if dist.get_rank() == 0:  # every rank is past the export: the intermediate megatron copy can go
             shutil.rmtree(mcore_dir, ignore_errors=True)

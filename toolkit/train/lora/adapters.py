@@ -1,13 +1,14 @@
 """LoRA on megatron-core chunks, with PEFT's own tensors: exact parity with `peft` and a trivial export.
 
-One adapter per targeted HF module (q_proj, v_proj, down_proj, ...; GPT-2: c_attn, c_proj, c_fc), found from the
-family's weight-table rows of the four megatron linears (`LINEARS`). Each adapter holds PEFT's tensors FULL and
-REPLICATED on every TP rank, in HF orientation: lora_A [r, in], lora_B [out, r] (PEFT stores Conv1D LoRA the same
-way). A forward hook on the megatron linear calls the adapter (its own module, the `lora` child of the linear),
-which returns this rank's share of scaling * B A x, the megatron-layout matrices being built in the forward with the
-SAME transforms as the weights (`column_lora_matrices`):
+One adapter per targeted HF module (q_proj, v_proj, down_proj, ...; GPT-2: c_attn, c_proj, c_fc; one per routed
+expert for the fused experts' gate_up_proj / down_proj), found from the family's weight-table rows of the megatron
+linears (toolkit/train/lora/targets.py `LINEARS`). Each adapter holds PEFT's tensors FULL and REPLICATED on every TP
+rank, in HF orientation: lora_A [r, in], lora_B [out, r] (PEFT stores Conv1D LoRA the same way; a routed expert's
+pair is its slice of PEFT's fused one, toolkit/adapters/peft_names.py). A forward hook on the megatron linear calls
+the adapter (its own module, the `lora` child of the linear), which returns this rank's share of scaling * B A x, the
+megatron-layout matrices being built in the forward with the SAME transforms as the weights (`column_lora_matrices`):
 
-  column-parallel base (linear_qkv, linear_fc1), x the layer's normalised input:
+  column-parallel base (linear_qkv, linear_fc1, MLA's up projections), x the normalised input:
       A_all = cat(A of the targeted modules)                              [k*r, in]
       B_local = shard(kind, to_megatron(kind, [[B_q,0,0],[0,B_k,0],[0,0,B_v]]))  (zero blocks are constants;
                 an untargeted module of the fused layer has no block)
@@ -18,8 +19,18 @@ SAME transforms as the weights (`column_lora_matrices`):
       h = reduce_from_tp(x_local shard(ROW, A)^T)              (reduce_scatter_to_sequence_parallel under SP)
       out += scaling * h B^T
       -> A's gradient partial (marked); B's full and identical on every TP rank (partial under SP: marked then).
+  duplicated base (MLA's q / kv down projections, whole on every TP rank): out += scaling * x A^T B^T, no
+      communication; under SP each rank sees its sequence shard, so both gradients are partial (marked).
+  the router (megatron's TopKRouter, whole on every TP rank): its `gating` wrapped to add scaling * x A^T B^T to
+      the logits in the routing dtype; partial gradients under SP, as a duplicated linear's.
+  a routed expert's linear (expert-column / expert-row): as column / row over the expert-TP group, but without the
+      collectives: megatron's token dispatcher gathers the expert's tokens over expert-TP before its fc1 and sums
+      fc2's partial outputs after, for the adapter's share as for the weight's; every gradient is then partial over
+      expert-TP (marked). At EP > 1 the expert adapters are `allreduce=False`, DeepSpeed's mark of an expert
+      parameter: reduced over the expert-data-parallel group only, as the experts (toolkit/train/engine/moe.py).
 The LoRA parameters carry no `tensor_model_parallel` attribute: DeepSpeed counts them once in the grad norm.
-scaling = alpha / rank (PEFT's default, not rslora); dropout on the LoRA input as PEFT does.
+scaling = alpha / rank (PEFT's default, not rslora); dropout on the LoRA input as PEFT does (not on experts: PEFT
+refuses it there).
 ZeRO-3 partitions the adapters and the frozen base weights alike. DeepSpeed gathers a module's OWN parameters in
 its pre-forward hook (and again before that module's backward) and releases them after: the base linear's forward
 reads only its weight, the adapter's forward only its A / B (direct parameters of `LoraAdapter`, not of a child
@@ -31,7 +42,7 @@ final-hf, PEFT's files for final-hf-adapter.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 import zlib
 
@@ -39,111 +50,7 @@ import torch
 
 from toolkit.adapters import transforms
 from toolkit.adapters.transforms import HF_ARITY, Kind
-from toolkit.errors import DsmtError
-
-# megatron linear (within a layer) -> parallel mode of its base layer
-LINEARS = {"self_attention.linear_qkv": "column", "self_attention.linear_proj": "row",
-           "mlp.linear_fc1": "column", "mlp.linear_fc2": "row"}
-
-
-class LoraError(DsmtError):
-    """A LoRA setting this model or run cannot take."""
-
-
-class LoraFamilyError(LoraError):
-    """A model family whose layers dsmt's LoRA cannot adapt (its `fix` says what to do instead)."""
-
-    rule = "lora_family"
-    fix = ("fine-tune the model fully (remove training.lora), or LoRA-train it with a plain HF + PEFT loop "
-           "(dsmt's LoRA adapts megatron's fused qkv / proj / fc1 / fc2 linears only)")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraModule:
-    """One HF module PEFT would wrap: `hf_path` with `*` for the layer (model.layers.*.self_attn.q_proj), its
-    megatron linear, the linear's transform kind, and which of the row's HF tensors it is (`slot`)."""
-
-    hf_path: str
-    linear: str  # a key of LINEARS
-    kind: Kind
-    slot: int
-
-    @property
-    def name(self) -> str:
-        """The last name component: what PEFT's target_modules match."""
-        return self.hf_path.rsplit(".", 1)[-1]
-
-    def path_for(self, layer: int) -> str:
-        return self.hf_path.replace("*", str(layer))
-
-
-def family_modules(family) -> list[LoraModule]:
-    """Every HF module of the family's attention and MLP linears, in weight-table order."""
-    if family.is_encoder:
-        raise LoraError(f"training.lora on {family.model_type} (an encoder): dsmt's LoRA supports the decoder "
-                        "families (GPTModel chunks) only; fine-tune the encoder fully (remove training.lora)")
-    if family.multimodal_settings is not None:  # toolkit/adapters/multimodal.py
-        raise LoraFamilyError(f"training.lora on {family.model_type}: a multimodal checkpoint's PEFT adapter would "
-                              "name its modules by target name alone, the vision tower's q_proj / fc1 included, and "
-                              "dsmt writes the language model's paths in the checkpoint's naming, not PEFT's")
-    rows = {row.megatron: row for row in family.weights}
-    if "decoder.layers.*.self_attention.linear_kv_down_proj.weight" in rows:
-        raise LoraFamilyError(f"training.lora on {family.model_type}: multi-latent attention's projections (q_a / "
-                              "q_b / kv_a_proj_with_mqa / kv_b / o_proj) and the MoE experts take no LoRA adapter in "
-                              "dsmt")
-    if any(row.per_expert for row in family.weights):
-        raise LoraFamilyError(f"training.lora on {family.model_type}: its MoE layers' experts, router and shared "
-                              "experts take no LoRA adapter in dsmt (a mixture-of-experts MLP)")
-    modules = []
-    for linear in LINEARS:
-        row = rows.get(f"decoder.layers.*.{linear}.weight")
-        if row is None:
-            raise LoraFamilyError(f"training.lora: the {family.model_type} weight table has no decoder.layers.*.{linear}"
-                            ".weight row (a mixture-of-experts MLP?); dsmt's LoRA needs the dense layer")
-        modules += [LoraModule(hf.removesuffix(".weight"), linear, row.kind, slot) for slot, hf in enumerate(row.hf)]
-    return modules
-
-
-def resolve_targets(family, targets: list[str] | None) -> list[LoraModule]:
-    """The modules `training.lora.targets` select (None: all of them), matched by last name component as PEFT
-    does. Raises LoraError naming the targets that match nothing and the available names."""
-    modules = family_modules(family)
-    if targets is None:
-        return modules
-    available = list(dict.fromkeys(module.name for module in modules))
-    unknown = [target for target in targets if target not in available]
-    if unknown:
-        raise LoraError(f"training.lora.targets {unknown} match no {family.model_type} module; available: "
-                        f"{', '.join(available)}")
-    return [module for module in modules if module.name in targets]
-
-
-def linear_shape(settings, linear: str) -> tuple[int, int]:
-    """The layout-free megatron weight shape [out, in] of a layer's linear."""
-    fields = settings.transformer_fields
-    hidden, ffn = fields["hidden_size"], fields["ffn_hidden_size"]
-    heads, groups, head_dim = fields["num_attention_heads"], fields["num_query_groups"], fields["kv_channels"]
-    fc1_rows = ffn * (2 if fields.get("gated_linear_unit") else 1)
-    return {"self_attention.linear_qkv": ((heads + 2 * groups) * head_dim, hidden),
-            "self_attention.linear_proj": (hidden, heads * head_dim),
-            "mlp.linear_fc1": (fc1_rows, hidden), "mlp.linear_fc2": (hidden, ffn)}[linear]
-
-
-def module_shape(settings, module: LoraModule) -> tuple[int, int]:
-    """The HF module's (out_features, in_features)."""
-    shapes = transforms.expected_hf_shapes(module.kind, linear_shape(settings, module.linear),
-                                           ctx=settings.shape_context())
-    return tuple(shapes[module.slot])
-
-
-def count_lora_params(hf_config, *, rank: int, targets: list[str] | None) -> int:
-    """LoRA parameters of the whole model (every layer): r * (in + out) per targeted module (for the planner)."""
-    from toolkit.adapters.hf_config import model_settings
-
-    settings = model_settings(hf_config)
-    per_layer = sum(rank * sum(module_shape(settings, m)) for m in resolve_targets(settings.family, targets))
-    return per_layer * settings.num_layers
-
+from toolkit.train.lora.targets import EXPERT_LINEARS, LINEARS
 
 # ---- the megatron-layout matrices ---------------------------------------------------------------------------
 
@@ -170,13 +77,15 @@ def column_lora_matrices(*, kind: Kind, a: dict[int, torch.Tensor], b: dict[int,
 
 
 class LoraAdapter(torch.nn.Module):
-    """The LoRA tensors of one megatron linear (one pair per targeted HF module, keyed by slot) and its delta."""
+    """The LoRA tensors of one megatron linear (one pair per targeted HF module, keyed by slot) and its delta;
+    `expert`: the global index of the routed expert whose linear it adapts (None for the other linears), whose
+    `tp_rank` / `tp_size` are then the expert-TP group's."""
 
     def __init__(self, *, linear: str, kind: Kind, modules: dict[int, str], shapes: dict[int, tuple[int, int]],
                  out_rows: list[int], rank: int, alpha: float, dropout: float, ctx, tp_rank: int, tp_size: int,
-                 sequence_parallel: bool, dtype: torch.dtype):
+                 sequence_parallel: bool, dtype: torch.dtype, expert: int | None = None):
         super().__init__()
-        self.linear, self.kind, self.parallel = linear, kind, LINEARS[linear]
+        self.linear, self.kind, self.parallel, self.expert = linear, kind, LINEARS[linear], expert
         self.hf_paths = dict(modules)  # slot -> this layer's HF module path
         self.scaling, self.dropout = alpha / rank, dropout
         self.out_rows, self.ctx = list(out_rows), ctx
@@ -185,10 +94,22 @@ class LoraAdapter(torch.nn.Module):
         for s in modules:
             self.register_parameter(f"lora_A_{s}", torch.nn.Parameter(torch.zeros(rank, shapes[s][1], dtype=dtype)))
             self.register_parameter(f"lora_B_{s}", torch.nn.Parameter(torch.zeros(shapes[s][0], rank, dtype=dtype)))
+        partial_a, partial_b = self._partial_grads()
         for param in self.lora_A.values():
-            param.tensor_parallel_partial_grad = tp_size > 1
+            param.tensor_parallel_partial_grad = partial_a
         for param in self.lora_B.values():
-            param.tensor_parallel_partial_grad = tp_size > 1 and (self.parallel == "column" or sequence_parallel)
+            param.tensor_parallel_partial_grad = partial_b
+
+    def _partial_grads(self) -> tuple[bool, bool]:
+        """Whether A's / B's gradient on one TP rank is a part to be summed over the (expert-)TP group (module
+        docstring): every expert matrix at expert-TP > 1 (the dispatcher, not the linear, gathers the input and sums
+        the output: each rank's gradient comes from its own slice); a duplicated linear's under sequence parallelism
+        only (each rank its sequence shard)."""
+        if self.tp_size == 1:
+            return False, False
+        if self.parallel in ("duplicated", "router"):
+            return self.sequence_parallel, self.sequence_parallel
+        return True, self.parallel in ("column", "expert-column", "expert-row") or self.sequence_parallel
 
     @property
     def lora_A(self) -> dict[str, torch.nn.Parameter]:
@@ -204,15 +125,19 @@ class LoraAdapter(torch.nn.Module):
         """This rank's (A, B) in megatron layout: delta_local = scaling * B @ A."""
         a = {int(s): p for s, p in self.lora_A.items()}
         b = {int(s): p for s, p in self.lora_B.items()}
-        if self.parallel == "column":
+        if self.parallel in ("column", "expert-column"):
             return column_lora_matrices(kind=self.kind, a=a, b=b, out_rows=self.out_rows, ctx=self.ctx,
                                         tp_rank=self.tp_rank, tp_size=self.tp_size)
-        (slot,) = a  # row-parallel linears are single HF modules
+        (slot,) = a  # row-parallel and duplicated linears are single HF modules
+        if self.parallel in ("duplicated", "router"):
+            return a[slot], b[slot]
         return transforms.shard(Kind.ROW, a[slot], tp_rank=self.tp_rank, tp_size=self.tp_size), b[slot]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of scaling * B A x (the linear's output layout). Called as a module (`adapter(x)`), so
-        that ZeRO-3's hooks gather A and B for it."""
+        that ZeRO-3's hooks gather A and B for it. An expert's linear communicates nothing (megatron's dispatcher
+        gathers its tokens over expert-TP before and sums its partial output after), nor does a duplicated one; so
+        neither does their adapter."""
         from megatron.core.tensor_parallel import mappings
 
         a, b = self.matrices()
@@ -220,10 +145,10 @@ class LoraAdapter(torch.nn.Module):
         if self.parallel == "column":
             x = (mappings.gather_from_sequence_parallel_region(x) if self.sequence_parallel
                  else mappings.copy_to_tensor_model_parallel_region(x))
-            return self.scaling * torch.matmul(torch.matmul(x, a.t()), b.t())
         h = torch.matmul(x, a.t())
-        h = (mappings.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
-             else mappings.reduce_from_tensor_model_parallel_region(h))
+        if self.parallel == "row":
+            h = (mappings.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
+                 else mappings.reduce_from_tensor_model_parallel_region(h))
         return self.scaling * torch.matmul(h, b.t())
 
     @torch.no_grad()
@@ -257,7 +182,19 @@ def split_linear_output(output: tuple, *, linear_input: torch.Tensor):
     return out, bias, linear_input
 
 
+def router_gating(router, inputs: torch.Tensor) -> torch.Tensor:
+    """megatron's router logits (in its routing dtype, fp32 for dsmt's families) plus the adapter's delta, added in
+    that dtype: the router's own `gating` with LoRA, as PEFT adds the delta to HF's gate weight."""
+    logits = type(router).gating(router, inputs)
+    delta = router.lora(inputs.to(router.lora.lora_A_0.dtype))
+    return logits + delta.to(logits.dtype)
+
+
 def attach(linear_module: torch.nn.Module, adapter: LoraAdapter) -> None:
+    if adapter.parallel == "router":  # megatron's TopKRouter: its `gating` computes the logits (no linear module)
+        linear_module.lora = adapter
+        linear_module.gating = functools.partial(router_gating, linear_module)
+        return
     if type(linear_module).__name__ == "TELayerNormColumnParallelLinear":
         # As Megatron-Bridge does: TE fuses the norm into the linear, so ask it for the normalised input too
         # (not gathered under SP: the hook gathers it, and its backward reduce-scatters the gradient).
@@ -269,6 +206,9 @@ def attach(linear_module: torch.nn.Module, adapter: LoraAdapter) -> None:
 
 def detach(linear_module: torch.nn.Module) -> LoraAdapter:
     """Undo `attach` (export: the checkpoint writer must see the plain linear); returns the adapter."""
+    if linear_module.lora.parallel == "router":
+        del linear_module.gating
+        return linear_module._modules.pop("lora")
     linear_module._lora_hook.remove()
     del linear_module._lora_hook
     adapter = linear_module._modules.pop("lora")
@@ -287,12 +227,28 @@ def init_peft(param_a: torch.Tensor, *, seed: int, hf_path: str) -> None:
         param_a.copy_(value)
 
 
+def layer_linears(layer, linear: str) -> list[tuple[int | None, torch.nn.Module]]:
+    """(global expert index or None, megatron module) of a layer's linear (`LINEARS` name): one module, none where
+    the layer lacks it (a dense layer's experts, an MoE layer's dense MLP), or every local expert's."""
+    if linear in EXPERT_LINEARS:
+        mlp = getattr(layer, "mlp", None)
+        experts = getattr(getattr(mlp, "experts", None), "local_experts", None)
+        if experts is None:
+            return []
+        attr = linear.rsplit(".", 1)[1]
+        return [(index, getattr(expert, attr)) for index, expert in zip(mlp.local_expert_indices, experts)]
+    module = layer
+    for attr in linear.split("."):
+        module = getattr(module, attr, None)
+    return [] if module is None else [(None, module)]
+
+
 def adapted_linears(chunks: list):
-    """(global layer index, linear name, megatron module) for every linear that carries an adapter."""
+    """(global layer index, linear name, megatron module) for every linear that carries an adapter (each local
+    expert's separately; its adapter's `expert` says which)."""
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             for linear in LINEARS:
-                owner, attr = linear.split(".")
-                module = getattr(getattr(layer, owner), attr, None)
-                if module is not None and "lora" in module._modules:
-                    yield layer.layer_number - 1, linear, module
+                for _, module in layer_linears(layer, linear):
+                    if "lora" in module._modules:
+                        yield layer.layer_number - 1, linear, module

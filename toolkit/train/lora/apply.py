@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from toolkit.adapters import transforms
-from toolkit.train.lora.adapters import (LINEARS, LoraAdapter, LoraError, attach, init_peft, linear_shape,
-                                         module_shape, resolve_targets)
+from toolkit.train.lora.adapters import LoraAdapter, attach, init_peft, layer_linears
 from toolkit.train.lora.export import read_init_adapter
+from toolkit.train.lora.targets import LINEARS, LoraError, linear_shape, module_shape, resolve_targets
 
 
 def apply_lora(chunks: list, *, settings, lora, seed: int) -> int:
@@ -22,12 +22,16 @@ def apply_lora(chunks: list, *, settings, lora, seed: int) -> int:
 
     from toolkit import backend as backends
 
-    modules = resolve_targets(settings.family, lora.targets)
+    modules = resolve_targets(settings.family, lora.targets, rows=settings.rows)
+    require_no_expert_dropout(modules, dropout=lora.dropout)
     initial = None
     if lora.init_adapter is not None:
         initial = read_init_adapter(lora.init_adapter, settings=settings, modules=modules, lora=lora)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    groups = {"dense": (parallel_state.get_tensor_model_parallel_rank(),
+                        parallel_state.get_tensor_model_parallel_world_size()),
+              "expert": (parallel_state.get_expert_tensor_parallel_rank(),
+                         parallel_state.get_expert_tensor_parallel_world_size())}
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
     device = backends.current().device
     for chunk in chunks:
         for param in chunk.parameters():
@@ -40,8 +44,19 @@ def apply_lora(chunks: list, *, settings, lora, seed: int) -> int:
             chunk.embedding.register_forward_hook(_require_grad)
         for layer in chunk.decoder.layers:
             count += _adapt_layer(layer, chunk.config, modules=modules, settings=settings, lora=lora, seed=seed,
-                                  initial=initial, tp_rank=tp_rank, tp_size=tp_size, device=device)
+                                  initial=initial, groups=groups, ep_size=ep_size, device=device)
     return count
+
+
+def require_no_expert_dropout(modules, *, dropout: float) -> None:
+    """PEFT's LoRA on parameters (`ParamWrapper`: the fused experts, the router) refuses lora_dropout != 0 (the
+    delta is added to the weight, so the input cannot be dropped for it alone): an adapter trained with dropout
+    there would not be PEFT's."""
+    parameters = sorted({module.name for module in modules if module.parameter})
+    if parameters and dropout:
+        raise LoraError(f"training.lora.dropout={dropout} with the routed experts or the router targeted "
+                        f"({', '.join(parameters)}): PEFT adapts those only without dropout; set "
+                        "training.lora.dropout: 0, or leave them out of training.lora.targets")
 
 
 def train_embeddings(chunks: list) -> int:
@@ -63,33 +78,46 @@ def _require_grad(module, inputs, output):
     return output.requires_grad_(True) if not output.requires_grad else output
 
 
-def _adapt_layer(layer, config, *, modules, settings, lora, seed, initial, tp_rank, tp_size, device) -> int:
+def _adapt_layer(layer, config, *, modules, settings, lora, seed, initial, groups, ep_size, device) -> int:
     index = layer.layer_number - 1
     count = 0
     for linear in LINEARS:
-        chosen = {m.slot: m for m in modules if m.linear == linear}
+        chosen = {m.slot: m for m in modules if m.linear == linear
+                  and m.in_layer(index, moe_layers=settings.moe_layers)}
         if not chosen:
             continue
-        owner, attr = linear.split(".")
-        base = getattr(getattr(layer, owner, None), attr, None)
-        if base is None:
-            raise LoraError(f"training.lora: layer {index} has no {linear} ({type(getattr(layer, owner, None)).__name__}"
-                            "; a mixture-of-experts MLP?): dsmt's LoRA supports dense layers only")
+        bases = layer_linears(layer, linear)
+        if not bases:
+            raise LoraError(f"training.lora: layer {index} has no {linear}, which the weight table gives it; "
+                            "dsmt's LoRA and the model builder disagree (a bug: report it)")
         kind = next(iter(chosen.values())).kind
         out_rows = [shape[0] for shape in transforms.expected_hf_shapes(
             kind, linear_shape(settings, linear), ctx=settings.shape_context())]
-        adapter = LoraAdapter(linear=linear, kind=kind, modules={s: m.path_for(index) for s, m in chosen.items()},
-                              shapes={s: module_shape(settings, m) for s, m in chosen.items()}, out_rows=out_rows,
-                              rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, ctx=settings.shape_context(),
-                              tp_rank=tp_rank, tp_size=tp_size, sequence_parallel=config.sequence_parallel,
-                              dtype=base.weight.dtype)
-        for slot, path in adapter.hf_paths.items():
-            if initial is not None:
-                with torch.no_grad():
-                    adapter.lora_A[str(slot)].copy_(initial[f"{path}.lora_A"])
-                    adapter.lora_B[str(slot)].copy_(initial[f"{path}.lora_B"])
-            else:
-                init_peft(adapter.lora_A[str(slot)], seed=seed, hf_path=path)
-        attach(base, adapter.to(device))
-        count += sum(p.numel() for p in adapter.parameters())
+        tp_rank, tp_size = groups["expert" if linear.startswith("mlp.experts.") else "dense"]
+        for expert, base in bases:
+            adapter = LoraAdapter(linear=linear, kind=kind, modules={s: m.path_for(index) for s, m in chosen.items()},
+                                  shapes={s: module_shape(settings, m) for s, m in chosen.items()},
+                                  out_rows=out_rows, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                  ctx=settings.shape_context(), tp_rank=tp_rank, tp_size=tp_size,
+                                  sequence_parallel=config.sequence_parallel and expert is None,
+                                  dtype=base.weight.dtype, expert=expert)
+            _initialise(adapter, initial=initial, seed=seed)
+            if expert is not None and ep_size > 1:
+                for param in adapter.parameters():  # an expert parameter to DeepSpeed (toolkit/train/engine/moe.py)
+                    param.allreduce = False
+            attach(base, adapter.to(device))
+            count += sum(p.numel() for p in adapter.parameters())
     return count
+
+
+def _initialise(adapter: LoraAdapter, *, initial: dict | None, seed: int) -> None:
+    """From the init adapter (per expert for an expert's: `read_init_adapter` splits PEFT's fused pair), or as
+    PEFT initialises (A by a generator seeded by the run seed and the module, and the expert)."""
+    suffix = "" if adapter.expert is None else f"[{adapter.expert}]"
+    for slot, path in adapter.hf_paths.items():
+        if initial is not None:
+            with torch.no_grad():
+                adapter.lora_A[str(slot)].copy_(initial[f"{path}{suffix}.lora_A"])
+                adapter.lora_B[str(slot)].copy_(initial[f"{path}{suffix}.lora_B"])
+        else:
+            init_peft(adapter.lora_A[str(slot)], seed=seed, hf_path=path + suffix)

@@ -21,26 +21,29 @@ from pathlib import Path
 import torch
 
 from toolkit.adapters.load import full_shape
-from toolkit.train.lora.adapters import LoraError, adapted_linears, attach, detach, module_shape
+from toolkit.adapters.peft_names import PEFT_PREFIX, expert_peft_key, join_expert_factors, peft_key, split_expert_factors
+from toolkit.train.lora.adapters import adapted_linears, attach, detach
+from toolkit.train.lora.targets import LoraError, layers_with, module_shape, resolve_targets
 
-PEFT_PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
-def peft_key(hf_module_path: str, matrix: str) -> str:
-    """PEFT's saved name of a LoRA matrix ("lora_A" / "lora_B") of an HF module."""
-    return f"{PEFT_PREFIX}{hf_module_path}.{matrix}.weight"
-
-
-def expected_adapter_shapes(*, settings, modules) -> dict[str, tuple[int, ...]]:
-    """PEFT key -> shape of the adapter the run expects, for rank r (filled by the caller) per module."""
-    shapes = {}
+def expected_adapter(*, settings, modules, rank: int) -> dict[str, tuple[tuple[int, int], str, bool]]:
+    """PEFT key -> (shape, '<hf module path>.lora_A' / '.lora_B', whether routed experts') of every tensor the run's
+    adapter has; a routed experts' pair is PEFT's fused one ([r*E, in] / [out, r*E], toolkit/adapters/peft_names.py)."""
+    expected = {}
+    experts = settings.num_experts
+    targeted = [module.hf_path.rsplit(".", 1)[1] for module in modules if module.expert]
     for module in modules:
         out_features, in_features = module_shape(settings, module)
-        for layer in range(settings.num_layers):
-            shapes[peft_key(module.path_for(layer), "lora_A")] = ("r", in_features)
-            shapes[peft_key(module.path_for(layer), "lora_B")] = (out_features, "r")
-    return shapes
+        width = rank * experts if module.expert else rank
+        for layer in layers_with(settings, module):
+            path = module.path_for(layer)
+            for matrix, shape in (("lora_A", (width, in_features)), ("lora_B", (out_features, width))):
+                key = (expert_peft_key(path.rsplit(".", 1)[0], path.rsplit(".", 1)[1], matrix, targeted=targeted)
+                       if module.expert else peft_key(path, matrix))
+                expected[key] = (shape, f"{path}.{matrix}", module.expert)
+    return expected
 
 
 def read_init_adapter(path, *, settings, modules, lora) -> dict[str, torch.Tensor]:
@@ -66,23 +69,56 @@ def read_init_adapter(path, *, settings, modules, lora) -> dict[str, torch.Tenso
     for option, plain in (("use_rslora", False), ("use_dora", False), ("bias", "none")):
         if config.get(option, plain) != plain:
             problems.append(f"{option}={config.get(option)!r}: dsmt's LoRA supports {option}={plain!r} only")
-    wanted_names = sorted({module.name for module in modules})
-    targets = config.get("target_modules")
-    if not isinstance(targets, list) or sorted(set(targets)) != wanted_names:
-        problems.append(f"target_modules={targets} in the adapter, the run targets {wanted_names} "
-                        "(set training.lora.targets to the adapter's list)")
-    expected = expected_adapter_shapes(settings=settings, modules=modules)
-    for key, shape in expected.items():
-        want = tuple(lora.rank if dim == "r" else dim for dim in shape)
+    problems += _target_problems(config, modules)
+    expected = expected_adapter(settings=settings, modules=modules, rank=lora.rank)
+    for key, (shape, _, _) in expected.items():
         if key not in tensors:
             problems.append(f"{key} missing from {WEIGHTS_FILE}")
-        elif tuple(tensors[key].shape) != want:
-            problems.append(f"{key} has shape {tuple(tensors[key].shape)}, expected {want}")
+        elif tuple(tensors[key].shape) != shape:
+            problems.append(f"{key} has shape {tuple(tensors[key].shape)}, expected {shape} (an adapter of another "
+                            f"base model? base_model_name_or_path: {config.get('base_model_name_or_path')})")
     problems += [f"{key} in {WEIGHTS_FILE} is not an adapter of the run's targets" for key in sorted(set(tensors) - set(expected))]
     if problems:
         raise LoraError(f"training.lora.init_adapter={path} does not fit the run ({len(problems)} problem(s)):\n  - "
                         + "\n  - ".join(problems))
-    return {key.removeprefix(PEFT_PREFIX).removesuffix(".weight"): value for key, value in tensors.items()}
+    initial = {name: tensors[key] for key, (_, name, expert) in expected.items() if not expert}
+    return initial | _split_experts(tensors, expected=expected, num_experts=settings.num_experts)
+
+
+def _target_problems(config: dict, modules) -> list[str]:
+    """The adapter's target_modules / target_parameters against the run's, and PEFT options dsmt does not train."""
+    problems = []
+    wanted_modules = sorted({module.name for module in modules if not module.parameter})
+    wanted_parameters = sorted({module.name for module in modules if module.parameter})
+    targets = config.get("target_modules") or []
+    if not isinstance(targets, list) or sorted(set(targets)) != wanted_modules:
+        problems.append(f"target_modules={config.get('target_modules')} in the adapter, the run targets "
+                        f"{wanted_modules} (set training.lora.targets to the adapter's list)")
+    parameters = config.get("target_parameters") or []
+    if sorted(set(parameters)) != wanted_parameters:
+        problems.append(f"target_parameters={config.get('target_parameters')} in the adapter, the run targets "
+                        f"{wanted_parameters} (set training.lora.targets to the adapter's targets)")
+    for option in ("rank_pattern", "alpha_pattern"):
+        if config.get(option):
+            problems.append(f"{option}={config[option]}: dsmt trains one rank and alpha for every module (PEFT "
+                            "writes per-module ones when it converts a transformers-4 MoE adapter: merge it into "
+                            "the model instead)")
+    return problems
+
+
+def _split_experts(tensors: dict, *, expected: dict, num_experts: int) -> dict[str, torch.Tensor]:
+    """'<fused experts parameter path>[e].lora_A' / '.lora_B' -> expert e's A / B, from PEFT's fused pairs."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, (_, name, expert) in expected.items():
+        if expert:
+            path, matrix = name.rsplit(".", 1)
+            pairs.setdefault(path, {})[matrix] = tensors[key]
+    found = {}
+    for path, pair in pairs.items():
+        factors = split_expert_factors(pair["lora_A"], pair["lora_B"], num_experts=num_experts)
+        for expert, (a, b) in enumerate(factors):
+            found[f"{path}[{expert}].lora_A"], found[f"{path}[{expert}].lora_B"] = a.clone(), b.clone()
+    return found
 
 
 def require_whole(module: torch.nn.Module, *, what: str) -> None:
@@ -112,16 +148,33 @@ def merged_lora(chunks: list):
             attach(module, adapter)
 
 
-def local_adapter_state(chunks: list) -> dict[str, torch.Tensor]:
-    """PEFT key -> CPU copy of every adapter tensor of this rank's layers (full on every TP rank)."""
+def local_adapter_state(chunks: list, *, dense: bool = True, experts: bool = True) -> dict[str, torch.Tensor]:
+    """PEFT key -> CPU copy of every adapter tensor of this rank's layers (full on every TP rank), of the other
+    linears (`dense`) and / or of the local routed experts (`experts`), these under '<fused parameter path>[e]
+    .lora_A' (`join_experts` makes PEFT's pairs of them)."""
     state = {}
     for _, _, module in adapted_linears(chunks):
         adapter = module.lora
+        if not (experts if adapter.expert is not None else dense):
+            continue
         require_whole(adapter, what="LoRA adapter export")
         for slot, path in adapter.hf_paths.items():
-            state[peft_key(path, "lora_A")] = adapter.lora_A[str(slot)].detach().to("cpu", copy=True)
-            state[peft_key(path, "lora_B")] = adapter.lora_B[str(slot)].detach().to("cpu", copy=True)
+            for matrix, params in (("lora_A", adapter.lora_A), ("lora_B", adapter.lora_B)):
+                key = peft_key(path, matrix) if adapter.expert is None else f"{path}[{adapter.expert}].{matrix}"
+                state[key] = params[str(slot)].detach().to("cpu", copy=True)
     return state
+
+
+def join_experts(state: dict, *, settings, modules, rank: int) -> dict[str, torch.Tensor]:
+    """`state` with every routed experts' per-expert A / B replaced by PEFT's fused pair (all experts present)."""
+    joined = {key: value for key, value in state.items() if key.startswith(PEFT_PREFIX)}
+    for key, (_, name, expert) in expected_adapter(settings=settings, modules=modules, rank=rank).items():
+        if expert and name.endswith(".lora_A"):
+            path = name.removesuffix(".lora_A")
+            factors = [(state[f"{path}[{e}].lora_A"], state[f"{path}[{e}].lora_B"])
+                       for e in range(settings.num_experts)]
+            joined[key], joined[key.replace(".lora_A.", ".lora_B.")] = join_expert_factors(factors)
+    return joined
 
 
 def embedding_names(settings) -> tuple[str, str]:
@@ -141,31 +194,34 @@ def peft_config(*, settings, modules, lora, base_model: str):
         extra = {"modules_to_save": [embedding.rsplit(".", 1)[-1]] + ([] if settings.tied_embeddings
                                                                      else [output.rsplit(".", 1)[-1]]),
                  "ensure_weight_tying": settings.tied_embeddings}
+    parameters = sorted({module.name for module in modules if module.parameter})
+    if parameters:
+        extra["target_parameters"] = parameters
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=sorted({module.name for module in modules}), bias="none", task_type="CAUSAL_LM",
+                      target_modules=sorted({module.name for module in modules if not module.parameter}), bias="none",
+                      task_type="CAUSAL_LM", base_model_name_or_path=base_model,
                       fan_in_fan_out=any(row.transposed for row in settings.family.weights
-                                         if row.megatron.endswith("linear_qkv.weight")),
-                      base_model_name_or_path=base_model, **extra)
+                                         if row.megatron.endswith("linear_qkv.weight")), **extra)
 
 
 def gather_peft_adapter(chunks: list, *, settings, lora) -> dict[str, torch.Tensor] | None:
-    """The LoRA matrices of every pipeline stage, on rank 0 (None elsewhere), gathered from the TP-rank-0,
-    DP-rank-0 rank of each stage (the tensors are full on every TP rank). Collective. At ZeRO-3, call it inside
-    `params_on_cpu`."""
+    """The LoRA matrices of every pipeline stage, on rank 0 (None elsewhere): the other linears' from the TP-rank-0,
+    DP-rank-0 rank of each stage, the routed experts' from the expert-TP-rank-0, expert-DP-rank-0 rank of each EP
+    rank (the tensors are full on every (expert-)TP rank). Collective. At ZeRO-3, call it inside `params_on_cpu`."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
-    from toolkit.train.lora.adapters import resolve_targets
-
-    first_replica = (parallel_state.get_tensor_model_parallel_rank() == 0
-                     and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
-    local = local_adapter_state(chunks) if first_replica else {}
+    dense = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    experts = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
+    local = local_adapter_state(chunks, dense=dense, experts=experts)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
-    state = {key: value.contiguous() for part in gathered for key, value in part.items()}
-    expected = set(expected_adapter_shapes(settings=settings, modules=resolve_targets(settings.family, lora.targets)))
+    modules = resolve_targets(settings.family, lora.targets, rows=settings.rows)
+    state = join_experts({key: value.contiguous() for part in gathered for key, value in part.items()},
+                         settings=settings, modules=modules, rank=lora.rank)
+    expected = set(expected_adapter(settings=settings, modules=modules, rank=lora.rank))
     if set(state) != expected:
         raise LoraError(f"adapter export gathered {len(state)} tensors, expected {len(expected)}; missing: "
                         f"{sorted(expected - set(state))[:5]}")
@@ -181,8 +237,6 @@ def write_peft_adapter(state: dict, *, settings, lora, out_dir: Path, base_model
 
     from safetensors.torch import save_file
 
-    from toolkit.train.lora.adapters import resolve_targets
-
     state = dict(state)
     if lora.train_embeddings:
         state.update(trained_embeddings(settings=settings, hf_dir=hf_dir))
@@ -190,7 +244,7 @@ def write_peft_adapter(state: dict, *, settings, lora, out_dir: Path, base_model
     partial = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    modules = resolve_targets(settings.family, lora.targets)
+    modules = resolve_targets(settings.family, lora.targets, rows=settings.rows)
     peft_config(settings=settings, modules=modules, lora=lora, base_model=base_model).save_pretrained(partial)
     save_file(dict(sorted(state.items())), partial / WEIGHTS_FILE, metadata={"format": "pt"})
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -220,14 +274,13 @@ def init_adapter_problems(*, spec, settings) -> list:
     """For `dsmt train --dry-run`: training.lora.init_adapter read and compared with the run's targets and shapes,
     as every rank will at start-up (`dsmt check` only sees that the directory exists)."""
     from toolkit.errors import Problem
-    from toolkit.train.lora.adapters import resolve_targets
 
     lora = spec.training.lora
     if lora is None or lora.init_adapter is None or settings is None:
         return []
     try:
         read_init_adapter(lora.init_adapter, settings=settings, lora=lora,
-                          modules=resolve_targets(settings.family, lora.targets))
+                          modules=resolve_targets(settings.family, lora.targets, rows=settings.rows))
     except LoraError as err:
         return [Problem("error", "lora_init_adapter", str(err), "train a fresh adapter (unset init_adapter), or "
                         "set training.lora to the adapter's rank, alpha and targets")]
