@@ -93,3 +93,18 @@ def test_activation_recompute_runs_on_cpu_and_matches(recompute):
             apis = {api for api, _ in cpu.redirected_sites}
             assert ("megatron _get_cuda_rng_state" in apis) == (mode != "none"), apis
     assert torch.allclose(grads["none"], grads[recompute], atol=1e-6)
+
+
+def test_reapply_puts_back_what_a_zero_init_restored():
+    """DeepSpeed's zero.Init restores at exit the torch factories DeepSpeed saw at its import: torch's own, where it
+    was imported before the CPU backend (a test session, a user's script). `reapply` (called after every zero.Init
+    of toolkit/adapters/zero3.py) puts the redirections back; nothing else changes."""
+    assert cpu.install() is True
+    ours, raw = torch.empty, cpu._originals["torch:empty"]
+    torch.empty = raw  # what zero.Init's exit leaves behind
+    try:
+        assert cpu.reapply() == ["torch:empty"]
+        assert torch.empty is ours and torch.empty(2, device=0).device.type == "cpu"
+        assert cpu.reapply() == []
+    finally:
+        torch.empty = ours

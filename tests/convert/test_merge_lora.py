@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 from toolkit.cli import main as dsmt
-from toolkit.convert.merge_lora import MergeLoraError, merge_lora, option_problems
+from toolkit.convert.merge_lora import merge_lora
+from toolkit.convert.peft_adapter import MergeLoraError, option_problems
 from toolkit.models.tiny import make_tiny_checkpoint
 
 LORA = dict(r=4, lora_alpha=8, init_lora_weights=False)
@@ -86,15 +87,36 @@ def test_fused_experts_match_peft(model_type, tmp_path):
     """target_parameters adapts transformers-5's fused experts; the checkpoint keeps them per expert on disk
     (qwen3_moe: mlp.experts.E.gate_proj / up_proj / down_proj; mixtral: block_sparse_moe.experts.E.w1 / w3 / w2)."""
     base = make_tiny_checkpoint(tmp_path / "base", model_type=model_type)
-    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj"], target_parameters=EXPERTS)
+    # the router too (PEFT's target parameter mlp.gate.weight; Mixtral keeps it as block_sparse_moe.gate on disk),
+    # with its own alpha, which PEFT keys by the parameter's name
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj"],
+                           target_parameters=EXPERTS + ["mlp.gate.weight"], alpha_pattern={"mlp.gate.weight": 64})
     summary = merge_lora(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
     gap, effect = logit_gaps(base, adapter, tmp_path / "merged")
     print(f"{model_type}: merged vs PeftModel {gap:.2e}; adapter effect {effect:.2e}; {summary.line()}")
     assert gap <= 1e-5 and effect > 1e-3
     before, after = tensors(base), tensors(tmp_path / "merged")
-    expert_names = [n for n in before if ".experts." in n]
+    expert_names = [n for n in before if ".experts." in n or n.endswith(".gate.weight")]
     assert expert_names and all(not torch.equal(before[n], after[n]) for n in expert_names)
     assert summary.tensors_merged == len(expert_names) + sum(n.endswith("q_proj.weight") for n in before)
+
+
+def test_bf16_base_is_merged_in_fp32_and_cast_once(llama, tmp_path):
+    """Each merged bf16 tensor is exactly (fp32(W) + scaling * B @ A).to(bf16): no bf16 arithmetic on the way."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(llama, dtype=torch.bfloat16).save_pretrained(base)
+    adapter = make_adapter(llama, tmp_path / "adapter", target_modules=["q_proj"])
+    merge_lora(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
+    before, after = tensors(base), tensors(tmp_path / "merged")
+    lora = load_file(adapter / "adapter_model.safetensors")
+    name = "model.layers.0.self_attn.q_proj"
+    a, b = (lora[f"base_model.model.{name}.lora_{m}.weight"] for m in "AB")
+    expected = (before[f"{name}.weight"].float() + (LORA["lora_alpha"] / LORA["r"]) * (b.float() @ a.float()))
+    assert after[f"{name}.weight"].dtype == torch.bfloat16
+    assert torch.equal(after[f"{name}.weight"], expected.to(torch.bfloat16))
 
 
 def test_cli_merges_and_refuses_a_mismatched_adapter(llama, tmp_path, capsys):

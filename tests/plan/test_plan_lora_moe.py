@@ -18,7 +18,8 @@ from toolkit.plan.layers import stage_params_per_gpu
 from toolkit.plan.layout import PlanLayout, TrainingShape
 from toolkit.plan.lora import (LoraShape, default_projections, lora_params, projections_of, stage_lora_params)
 from toolkit.plan.memory import stage_memory
-from toolkit.train.lora.targets import count_lora_params, peft_redirected_names, resolve_targets
+from toolkit.adapters.peft_names import peft_redirected_names
+from toolkit.train.lora.targets import count_lora_params, resolve_targets
 
 BF16 = Assumptions.for_precision("bf16")
 RANK = 8
@@ -50,6 +51,23 @@ def test_whole_model_count_is_dsmts(model):
     # the CLI's default (no family at hand: PEFT's redirected names decide) is the same set of targets
     redirected = bool(peft_redirected_names(config.model_type) - {"gate"})
     assert default_projections(shape, mlp_names_redirected=redirected) == lora.projections
+
+
+def test_a_named_router_is_counted_on_every_moe_layer():
+    """The router takes an adapter only when a target names it (mlp.gate.weight): [E, h] per MoE layer, with the
+    dense adapters (replicated over EP)."""
+    config = tiny_config("deepseek_v2")
+    targets = ["q_proj", "mlp.gate.weight", "experts.down_proj"]
+    settings = model_settings(config)
+    modules = resolve_targets(settings.family, targets, rows=settings.rows)
+    lora = LoraShape(rank=RANK, projections=frozenset(
+        p for m in modules for p in projections_of(linear=m.linear, kind=m.kind.value, slot=m.slot)))
+    assert "router" in lora.projections
+    shape = shape_of_hf_config(config)
+    assert lora_params(shape=shape, lora=lora) == count_lora_params(config, rank=RANK, targets=targets)
+    without = LoraShape(rank=RANK, projections=lora.projections - {"router"})
+    router = RANK * (shape.hidden_size + shape.num_experts) * shape.num_moe_layers
+    assert lora_params(shape=shape, lora=lora) - lora_params(shape=shape, lora=without) == router
 
 
 def test_ep_halves_the_routed_experts_share_and_tp_splits_nothing(model):

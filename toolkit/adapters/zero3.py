@@ -50,8 +50,22 @@ def partitioned_build(ds_config: dict | None):
     # once initialised (deepspeed.initialize would do it later); uninitialised, it silently assumes one rank.
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False, verbose=False)
     mpu = MegatronMpu()
-    return deepspeed.zero.Init(data_parallel_group=mpu.get_data_parallel_group(), mpu=mpu,
-                               config_dict_or_path=ds_config, remote_device=None, enabled=True)
+    return _redirections_kept(deepspeed.zero.Init(data_parallel_group=mpu.get_data_parallel_group(), mpu=mpu,
+                                                  config_dict_or_path=ds_config, remote_device=None, enabled=True))
+
+
+@contextlib.contextmanager
+def _redirections_kept(init):
+    """zero.Init, after which the CPU backend's redirections are what they were (toolkit/backend/cpu.py `reapply`:
+    zero.Init restores the torch factories DeepSpeed saw at its import, which may predate them)."""
+    try:
+        with init:
+            yield
+    finally:
+        if not torch.cuda.is_available():
+            from toolkit.backend import cpu
+
+            cpu.reapply()
 
 
 @torch.no_grad()

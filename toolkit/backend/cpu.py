@@ -33,6 +33,7 @@ _FACTORY_NAMES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", 
 _lock = threading.Lock()
 _installed = False
 _originals: dict[str, object] = {}
+_replacements: dict[str, object] = {}  # what install() put in each place of _originals
 # (api, "path:line") -> number of redirected calls; paths are shortened to start at the package name.
 redirected_sites: collections.Counter[tuple[str, str]] = collections.Counter()
 
@@ -79,6 +80,7 @@ def uninstall() -> None:
             owner_name, attr = key.split(":")
             setattr(_OWNERS[owner_name], attr, original)
         _originals.clear()
+        _replacements.clear()
         _installed = False
 
 
@@ -155,7 +157,29 @@ def _built_on_cpu(rotary_class: type) -> type:
 def _patch(owner, attr: str, replacement) -> None:
     owner_name = {id(v): k for k, v in _OWNERS.items()}[id(owner)]
     _originals[f"{owner_name}:{attr}"] = getattr(owner, attr)
+    _replacements[f"{owner_name}:{attr}"] = replacement
     setattr(owner, attr, replacement)
+
+
+def reapply() -> list[str]:
+    """Put back the redirections something replaced since `install()`; returns what was put back. DeepSpeed's
+    zero.Init swaps torch's tensor factories for its own while it builds and, at exit, restores the ones it found
+    when DeepSpeed was IMPORTED: in a process that imported DeepSpeed before the CPU backend was installed (a
+    user's script, a test session) those are torch's own, and every later `torch.empty(device=0)` of megatron's
+    would ask for a GPU. Ranks install first and import DeepSpeed after; toolkit/adapters/zero3.py calls this
+    after each zero.Init."""
+    restored = []
+    with _lock:
+        if not _installed:
+            return restored
+        for key, replacement in _replacements.items():
+            owner_name, attr = key.split(":")
+            current = getattr(_OWNERS[owner_name], attr)
+            if current is not replacement:
+                _originals[key] = current
+                setattr(_OWNERS[owner_name], attr, replacement)
+                restored.append(key)
+    return restored
 
 
 def _is_cuda_device(device) -> bool:

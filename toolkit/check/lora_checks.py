@@ -79,28 +79,35 @@ def check_lora(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     elif settings is not None:
         from toolkit.train.lora.export import init_adapter_problems
 
-        problems += [p for p in init_adapter_problems(spec=spec, settings=settings) if p.severity == "error"]
+        problems += [p for p in init_adapter_problems(spec=spec, settings=settings) if p.severity != "info"]
     return problems
 
 
 def rank_problems(*, settings, modules, rank: int) -> list[Problem]:
     """A rank above a targeted linear's smaller side (min(out, in)) adds parameters and no capacity: B A cannot
-    have a higher rank than that side."""
+    have a higher rank than that side. An error, but for the router [E, h] (a warning): dsmt trains one rank for
+    every module, and E (8 for Mixtral) would cap the rank of all of them."""
     from toolkit.train.lora.targets import module_shape
 
     small = {}
     for module in modules:
         out_features, in_features = module_shape(settings, module)
         if rank > min(out_features, in_features):
-            small[module.name] = (out_features, in_features)
-    if not small:
-        return []
-    listed = ", ".join(f"{name} [{out} x {inp}]" for name, (out, inp) in small.items())
-    smallest = min(min(shape) for shape in small.values())
-    return [Problem("error", "lora_rank_too_large", f"training.lora.rank={rank} is larger than the smaller side of "
-                    f"{listed}: the product B A of such a linear cannot have a rank above that side",
-                    f"set training.lora.rank to at most {smallest}, or leave {', '.join(small)} out of "
-                    "training.lora.targets")]
+            small[module.name] = (out_features, in_features, module.router)
+    problems = []
+    for router in (False, True):
+        chosen = {name: shape[:2] for name, shape in small.items() if shape[2] == router}
+        if not chosen:
+            continue
+        listed = ", ".join(f"{name} [{out} x {inp}]" for name, (out, inp) in chosen.items())
+        smallest = min(min(shape) for shape in chosen.values())
+        problems.append(Problem(
+            "warning" if router else "error", "lora_rank_too_large", f"training.lora.rank={rank} is larger than the "
+            f"smaller side of {listed}: the product B A of such a linear cannot have a rank above that side",
+            f"set training.lora.rank to at most {smallest}, or leave {', '.join(chosen)} out of "
+            "training.lora.targets" + (" (the router's adapter trains; the extra rank adds nothing)" if router
+                                       else "")))
+    return problems
 
 
 def expert_dropout_problems(*, modules, dropout: float) -> list[Problem]:

@@ -117,7 +117,7 @@ def side_files(source_dir: Path) -> list[str]:
         path = source_dir / name
         if not path.is_file():  # follows links: absent, dangling, a folder, a FIFO or a device is not copied
             continue
-        if path.resolve().is_relative_to(root) or _in_hub_blobs(path.resolve()):
+        if path.resolve().is_relative_to(root) or in_hub_blobs(path.resolve()):
             names.append(name)
         else:
             outside.append(f"{path} -> {path.resolve()}")
@@ -140,7 +140,7 @@ def checkpoint_root(source_dir: Path) -> Path:
     return resolved
 
 
-def _in_hub_blobs(target: Path) -> bool:
+def in_hub_blobs(target: Path) -> bool:
     """A file of a Hugging Face hub cache's blob store (`models--org--name/blobs/<hash>`): what a snapshot's links
     and, before huggingface_hub 0.23, `--local-dir` downloads' links point at."""
     return target.parent.name == "blobs" and target.parent.parent.name.startswith("models--")

@@ -17,7 +17,6 @@ a byte is written, and OUT appears only when complete (checkpoint.atomic_output_
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import shutil
@@ -29,25 +28,15 @@ import torch
 
 from toolkit.adapters.peft_names import EXPERT_PARAMETERS, PEFT_PREFIX, expert_peft_key, split_expert_factors
 from toolkit.convert import checkpoint as ckpt
+from toolkit.convert.peft_adapter import MergeLoraError, read_adapter, read_json
 from toolkit.convert.progress import peak_rss_bytes
 from toolkit.convert.raw_io import OpenFiles, pread_into, safetensors_entries, write_tensor_files
-from toolkit.errors import DsmtError
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Weight files of other formats beside the safetensors (stale once the safetensors are merged): not copied.
 _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".bin.index.json")
-# adapter_config options under which the adapter is not a plain additive B @ A (or is relative to another base).
-_REFUSED_OPTIONS = ("use_dora", "lora_bias", "layer_replication", "trainable_token_indices", "alora_invocation_tokens",
-                    "arrow_config", "kasa_config", "velora_config", "monteclora_config", "use_bdlora", "use_qalora")
-# init_lora_weights that change the base weights too: the adapter is relative to that changed base.
-_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 _EXPERT_ROWS = {"gate_up_proj": "decoder.layers.*.mlp.experts.*.linear_fc1.weight",
                 "down_proj": "decoder.layers.*.mlp.experts.*.linear_fc2.weight"}
-
-
-class MergeLoraError(DsmtError):
-    """An adapter that cannot be merged into the base checkpoint as asked."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +83,10 @@ def merge_lora(*, base_dir: Path, adapter_dir: Path, out_dir: Path, overwrite: b
     config, adapter = read_adapter(adapter_dir)
     shards = base_shards(base_dir)
     where = {name: (shard, entry) for shard in shards for name, entry in safetensors_entries(shard).items()}
-    base_config = _read_json(base_dir / "config.json")
+    base_config = read_json(base_dir / "config.json")
     plan = plan_merge(config=config, adapter=adapter, shapes={n: e[1] for n, (_, e) in where.items()},
                       base_config=base_config)
+    plan.problems += base_problems(base_dir=base_dir, out_dir=out_dir, base_config=base_config)
     side = side_file_names(base_dir, problems=plan.problems)
     if plan.problems:
         raise MergeLoraError(_problem_text(plan.problems, config=config, base_dir=base_dir, adapter_dir=adapter_dir))
@@ -113,40 +103,19 @@ def merge_lora(*, base_dir: Path, adapter_dir: Path, out_dir: Path, overwrite: b
                         time.perf_counter() - start, peak_rss_bytes())
 
 
-def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """adapter_config.json and every tensor of adapter_model.safetensors; refuses missing files and PEFT options
-    whose adapter is not a plain LoRA delta, all in one error."""
-    from safetensors.torch import load_file
-
-    missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (adapter_dir / name).is_file()]
-    if missing:
-        hint = (" (it has adapter_model.bin: re-save the adapter with save_pretrained(..., safe_serialization=True))"
-                if (adapter_dir / "adapter_model.bin").is_file() else "")
-        raise MergeLoraError(f"adapter directory {adapter_dir} lacks {', '.join(missing)}{hint}; a PEFT adapter "
-                             "saved by PeftModel.save_pretrained has adapter_config.json and adapter_model.safetensors")
-    config = _read_json(adapter_dir / ADAPTER_CONFIG)
-    problems = option_problems(config)
-    if problems:
-        raise MergeLoraError(f"adapter {adapter_dir} cannot be merged:\n  " + "\n  ".join(problems))
-    return config, load_file(str(adapter_dir / ADAPTER_WEIGHTS))
-
-
-def option_problems(config: dict) -> list[str]:
-    """The adapter_config settings merge-lora refuses, each by name and value."""
+def base_problems(*, base_dir: Path, out_dir: Path, base_config: dict) -> list[str]:
+    """A quantized base (its deltas would be added to the codes, not to the dequantised weights), and an OUT that
+    is BASE or holds it (`--overwrite` would remove the base)."""
     problems = []
-    if config.get("peft_type") != "LORA":
-        problems.append(f"peft_type={config.get('peft_type')!r}: merge-lora merges LoRA adapters (peft_type LORA) only")
-    if config.get("bias", "none") != "none":
-        problems.append(f"bias={config['bias']!r}: trained biases are not merged; train with bias='none'")
-    for option in _REFUSED_OPTIONS:
-        if config.get(option):
-            problems.append(f"{option}={config[option]!r}: not a plain additive LoRA delta; merge-lora supports "
-                            f"{option} unset, or merge with peft's own merge_and_unload()")
-    init = config.get("init_lora_weights")
-    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
-        problems.append(f"init_lora_weights={init!r} changes the base weights too, so this adapter is relative to "
-                        "that changed base; re-save it with save_pretrained(..., "
-                        "path_initial_model_for_weight_conversion=...) to make it relative to the original base")
+    quantization = base_config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        problems.append(f"base {base_dir} is quantized (quantization_config: quant_method {method!r}): a LoRA delta "
+                        "cannot be added to quantized codes; dequantize it first (`dsmt convert hf-to-mcore "
+                        "--dequantize-fp8` / `--dequantize-mxfp4`, then `dsmt convert mcore-to-hf`) and merge into "
+                        "that bf16 checkpoint")
+    if base_dir.resolve().is_relative_to(out_dir.resolve()):
+        problems.append(f"OUT {out_dir} is the base checkpoint or a folder above it; write the merged model elsewhere")
     return problems
 
 
@@ -156,7 +125,7 @@ def base_shards(base_dir: Path) -> list[Path]:
         raise MergeLoraError(f"base checkpoint {base_dir} has no config.json; BASE must be an HF checkpoint folder "
                              "(save_pretrained writes config.json and model*.safetensors)")
     if (base_dir / INDEX_FILE).is_file():
-        names = sorted(set(_read_json(base_dir / INDEX_FILE).get("weight_map", {}).values()))
+        names = sorted(set(read_json(base_dir / INDEX_FILE).get("weight_map", {}).values()))
         missing = [name for name in names if not (base_dir / name).is_file()]
         if missing or not names:
             raise MergeLoraError(f"{base_dir / INDEX_FILE} names shards that are not in {base_dir}: {missing}; "
@@ -177,7 +146,7 @@ def side_file_names(base_dir: Path, *, problems: list[str]) -> list[str]:
     for path in sorted(base_dir.iterdir()):
         if not path.is_file() or path.name.endswith((".safetensors", *_OTHER_WEIGHTS)):
             continue
-        if not path.resolve().is_relative_to(root):
+        if not path.resolve().is_relative_to(root) and not ckpt.in_hub_blobs(path.resolve()):
             problems.append(f"{path} links outside the checkpoint ({path.resolve()}); replace the link with the "
                             "file it should be, or remove it")
         names.append(path.name)
@@ -202,10 +171,15 @@ def plan_merge(*, config: dict, adapter: dict[str, torch.Tensor], shapes: dict[s
     experts: dict[str, dict] = {}
     for module, pair in pairs.items():
         unwrapped = module.replace(".base_layer", "")
+        on_disk = _router_on_disk(unwrapped, base_config=base_config)
         if len(pair) != 2:
             plan.problems.append(f"adapter module {module} has only {sorted(pair)}; lora_A and lora_B come in pairs")
-        elif f"{unwrapped}.weight" in shapes:
-            _plan_linear(unwrapped, pair, plan=plan, shapes=shapes, config=config)
+        elif f"{on_disk}.weight" in shapes:
+            # PEFT keys rank_pattern / alpha_pattern of a target parameter (the router) by its parameter's name
+            targets = config.get("target_parameters") or []
+            parameter = any(f"{unwrapped}.weight".endswith(target) for target in targets)
+            _plan_linear(on_disk, pair, plan=plan, shapes=shapes, config=config,
+                         pattern_key=f"{unwrapped}.weight" if parameter else unwrapped)
         else:
             experts.setdefault(unwrapped, {})[PEFT_PREFIX + module] = pair
     for module, wrapped in experts.items():
@@ -233,9 +207,28 @@ def _plan_replacement(key: str, tensor: torch.Tensor, *, plan: MergePlan, shapes
         plan.replacements[name] = tensor
 
 
-def _plan_linear(module: str, pair: dict, *, plan: MergePlan, shapes: dict, config: dict) -> None:
+def _router_on_disk(module: str, *, base_config: dict) -> str:
+    """The checkpoint's own name of a module PEFT names by transformers 5's in-memory path: the router of a family
+    whose checkpoints keep another name for it (Mixtral: model.layers.N.mlp.gate is block_sparse_moe.gate on
+    disk), through the family table's router row; any other module as it is."""
+    from toolkit.adapters.family import get_family, supported_model_types
+
+    model_type = base_config.get("model_type")
+    family = get_family(model_type) if model_type in supported_model_types() else None
+    if family is None or family.peft_experts is None:
+        return module
+    router = re.escape(family.peft_experts.rsplit(".", 1)[0] + ".gate").replace(r"\*", r"(\d+)")
+    match = re.fullmatch(router, module)
+    row = next((row for row in family.weights if row.megatron == "decoder.layers.*.mlp.router.weight"), None)
+    if match is None or row is None:
+        return module
+    return row.for_layer(int(match[1]))[1][0].removesuffix(".weight")
+
+
+def _plan_linear(module: str, pair: dict, *, plan: MergePlan, shapes: dict, config: dict,
+                 pattern_key: str | None = None) -> None:
     lora_a, lora_b = pair["lora_A"], pair["lora_B"]
-    rank, scaling = _rank_and_scaling(config, key=module)
+    rank, scaling = _rank_and_scaling(config, key=pattern_key or module)
     transposed = bool(config.get("fan_in_fan_out"))
     base_shape = tuple(shapes[f"{module}.weight"])
     delta_shape = (lora_b.shape[0], lora_a.shape[-1])
@@ -377,10 +370,3 @@ def _problem_text(problems: list[str], *, config: dict, base_dir: Path, adapter_
     if made_for and Path(made_for).resolve() != base_dir.resolve():
         text += f"\nthe adapter was made for base_model_name_or_path={made_for!r}"
     return text + "\nfix: pass the base checkpoint the adapter was trained on (and any other fix named above)"
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MergeLoraError(f"{path} is not readable JSON ({err})") from err

@@ -13,6 +13,7 @@ targeted projection of its layers:
   shared experts shared_gate, shared_up, shared_down at shared_expert_ffn_hidden_size: every MoE layer
   routed experts expert_gate_up [2f, h] (one adapter on the packed gate and up rows) and expert_down [h, f] per expert:
                  every MoE layer, E / ep experts per GPU (the EP rank's own; whole on every expert-TP rank)
+  router         router [E, h] when a target names it (never by default): every MoE layer, whole on every GPU
 ZeRO partitions the adapters' states as it does the base weights' (toolkit/plan/experts.py): the routed experts'
 over expert_dp = dp × cp / ep, the rest over dp × cp (memory.py `lora_model_states`).
 
@@ -37,9 +38,10 @@ MLA = ("q_a", "q_b", "kv_a", "kv_b")  # with q (no q latent) and o
 DENSE_MLP = ("gate", "up", "down")
 SHARED_EXPERTS = ("shared_gate", "shared_up", "shared_down")
 ROUTED_EXPERTS = ("expert_gate_up", "expert_down")  # per expert
-PROJECTIONS = ATTENTION[:3] + MLA + ATTENTION[3:] + DENSE_MLP + SHARED_EXPERTS + ROUTED_EXPERTS  # layer order
+ROUTER = ("router",)
+PROJECTIONS = ATTENTION[:3] + MLA + ATTENTION[3:] + DENSE_MLP + SHARED_EXPERTS + ROUTER + ROUTED_EXPERTS  # layer order
 LAYERS = {**dict.fromkeys(ATTENTION + MLA, "all"), **dict.fromkeys(DENSE_MLP, "dense"),
-          **dict.fromkeys(SHARED_EXPERTS + ROUTED_EXPERTS, "moe")}
+          **dict.fromkeys(SHARED_EXPERTS + ROUTER + ROUTED_EXPERTS, "moe")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +106,8 @@ def projection_sizes(shape: ModelShape) -> dict[str, tuple[int, int]]:
         sizes |= _mlp_sizes(shape, shape.shared_expert_ffn_hidden_size, SHARED_EXPERTS)
     if shape.is_moe:
         f = shape.moe_ffn_hidden_size
-        sizes |= {"expert_gate_up": (shape.hidden_size, f * (2 if shape.gated_mlp else 1)),
+        sizes |= {"router": (shape.hidden_size, shape.num_experts),
+                  "expert_gate_up": (shape.hidden_size, f * (2 if shape.gated_mlp else 1)),
                   "expert_down": (f, shape.hidden_size)}
     return sizes
 
@@ -154,7 +157,7 @@ def default_projections(shape: ModelShape, *, mlp_names_redirected: bool = False
     Mixtral), so that dsmt withholds them. A shape without a family (a built-in name) is planned with every
     projection it has: the larger count, by the shared experts' and dense layers' adapters where dsmt would
     withhold them."""
-    withheld = set(DENSE_MLP + SHARED_EXPERTS) if mlp_names_redirected and shape.is_moe else set()
+    withheld = set(ROUTER) | (set(DENSE_MLP + SHARED_EXPERTS) if mlp_names_redirected and shape.is_moe else set())
     return frozenset(name for name in projection_sizes(shape) if name not in withheld)
 
 
@@ -165,7 +168,7 @@ _ONE = {"self_attention.linear_proj": "o", "self_attention.linear_q_proj": "q",
         "self_attention.linear_q_down_proj": "q_a", "self_attention.linear_q_up_proj": "q_b",
         "self_attention.linear_kv_down_proj": "kv_a", "self_attention.linear_kv_up_proj": "kv_b",
         "mlp.linear_fc2": "down", "mlp.shared_experts.linear_fc2": "shared_down",
-        "mlp.experts.linear_fc1": "expert_gate_up", "mlp.experts.linear_fc2": "expert_down"}
+        "mlp.experts.linear_fc1": "expert_gate_up", "mlp.experts.linear_fc2": "expert_down", "mlp.router": "router"}
 
 
 def projections_of(*, linear: str, kind: str, slot: int) -> tuple[str, ...]:

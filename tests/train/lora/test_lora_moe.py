@@ -55,6 +55,18 @@ def test_targets_peft_would_misread_or_dsmt_does_not_adapt_are_refused_by_name()
             resolve_targets(get_family(model_type), None)
 
 
+def test_the_names_peft_redirects_are_read_from_peft_as_checked():
+    """What dsmt withholds follows peft's conversion tables (peft pinned to 0.21 in pyproject.toml): if a peft
+    release changes them (e.g. converts qwen2_moe too), this fails and the withheld targets need a new look."""
+    from toolkit.adapters.peft_names import peft_redirected_names
+
+    mlp, gate = {"gate_proj", "up_proj", "down_proj"}, {"gate"}
+    for model_type in ("qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next"):
+        assert peft_redirected_names(model_type) == mlp | gate, model_type
+    assert peft_redirected_names("mixtral") == {"w1", "w2", "w3"} | gate
+    assert peft_redirected_names("qwen2_moe") == set() and peft_redirected_names("llama") == set()
+
+
 def test_expert_adapters_refuse_dropout_as_peft_does():
     from toolkit.train.lora.apply import require_no_expert_dropout
 
@@ -138,3 +150,11 @@ def test_check_refuses_rank_dropout_and_an_adapter_of_another_base(tmp_path):
     assert "lora_init_adapter" in report.rules("error"), text
     assert "model.layers.0.mlp.experts.base_layer.lora_B.weight has shape (128, 16), expected (192, 16)" in text
     assert f"base_model_name_or_path: {other}" in text
+    # the same shapes, made for another path (a copy): it fits, and the other base is named
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "copy")
+    same = _peft_adapter(tmp_path / "copy", tmp_path / "same")
+    _, report = check_file(_check_spec(tmp_path, model={"path": str(model_dir)},
+                                       lora={"rank": 4, "alpha": 8.0, "init_adapter": str(same)}))
+    assert not report.rules("error") and "lora_init_adapter_base" in report.rules("warning"), report.to_text()

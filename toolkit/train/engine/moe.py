@@ -65,6 +65,10 @@ def register_expert_groups(chunks: list) -> str | None:
                 param.group_name = name
                 tagged.append(param)
     if not tagged:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        if not any(isinstance(module, MoELayer) for chunk in chunks for module in chunk.modules()):
+            return None  # a pipeline stage of dense layers only (DeepSeek's first layers): no experts here
         raise DsmtError(f"ep={ep_size} but no parameter is marked as an expert (allreduce=False): this megatron-core "
                         "release marks experts differently; dsmt supports megatron-core 0.16")
     # LoRA without the experts targeted: every expert frozen, nothing for DeepSpeed's expert reduction (which

@@ -263,20 +263,27 @@ def export_trained(*, hybrid, info, precision: str, lora, mcore_dir: Path, hf_di
     collective timeout a long export could outlast, and a failure on rank 0 raises on every rank. Tensors the model
     does not load (`ModelSettings.passthrough_hf`) are copied unchanged from the run's source into both. With LoRA, the
     merge and the PEFT adapter (`adapter_dir`) also read the gathered CPU copies (base weights and adapters are
-    partitioned at ZeRO-3). Both output directories are replaced."""
+    partitioned at ZeRO-3); `lora.export` says which of the merged model and the adapter are written. What is
+    written replaces its directory; what is not is removed (an earlier export of the run)."""
     import contextlib
+    import shutil
 
     from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
     from toolkit.convert.passthrough import keep_source_passthrough
     from toolkit.launch.rank0 import on_rank0
     from toolkit.convert.chunks import save_mcore_checkpoint
+    from toolkit.train.lora.adapters import adapted_linears
     from toolkit.train.lora.export import gather_peft_adapter, merged_lora, write_peft_adapter
     from toolkit.adapters.zero3 import params_on_cpu
 
     merged = lora is None or lora.export != "adapter"  # training.lora.export: adapter | merged | both
     with_adapter = lora is not None and lora.export != "merged"
     adapter = None
-    with params_on_cpu(hybrid.engine.module):
+    # the adapter alone reads only the adapters: at ZeRO-3 the frozen base stays partitioned (a whole CPU copy of a
+    # 30B MoE per rank is what export: adapter avoids)
+    gathered = hybrid.engine.module if merged else torch.nn.ModuleList(
+        module.lora for _, _, module in adapted_linears(hybrid.chunks))
+    with params_on_cpu(gathered):
         if merged:  # LoRA: the exports get W + scaling * B A (merged into copies: the engine keeps the adapters)
             with merged_lora(hybrid.chunks) if lora is not None else contextlib.nullcontext():
                 save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
@@ -285,6 +292,9 @@ def export_trained(*, hybrid, info, precision: str, lora, mcore_dir: Path, hf_di
             adapter = gather_peft_adapter(hybrid.chunks, settings=info.settings, lora=lora)
 
     def export(progress) -> str:
+        # an earlier export of this run that this one does not write would stand beside it as if it were current
+        for stale in ([] if merged else [hf_dir, mcore_dir]) + ([] if with_adapter or lora is None else [adapter_dir]):
+            shutil.rmtree(stale, ignore_errors=True)
         line = ""
         if merged:
             # Tensors the model does not load (multi-token prediction) go out as the run's source had them.

@@ -271,8 +271,9 @@ def trained_embeddings(*, settings, hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def init_adapter_problems(*, spec, settings) -> list:
-    """For `dsmt train --dry-run`: training.lora.init_adapter read and compared with the run's targets and shapes,
-    as every rank will at start-up (`dsmt check` only sees that the directory exists)."""
+    """For `dsmt check` and `dsmt train --dry-run`: training.lora.init_adapter read and compared with the run's
+    targets and shapes, as every rank will at start-up; a warning when it names another base model than the run's
+    (shapes decide: a moved or re-downloaded checkpoint keeps its adapters)."""
     from toolkit.errors import Problem
 
     lora = spec.training.lora
@@ -284,6 +285,13 @@ def init_adapter_problems(*, spec, settings) -> list:
     except LoraError as err:
         return [Problem("error", "lora_init_adapter", str(err), "train a fresh adapter (unset init_adapter), or "
                         "set training.lora to the adapter's rank, alpha and targets")]
-    return [Problem("info", "lora_init_adapter", f"training.lora.init_adapter={lora.init_adapter} fits the model "
-                    f"(rank {lora.rank})")]
-
+    problems = [Problem("info", "lora_init_adapter", f"training.lora.init_adapter={lora.init_adapter} fits the "
+                        f"model (rank {lora.rank})")]
+    made_for = json.loads((Path(lora.init_adapter).expanduser() / CONFIG_FILE).read_text()).get("base_model_name_or_path")
+    model = spec.model.path
+    if made_for and model and Path(made_for).expanduser().resolve() != Path(model).expanduser().resolve():
+        problems.append(Problem("warning", "lora_init_adapter_base", f"training.lora.init_adapter="
+                                f"{lora.init_adapter} was made for base_model_name_or_path={made_for}, this run's "
+                                f"model.path is {model}; every tensor's shape fits",
+                                "check that model.path is the checkpoint the adapter was trained on"))
+    return problems
