@@ -42,38 +42,55 @@ def expert_group_name(ep_size: int) -> str:
 
 def register_expert_groups(chunks: list) -> str | None:
     """Give DeepSpeed megatron's EP and expert-DP groups and tag every expert parameter with their name; returns
-    the name (None at ep = 1, where nothing needs registering, and when no expert parameter trains)."""
+    the name (None at ep = 1, where nothing needs registering, and when no expert parameter trains). Collective at
+    ep > 1: the ranks agree that experts train everywhere or nowhere (`_agree_on_experts`)."""
     import torch.distributed as dist
     from deepspeed.moe.utils import is_moe_param
     from deepspeed.utils import groups
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     if ep_size == 1:
         return None
     name = expert_group_name(ep_size)
+    tagged = [param for chunk in chunks for param in chunk.parameters() if is_moe_param(param)]
+    if not tagged and any(isinstance(module, MoELayer) for chunk in chunks for module in chunk.modules()):
+        raise DsmtError(f"ep={ep_size} but no parameter is marked as an expert (allreduce=False): this megatron-core "
+                        "release marks experts differently; dsmt supports megatron-core 0.16")
+    # LoRA without the experts targeted: every expert frozen, nothing for DeepSpeed's expert reduction (which
+    # asserts that some optimizer group holds experts); the trained parameters are all dense
+    trains = any(param.requires_grad for param in tagged)
+    _agree_on_experts(trains, ep_size=ep_size)
+    if not trains:
+        return None
     expert_group = parallel_state.get_expert_model_parallel_group()
     expert_dp_group = parallel_state.get_expert_data_parallel_group()
     groups._EXPERT_PARALLEL_GROUP[name] = expert_group
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(expert_group)
     groups._EXPERT_DATA_PARALLEL_GROUP[name] = expert_dp_group
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(expert_dp_group)
-    tagged = []
-    for chunk in chunks:
-        for param in chunk.parameters():
-            if is_moe_param(param):
-                param.group_name = name
-                tagged.append(param)
-    if not tagged:
-        from megatron.core.transformer.moe.moe_layer import MoELayer
+    for param in tagged:
+        param.group_name = name
+    return name
 
-        if not any(isinstance(module, MoELayer) for chunk in chunks for module in chunk.modules()):
-            return None  # a pipeline stage of dense layers only (DeepSeek's first layers): no experts here
-        raise DsmtError(f"ep={ep_size} but no parameter is marked as an expert (allreduce=False): this megatron-core "
-                        "release marks experts differently; dsmt supports megatron-core 0.16")
-    # LoRA without the experts targeted: every expert frozen, nothing for DeepSpeed's expert reduction (which
-    # asserts that some optimizer group holds experts); the trained parameters are all dense
-    return name if any(param.requires_grad for param in tagged) else None
+
+def _agree_on_experts(trains: bool, *, ep_size: int) -> None:
+    """Raise on every rank when experts train on some ranks and not on others: a pipeline stage of dense layers
+    only (DeepSeek's first_k_dense_replace, Qwen2-MoE's mlp_only_layers, at a large pp). DeepSpeed's optimizer then
+    runs one more model-parallel all-reduce (the experts' gradient norm) on the stages with experts than on the
+    others, and the ranks wait on each other for ever."""
+    import torch.distributed as dist
+
+    from toolkit import backend as backends
+
+    counts = torch.tensor([int(trains), int(not trains)], device=backends.current().device)
+    dist.all_reduce(counts)
+    with_experts, without = (int(count) for count in counts.tolist())
+    if with_experts and without:
+        raise DsmtError(f"parallel.ep={ep_size}: experts train on {with_experts} rank(s) and not on {without} (a "
+                        "pipeline stage of dense layers only holds none): DeepSpeed's expert reduction must run on "
+                        "every stage alike. Fix: a parallel.pp whose every stage holds an MoE layer, or parallel.ep=1")
 
 
 @contextlib.contextmanager
