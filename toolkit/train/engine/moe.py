@@ -58,12 +58,8 @@ def register_expert_groups(chunks: list) -> str | None:
     if not tagged and any(isinstance(module, MoELayer) for chunk in chunks for module in chunk.modules()):
         raise DsmtError(f"ep={ep_size} but no parameter is marked as an expert (allreduce=False): this megatron-core "
                         "release marks experts differently; dsmt supports megatron-core 0.16")
-    # LoRA without the experts targeted: every expert frozen, nothing for DeepSpeed's expert reduction (which
-    # asserts that some optimizer group holds experts); the trained parameters are all dense
-    trains = any(param.requires_grad for param in tagged)
-    _agree_on_experts(trains, ep_size=ep_size)
-    if not trains:
-        return None
+    # Registered and tagged even when no expert trains: DeepSpeed broadcasts every expert parameter (frozen ones
+    # too) over its expert group when it builds the engine
     expert_group = parallel_state.get_expert_model_parallel_group()
     expert_dp_group = parallel_state.get_expert_data_parallel_group()
     groups._EXPERT_PARALLEL_GROUP[name] = expert_group
@@ -72,7 +68,11 @@ def register_expert_groups(chunks: list) -> str | None:
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(expert_dp_group)
     for param in tagged:
         param.group_name = name
-    return name
+    # LoRA without the experts targeted: every expert frozen, nothing for DeepSpeed's expert reduction (which
+    # asserts that some optimizer group holds experts); the trained parameters are all dense
+    trains = any(param.requires_grad for param in tagged)
+    _agree_on_experts(trains, ep_size=ep_size)
+    return name if trains else None
 
 
 def _agree_on_experts(trains: bool, *, ep_size: int) -> None:
