@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 PEFT_PREFIX = "base_model.model."
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"  # PeftModel.save_pretrained's
 # A transformers-5 fused experts module's adaptable parameters, in the module's own order (PEFT's nesting order).
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 

@@ -10,7 +10,8 @@ import torch
 
 from toolkit.errors import DsmtError
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+from toolkit.adapters.peft_names import CONFIG_FILE as ADAPTER_CONFIG
+from toolkit.adapters.peft_names import WEIGHTS_FILE as ADAPTER_WEIGHTS
 # adapter_config options under which the adapter is not a plain additive B @ A (or is relative to another base).
 _REFUSED_OPTIONS = ("use_dora", "lora_bias", "layer_replication", "trainable_token_indices", "alora_invocation_tokens",
                     "arrow_config", "kasa_config", "velora_config", "monteclora_config", "use_bdlora", "use_qalora")

@@ -9,7 +9,7 @@ import torch
 
 from toolkit.adapters import transforms
 from toolkit.train.lora.adapters import LoraAdapter, attach, init_peft, layer_linears
-from toolkit.train.lora.export import read_init_adapter
+from toolkit.train.lora.export import expert_path, read_init_adapter
 from toolkit.train.lora.targets import LINEARS, LoraError, linear_shape, module_shape, resolve_targets
 
 
@@ -113,11 +113,12 @@ def _adapt_layer(layer, config, *, modules, settings, lora, seed, initial, group
 def _initialise(adapter: LoraAdapter, *, initial: dict | None, seed: int) -> None:
     """From the init adapter (per expert for an expert's: `read_init_adapter` splits PEFT's fused pair), or as
     PEFT initialises (A by a generator seeded by the run seed and the module, and the expert)."""
-    suffix = "" if adapter.expert is None else f"[{adapter.expert}]"
     for slot, path in adapter.hf_paths.items():
+        if adapter.expert is not None:  # the name the init generator is seeded with: the expert's own
+            path = expert_path(path, adapter.expert)
         if initial is not None:
             with torch.no_grad():
-                adapter.lora_A[str(slot)].copy_(initial[f"{path}{suffix}.lora_A"])
-                adapter.lora_B[str(slot)].copy_(initial[f"{path}{suffix}.lora_B"])
+                adapter.lora_A[str(slot)].copy_(initial[f"{path}.lora_A"])
+                adapter.lora_B[str(slot)].copy_(initial[f"{path}.lora_B"])
         else:
-            init_peft(adapter.lora_A[str(slot)], seed=seed, hf_path=path + suffix)
+            init_peft(adapter.lora_A[str(slot)], seed=seed, hf_path=path)

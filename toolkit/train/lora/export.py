@@ -21,11 +21,18 @@ from pathlib import Path
 import torch
 
 from toolkit.adapters.load import full_shape
-from toolkit.adapters.peft_names import PEFT_PREFIX, expert_peft_key, join_expert_factors, peft_key, split_expert_factors
+from toolkit.adapters.peft_names import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, expert_peft_key, join_expert_factors,
+                                        peft_key, split_expert_factors)
 from toolkit.train.lora.adapters import adapted_linears, attach, detach
 from toolkit.train.lora.targets import LoraError, layers_with, module_shape, resolve_targets
 
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+def expert_path(path: str, expert: int) -> str:
+    """dsmt's own name of one routed expert's slice of a fused parameter ('<fused parameter path>[e]', its A and B
+    under '.lora_A' / '.lora_B'): how PEFT's fused pairs are split for the init adapter, and how the export gathers
+    them before joining them back."""
+    return f"{path}[{expert}]"
 
 
 def expected_adapter(*, settings, modules, rank: int) -> dict[str, tuple[tuple[int, int], str, bool]]:
@@ -117,7 +124,8 @@ def _split_experts(tensors: dict, *, expected: dict, num_experts: int) -> dict[s
     for path, pair in pairs.items():
         factors = split_expert_factors(pair["lora_A"], pair["lora_B"], num_experts=num_experts)
         for expert, (a, b) in enumerate(factors):
-            found[f"{path}[{expert}].lora_A"], found[f"{path}[{expert}].lora_B"] = a.clone(), b.clone()
+            found[f"{expert_path(path, expert)}.lora_A"] = a.clone()
+            found[f"{expert_path(path, expert)}.lora_B"] = b.clone()
     return found
 
 
@@ -160,7 +168,8 @@ def local_adapter_state(chunks: list, *, dense: bool = True, experts: bool = Tru
         require_whole(adapter, what="LoRA adapter export")
         for slot, path in adapter.hf_paths.items():
             for matrix, params in (("lora_A", adapter.lora_A), ("lora_B", adapter.lora_B)):
-                key = peft_key(path, matrix) if adapter.expert is None else f"{path}[{adapter.expert}].{matrix}"
+                key = (peft_key(path, matrix) if adapter.expert is None
+                       else f"{expert_path(path, adapter.expert)}.{matrix}")
                 state[key] = params[str(slot)].detach().to("cpu", copy=True)
     return state
 
@@ -171,7 +180,7 @@ def join_experts(state: dict, *, settings, modules, rank: int) -> dict[str, torc
     for key, (_, name, expert) in expected_adapter(settings=settings, modules=modules, rank=rank).items():
         if expert and name.endswith(".lora_A"):
             path = name.removesuffix(".lora_A")
-            factors = [(state[f"{path}[{e}].lora_A"], state[f"{path}[{e}].lora_B"])
+            factors = [(state[f"{expert_path(path, e)}.lora_A"], state[f"{expert_path(path, e)}.lora_B"])
                        for e in range(settings.num_experts)]
             joined[key], joined[key.replace(".lora_A.", ".lora_B.")] = join_expert_factors(factors)
     return joined
