@@ -10,6 +10,9 @@ from toolkit.cli import main
 from toolkit.check.checks import check_file
 
 
+PREFERENCES = Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_preferences.jsonl"
+
+
 def _model(**changes):
     return {"config": {**TINY_CONFIG, **changes}}
 
@@ -106,6 +109,20 @@ CATALOGUE = {
                           "lora_init_adapter", "adapter_config.json"),
     "validation_both": (tiny_spec(data={"synthetic": False, "path": "t.jsonl", "validation_path": "v.jsonl",
                                         "validation_fraction": 0.1}), "validation_both", "exclusive"),
+    # preference tuning (toolkit/spec/preference.py, toolkit/check/preference_checks.py)
+    "dpo_beta": (tiny_spec(training={"method": "dpo", "dpo": {"beta": 0}}), "dpo_beta", "beta=0"),
+    "dpo_label_smoothing": (tiny_spec(training={"method": "dpo", "dpo": {"loss": "ipo", "label_smoothing": 0.1}}),
+                            "dpo_label_smoothing", "applies to the sigmoid loss only"),
+    "dpo_without_method": (tiny_spec(training={"dpo": {"beta": 0.2}}), "dpo_without_method", "training.method=sft"),
+    "dpo_data_type": (tiny_spec(training={"method": "dpo"}), "dpo_data_type", "data.synthetic=true"),
+    "preference_needs_dpo": (tiny_spec(data={"synthetic": False, "type": "preference", "path": str(PREFERENCES)}),
+                             "preference_needs_dpo", "training.method=sft"),
+    "dpo_context_parallel": (tiny_spec(training={"method": "dpo"}, parallel={"cp": 2},
+                                       data={"synthetic": False, "type": "preference", "path": str(PREFERENCES)}),
+                             "dpo_context_parallel", "parallel.cp=2"),
+    "dpo_reference": (tiny_spec(training={"method": "dpo", "dpo": {"reference": "/nonexistent/sft"}},
+                                data={"synthetic": False, "type": "preference", "path": str(PREFERENCES)}),
+                      "dpo_reference", "neither base, precomputed nor an HF checkpoint"),
 }
 
 
@@ -191,3 +208,19 @@ def test_sync_batchnorm_on_a_transformer_is_a_warning_naming_it(tmp_path):
     assert report.ok and report.rules("warning") >= {"sync_batchnorm_no_batchnorm"}
     path.write_text(json.dumps(tiny_spec()))
     assert "sync_batchnorm_no_batchnorm" not in check_file(path)[1].rules("warning")
+
+
+def test_a_dpo_reference_of_other_shapes_is_named_before_any_rank_starts(tmp_path, write_spec):
+    from toolkit.models.tiny import make_tiny_checkpoint
+
+    policy = make_tiny_checkpoint(tmp_path / "policy", model_type="llama", seed=1)
+    other = make_tiny_checkpoint(tmp_path / "other", model_type="llama", num_hidden_layers=2, seed=2)
+    data = {"synthetic": False, "type": "preference", "path": str(PREFERENCES)}
+    raw = tiny_spec(model={"config": None, "path": str(policy)}, data=data,
+                    training={"method": "dpo", "dpo": {"reference": str(other)}})
+    _, report = check_file(write_spec(raw))
+    [problem] = [p for p in report.errors if p.rule == "dpo_reference"]
+    assert "num_layers 2 (policy 4)" in problem.message or "num_layers 2 (policy" in problem.message, problem.message
+    raw["training"]["dpo"]["reference"] = str(policy)  # the policy's own checkpoint is a valid reference
+    _, report = check_file(write_spec(raw))
+    assert "dpo_reference" not in report.rules("error") and report.ok, report.to_text()

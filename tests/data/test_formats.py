@@ -12,7 +12,7 @@ from toolkit.data.formats import (ALPACA_PROMPT_NO_INPUT, ALPACA_PROMPT_WITH_INP
 from toolkit.errors import DsmtError
 
 DEFAULTS = RecordFields()
-TYPES = "text, completion, alpaca, sharegpt, messages"
+TYPES = "text, completion, alpaca, sharegpt, messages, preference"
 
 
 def _error(record, record_type, *, fields=DEFAULTS, index=0) -> RecordError:
@@ -154,7 +154,7 @@ def test_resolve_type_and_canonical_kind():
     assert resolve_type(type_="auto", text_field="text", messages_field="chat") == "messages"
     assert resolve_type(type_="sharegpt", messages_field="chat") == "sharegpt"
     assert [canonical_kind(t) for t in RECORD_TYPES] == ["text", "prompt_completion", "prompt_completion", "chat",
-                                                         "chat"]
+                                                         "chat", "preference"]
     with pytest.raises(DsmtError, match=r"record type 'chatml' is not one of text, completion, alpaca, sharegpt"):
         resolve_type(type_="chatml")
     with pytest.raises(DsmtError, match=r"record type 'auto' is not one of"):

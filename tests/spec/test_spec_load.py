@@ -69,9 +69,9 @@ def test_override_unknown_key_is_named(write_spec):
 
 
 def test_schema_rules_list_is_complete():
-    from toolkit.spec import data_schema, sections
+    from toolkit.spec import data_schema, preference, sections
 
-    source = "".join(Path(module.__file__).read_text() for module in (schema, data_schema, sections))
+    source = "".join(Path(module.__file__).read_text() for module in (schema, data_schema, preference, sections))
     raised = set(re.findall(r'PydanticCustomError\(\s*"(\w+)"', source))
     assert raised == set(schema.SCHEMA_RULES)
 

@@ -38,7 +38,7 @@ def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype:
         **{**settings.transformer_fields, **fusions},
         tensor_model_parallel_size=layout.tp,
         # Norm and residual activations split along the sequence over the TP ranks; the norms' gradients are then
-        # partial per rank and the engine sums them over TP (`toolkit.train.engine.hybrid.sum_sequence_parallel_grads`).
+        # partial per rank and the engine sums them over TP (`toolkit.train.engine.tp_grads.sum_sequence_parallel_grads`).
         sequence_parallel=layout.sp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,

@@ -23,6 +23,7 @@ from toolkit.check.model_checks import (check_model_adapter, check_model_family,
 from toolkit.spec.load import model_shape, read_spec, shape_problem, validate_spec
 from toolkit.check.lora_checks import check_lora, spec_lora_modules
 from toolkit.check.plain_checks import check_plain_model_data
+from toolkit.check.preference_checks import check_preference, encoder_dpo_problems, plain_dpo_problems
 from toolkit.spec.schema import JobSpec
 
 Check = Callable[..., list[Problem]]
@@ -146,6 +147,7 @@ def planner_inputs(spec: JobSpec):
     The assumptions carry the spec's precision (which DeepSpeed buffers exist), attention kernel and buffer sizes.
     A CPU spec has no GPU preset (gpu: cpu): its GpuSpec is None, the per-rank figures are still those of a GPU."""
     from toolkit.plan.assumptions import Assumptions
+    from toolkit.plan.dpo import dpo_shape_of
     from toolkit.plan.hardware import get_gpu
     from toolkit.plan.layout import PlanLayout, TrainingShape
 
@@ -154,7 +156,7 @@ def planner_inputs(spec: JobSpec):
                              micro_batch_size=layout.micro_batch_size, recompute=spec.training.recompute,
                              offload_optimizer=parallel.offload_optimizer)
     training = TrainingShape(seq_length=layout.seq_length, global_batch_size=layout.global_batch_size,
-                             lora=_lora_shape(spec))
+                             lora=_lora_shape(spec), dpo=dpo_shape_of(spec))
     device = spec.cluster.device
     attention = spec_attention(spec)
     assumptions = Assumptions.for_precision(
@@ -234,7 +236,7 @@ def check_encoder_model(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     model_type = spec_model_type(spec)
     if model_type not in supported_model_types() or not get_family(model_type).is_encoder:
         return []
-    problems = []
+    problems = encoder_dpo_problems(spec=spec, model_type=model_type)
     config = json.loads((Path(spec.model.path) / "config.json").read_text())
     try:
         get_family(model_type).head_for(config.get("architectures"))
@@ -307,7 +309,7 @@ CHECKS: tuple[Check, ...] = (
     check_layout, check_vocab_padding, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node,
     check_lengths_and_intervals, check_data, check_validation_data, check_builtin_tokenizer, check_memory_fit,
     check_encoder_model, check_sync_batchnorm, check_lora, check_packing, check_model_files, check_model_family,
-    check_model_adapter, check_wandb,
+    check_model_adapter, check_wandb, check_preference,
 )
 
 
@@ -323,6 +325,7 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
     problems += check_validation_data(spec=spec, shape=None)  # evaluated by PlainEngine.eval_step
     problems += check_wandb(spec=spec, shape=None)
     problems += check_plain_model_data(spec=spec, model_type=model_type)
+    problems += plain_dpo_problems(spec=spec, model_type=model_type)
     return problems
 
 

@@ -142,13 +142,25 @@ def formatted_record_problems(*, label: str, records, data: DataSpec, path: str,
 
     checked = check_records(records, record_type=record_type(data), fields=record_fields(data), source=source,
                             limit=RECORD_ERRORS_SHOWN)
+    readable = checked.num_records - checked.num_bad
+    identical = [identical_problem(label=label, path=path, num_pairs=readable)] if (
+        readable and checked.num_identical == readable) else []
     if not checked.errors:
-        return [Problem("info", "records", f"{label}: {checked.num_records} {record_type(data)} records in "
-                        f"{path}, all readable")]
+        return identical or [Problem("info", "records", f"{label}: {checked.num_records} {record_type(data)} records "
+                                     f"in {path}, all readable")]
     more = (f" ({checked.num_bad} bad records in all, the first {len(checked.errors)} shown)"
             if checked.num_bad > len(checked.errors) else "")
     return [Problem("error", err.rule, f"{label}: {path}: {err}{more if i == 0 else ''}", "")  # fix: in the text
-            for i, err in enumerate(checked.errors)]
+            for i, err in enumerate(checked.errors)] + identical
+
+
+def identical_problem(*, label: str, path: str, num_pairs: int) -> Problem:
+    """Every readable preference record has chosen == rejected: the rule training raises
+    (toolkit/data/preference_rows.py)."""
+    from toolkit.data.preference_rows import identical_error
+
+    err = identical_error(num_pairs=num_pairs, where=f"of {path}")
+    return Problem("error", err.rule, f"{label}: {err.detail}", err.fix)
 
 
 def validation_record_problems(*, data: DataSpec) -> list[Problem]:

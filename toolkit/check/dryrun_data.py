@@ -76,13 +76,15 @@ def source_problems(*, spec, label: str, data, task, tokenizer=None) -> list[Pro
 
 def record_length_problems(*, spec, label: str, data, records, tokenizer) -> list[Problem]:
     """The records tokenised and fitted to training.seq_length by the ranks' own code (toolkit/data/tokenize.py,
-    packing.py): when none keeps a loss-bearing token, the ranks' NoLossTokensError, here before any rank starts.
+    packing.py; preference pairs: preference_rows.py): when none keeps a loss-bearing token (or every pair's sides
+    are the same), the ranks' error, here before any rank starts.
     A source larger than DRY_RUN_RECORDS is judged on its first records: a warning, as the rest may train."""
     import logging
 
     from toolkit.data import tokenize_examples
     from toolkit.data.formats import RecordError
     from toolkit.data.packing import NoLossTokensError
+    from toolkit.data.preference_rows import PreferenceError
     from toolkit.data.sources import quieted_logger
 
     seq_length = spec.training.seq_length
@@ -91,7 +93,7 @@ def record_length_problems(*, spec, label: str, data, records, tokenizer) -> lis
     try:
         with quieted_logger("toolkit.data.tokenize", level=logging.ERROR):  # its start-up lines: the info line below
             examples = tokenize_examples(records=sample, data=data, tokenizer=tokenizer, seq_length=seq_length)
-    except NoLossTokensError as err:
+    except (NoLossTokensError, PreferenceError) as err:  # no pair trains, or none differs: as the ranks would say
         return [Problem("error" if sample is records else "warning", err.rule,
                         f"{label}.path={data.path}{part}: {err.detail} (training.seq_length={seq_length})", err.fix)]
     except RecordError:

@@ -2,7 +2,8 @@
 
     source (`sources`: file, folder, cached name; `indexed`: Megatron corpora) -> records of a part
     (`validation`) -> formatting by `data.type` (`formats`, `records`) -> tokenisation (`tokenize`) -> long
-    records and packing (`packing`) -> cache (`cache`) -> rows (`examples`, `mix`) -> micro-batches (`batches`).
+    records and packing (`packing`; preference pairs: `preference`, `preference_rows`) -> cache (`cache`) -> rows
+    (`examples`, `mix`) -> micro-batches (`batches`).
 
 `pipeline.build_examples` runs the record stages in one process; `training.job_rows` gives a training job the rows
 of any source kind (records cached once per job and memory-mapped on every rank; Megatron corpora through
@@ -21,7 +22,8 @@ _EXPORTS = {
     "build_examples": "pipeline", "FILE_BUILDERS": "sources", "load_records": "sources",
     "required_fields": "records", "synthetic_examples": "synthetic", "assistant_spans": "tokenize",
     "load_tokenizer": "tokenize", "record_kind": "tokenize", "tokenize_examples": "tokenize",
-    "job_rows": "training",
+    "job_rows": "training", "PreferenceBatches": "batches", "PreferenceExamples": "preference_rows",
+    "PreferenceError": "preference_rows", "format_preference": "formats", "tokenize_preference": "preference",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -101,6 +101,15 @@ class MicroBatches:
         }
 
 
+class PreferenceBatches(MicroBatches):
+    """MicroBatches over the pairs of a `PreferenceExamples` (toolkit/data/preference_rows.py): the same rule
+    places pair indices (`micro_batch_size` counts pairs, as TRL's per_device_train_batch_size); each micro-batch is
+    `examples.pair_rows(pair_indices)`, `rows_per_pair` rows per pair plus `pair_mask` / `pair_index`."""
+
+    def _gather(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.examples.pair_rows(rows)
+
+
 def stage_inputs(batch: dict[str, torch.Tensor], *, is_first_stage: bool, is_last_stage: bool) -> dict:
     """The part of a micro-batch a pipeline stage reads; middle stages read none (activations come by p2p)."""
     keys = (FIRST_STAGE_KEYS if is_first_stage else ()) + (LAST_STAGE_KEYS if is_last_stage else ())

@@ -5,6 +5,10 @@
     <cache_root>/<key>/position_ids.npy int32  [N, seq_length]   restarting at 0 at each packed record
     <cache_root>/<key>/meta.json       what the key was made of, the `Examples` counters, the largest token id
 
+Preference pairs (`PreferenceExamples`, toolkit/data/preference_rows.py) keep the same three arrays over their
+`N * rows_per_pair` rows, plus `sequence.npy` (int8 [N * rows_per_pair, seq_length], the side of each label) and
+`rows_per_pair` / `num_pairs` in meta.json; `num_examples` is then the pairs.
+
 `key` is a hash of everything the arrays depend on: `FORMAT_VERSION`, the `DataSpec` fields that shape
 tokenisation, the tokenizer itself (class, serialised pipeline or vocabulary, special ids, chat template),
 `seq_length`, and the source's identity (path, size and mtime of every file). Editing the data file gives another
@@ -36,6 +40,7 @@ import torch
 from toolkit.data import validation
 from toolkit.data.examples import Examples, check_vocab
 from toolkit.data.pipeline import part_examples, require_data_path
+from toolkit.data.preference_rows import PREFERENCE_KIND, PreferenceExamples
 from toolkit.data.sources import source_identity
 from toolkit.data.tokenize import load_tokenizer, tokenizer_identity
 from toolkit.errors import DsmtError
@@ -57,7 +62,7 @@ def cache_root_for(*, data: DataSpec, output_dir: str | Path) -> Path:
 
 
 def shared_examples(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, seed: int,
-                    cache_root: Path, status_file: Path, part: str = "train") -> Examples:
+                    cache_root: Path, status_file: Path, part: str = "train") -> Examples | PreferenceExamples:
     """Collective over the default process group: rank 0 tokenises (or reuses the cache), every rank memory-maps
     the result; the others wait on `status_file` (this job's own, on a shared filesystem), and a failure on rank 0
     raises on every rank. Synthetic examples are generated on each rank (cheap, a pure function of the seed).
@@ -106,19 +111,25 @@ def cache_key(*, data: DataSpec, tokenizer, seq_length: int, part: str = "train"
     return digest[:24], inputs
 
 
-def write_cache(*, directory: Path, examples: Examples, inputs: dict) -> dict:
+def write_cache(*, directory: Path, examples: Examples | PreferenceExamples, inputs: dict) -> dict:
     """Write `examples` to `directory` atomically (temp dir + rename); returns the metadata written."""
     meta = {"inputs": inputs, "kind": examples.kind, "used_chat_template": examples.used_chat_template,
             "num_dropped": examples.num_dropped, "num_truncated": examples.num_truncated,
-            "num_records": examples.num_records, "num_split": examples.num_split,
+            "num_records": examples.num_records, "num_split": getattr(examples, "num_split", 0),
             "num_examples": len(examples), "seq_length": examples.seq_length,
             "max_token_id": int(examples.token_ids.max())}
+    arrays = {"token_ids": examples.token_ids.numpy(), "loss_mask": examples.loss_mask.numpy()}
+    if isinstance(examples, PreferenceExamples):
+        meta.update(rows_per_pair=examples.rows_per_pair, num_pairs=len(examples))
+        arrays.update(position_ids=examples.position_ids.to(torch.int32).numpy(),
+                      sequence=examples.sequence.to(torch.int8).numpy())
+    else:
+        arrays["position_ids"] = examples.positions(torch.arange(len(examples))).to(torch.int32).numpy()
     directory.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        np.save(temp / "token_ids.npy", examples.token_ids.numpy())
-        np.save(temp / "loss_mask.npy", examples.loss_mask.numpy())
-        np.save(temp / "position_ids.npy", examples.positions(torch.arange(len(examples))).to(torch.int32).numpy())
+        for name, array in arrays.items():
+            np.save(temp / f"{name}.npy", array)
         (temp / META).write_text(json.dumps(meta, indent=1))
         try:
             os.rename(temp, directory)
@@ -132,23 +143,24 @@ def write_cache(*, directory: Path, examples: Examples, inputs: dict) -> dict:
     return meta
 
 
-def open_cache(directory: Path) -> Examples:
+def open_cache(directory: Path) -> Examples | PreferenceExamples:
     """The cached examples as tensors over copy-on-write memory maps (no copy until rows are gathered)."""
     directory = Path(directory)
     if not (directory / META).is_file():
         raise DsmtError(f"the data cache {directory} written by rank 0 is not visible here; put data.cache_dir "
                         f"(default <training.output_dir>/data-cache) on a filesystem every node shares")
     meta = json.loads((directory / META).read_text())
-    token_ids = torch.from_numpy(np.load(directory / "token_ids.npy", mmap_mode="c"))
-    loss_mask = torch.from_numpy(np.load(directory / "loss_mask.npy", mmap_mode="c"))
-    position_ids = torch.from_numpy(np.load(directory / "position_ids.npy", mmap_mode="c"))
-    expected = (meta["num_examples"], meta["seq_length"])
-    if (tuple(token_ids.shape) != (expected[0], expected[1] + 1) or tuple(loss_mask.shape) != expected
-            or tuple(position_ids.shape) != expected):
-        raise DsmtError(f"the data cache {directory} is damaged (token_ids {tuple(token_ids.shape)}, loss_mask "
-                        f"{tuple(loss_mask.shape)}, position_ids {tuple(position_ids.shape)}, meta says "
-                        f"{expected[0]} examples of {expected[1]}); delete it")
-    return Examples(token_ids=token_ids, loss_mask=loss_mask, position_ids=position_ids, kind=meta["kind"],
-                    used_chat_template=meta["used_chat_template"], num_dropped=meta["num_dropped"],
-                    num_truncated=meta["num_truncated"], num_records=meta["num_records"],
-                    num_split=meta["num_split"])
+    preference = meta["kind"] == PREFERENCE_KIND
+    names = ("token_ids", "loss_mask", "position_ids") + (("sequence",) if preference else ())
+    arrays = {name: torch.from_numpy(np.load(directory / f"{name}.npy", mmap_mode="c")) for name in names}
+    num_rows = meta["num_pairs"] * meta["rows_per_pair"] if preference else meta["num_examples"]
+    shapes = {name: tuple(array.shape) for name, array in arrays.items()}
+    expected = {name: (num_rows, meta["seq_length"] + (name == "token_ids")) for name in names}
+    if shapes != expected:
+        found = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise DsmtError(f"the data cache {directory} is damaged ({found}, meta says {num_rows} rows of "
+                        f"{meta['seq_length']}); delete it")
+    counters = {key: meta[key] for key in ("used_chat_template", "num_dropped", "num_truncated", "num_records")}
+    if preference:
+        return PreferenceExamples(**arrays, rows_per_pair=meta["rows_per_pair"], directory=directory, **counters)
+    return Examples(**arrays, kind=meta["kind"], num_split=meta["num_split"], **counters)

@@ -8,6 +8,9 @@
     alpaca      instruction, input (optional), output   prompt_completion   Stanford Alpaca prompt, output
     sharegpt    messages_field ("conversations")        chat                {"messages"}, from/value mapped
     messages    messages_field ("messages")             chat                {"messages"}
+    preference  prompt, chosen, rejected (TRL's names;  preference          {"prompt", "chosen", "rejected"}: all
+                prompt optional in message lists)                           strings, or all message lists
+                                                                            (TRL's forms, format_preference)
 
 Each formatter is a pure function of one record. A record it cannot read raises `RecordError` (the rule, the
 record index, what is wrong, the fix); `check_records` runs them over a whole source before tokenising and
@@ -23,9 +26,9 @@ from collections.abc import Mapping
 from toolkit.data.files import line_numbers
 from toolkit.errors import DsmtError
 
-RECORD_TYPES = ("text", "completion", "alpaca", "sharegpt", "messages")
+RECORD_TYPES = ("text", "completion", "alpaca", "sharegpt", "messages", "preference")
 CANONICAL_KINDS = {"text": "text", "completion": "prompt_completion", "alpaca": "prompt_completion",
-                   "sharegpt": "chat", "messages": "chat"}
+                   "sharegpt": "chat", "messages": "chat", "preference": "preference"}
 # The Stanford Alpaca templates, verbatim (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT).
 ALPACA_PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -37,12 +40,13 @@ ALPACA_PROMPT_NO_INPUT = (
 CHAT_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 # ShareGPT speaker -> chat role: the FastChat names (human, gpt) and the chat names themselves.
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-# The fields each type reads: (the RecordFields option that renames it, its default name); Alpaca's names are fixed
-# (and its `input` optional, so not listed).
+# The fields each type reads: (the RecordFields option that renames it, its default name); Alpaca's and preference's
+# names are fixed (Alpaca's `input` is optional, and so is preference's `prompt` in the conversational form: not listed).
 TYPE_FIELDS = {"text": (("text_field", "text"),),
                "completion": (("prompt_field", "prompt"), ("completion_field", "completion")),
                "alpaca": ((None, "instruction"), (None, "output")),
-               "sharegpt": (("messages_field", "conversations"),), "messages": (("messages_field", "messages"),)}
+               "sharegpt": (("messages_field", "conversations"),), "messages": (("messages_field", "messages"),),
+               "preference": ((None, "chosen"), (None, "rejected"))}
 _TYPE_FIX = f"set data.type to the records' type ({', '.join(RECORD_TYPES)})"
 
 
@@ -162,6 +166,71 @@ def format_messages(record: Mapping, *, field: str = "messages", index: int = 0)
     return _chat(record, field=field, index=index, roles=CHAT_ROLES, keys=(("role",), ("content",)))
 
 
+_FORM_FIX = ("give prompt, chosen and rejected in one form: all strings, or all lists of {'role', 'content'} "
+             "messages (the prompt may then be left out: the messages chosen and rejected open with are the prompt)")
+
+
+def format_preference(record: Mapping, *, index: int = 0) -> dict:
+    """`{"prompt", "chosen", "rejected"}` (TRL's forms): three strings, or three message lists; without a prompt
+    the messages chosen and rejected open with (their longest common prefix) are the prompt."""
+    chosen, rejected = (_preference_side(record, name, index=index) for name in ("chosen", "rejected"))
+    prompt = record.get("prompt")
+    if isinstance(chosen, str):
+        if not isinstance(rejected, str):
+            raise _mixed_forms(index=index, name="rejected", value=rejected, form="str")
+        if prompt is None:
+            raise RecordError(rule="record_missing_field", index=index, what="no field 'prompt' (chosen and rejected "
+                              "are strings; only message lists may leave the prompt implicit)",
+                              fix=f"give every record a prompt; or {_FORM_FIX}")
+        if not isinstance(prompt, str):
+            raise _mixed_forms(index=index, name="prompt", value=prompt, form="str")
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    if not isinstance(rejected, list):
+        raise _mixed_forms(index=index, name="rejected", value=rejected, form="list")
+    if prompt is not None and not isinstance(prompt, list):
+        raise _mixed_forms(index=index, name="prompt", value=prompt, form="list")
+    chosen, rejected = (_chat_turns(turns, name=name, index=index)
+                        for turns, name in ((chosen, "chosen"), (rejected, "rejected")))
+    if prompt is None:
+        return _implicit_prompt(chosen=chosen, rejected=rejected, index=index)
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        if not completion:
+            raise RecordError(rule="record_empty", index=index, what=f"field {name!r} is an empty list",
+                              fix="give each side at least one message after the prompt, or drop the record")
+    return {"prompt": _chat_turns(prompt, name="prompt", index=index), "chosen": chosen, "rejected": rejected}
+
+
+def _preference_side(record: Mapping, name: str, *, index: int):
+    value = _field(record, name, index=index, option=None, expected=object)  # raises record_missing_field
+    if not isinstance(value, (str, list)):
+        raise RecordError(rule="record_field_type", index=index, what=f"field {name!r} is {type(value).__name__} "
+                          f"({value!r:.60}), expected str or a list of messages", fix=_FORM_FIX)
+    return value
+
+
+def _mixed_forms(*, index: int, name: str, value, form: str) -> RecordError:
+    return RecordError(rule="record_field_type", index=index, what=f"field {name!r} is {type(value).__name__} "
+                       f"({value!r:.60}) but 'chosen' is {form}", fix=_FORM_FIX)
+
+
+def _chat_turns(turns: list, *, name: str, index: int) -> list[dict]:
+    return [_turn(turn, number=number, where=repr(name), index=index, roles=CHAT_ROLES, keys=(("role",), ("content",)))
+            for number, turn in enumerate(turns)]
+
+
+def _implicit_prompt(*, chosen: list[dict], rejected: list[dict], index: int) -> dict:
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    for name, side in (("chosen", chosen), ("rejected", rejected)):
+        if len(side) == shared:
+            raise RecordError(rule="record_empty", index=index, what=f"field {name!r} has no message after the "
+                              f"{shared} messages chosen and rejected share (the implicit prompt)",
+                              fix="give each side a completion that differs from the other's, or give an explicit "
+                                  "'prompt' list and the completions alone in chosen / rejected")
+    return {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
+
+
 def _check_type(record_type: str) -> None:
     if record_type not in RECORD_TYPES:
         raise DsmtError(f"record type {record_type!r} is not one of {', '.join(RECORD_TYPES)}; set data.type to one "
@@ -169,7 +238,7 @@ def _check_type(record_type: str) -> None:
 
 
 def canonical_kind(record_type: str) -> str:
-    """"text", "prompt_completion" or "chat": what records of `record_type` become."""
+    """"text", "prompt_completion", "chat" or "preference": what records of `record_type` become."""
     _check_type(record_type)
     return CANONICAL_KINDS[record_type]
 
@@ -201,6 +270,8 @@ def format_record(record: Mapping, *, record_type: str, fields: RecordFields, in
         return format_alpaca(record, index=index)
     if record_type == "sharegpt":
         return format_sharegpt(record, field=names[0], index=index)
+    if record_type == "preference":
+        return format_preference(record, index=index)
     return format_messages(record, field=names[0], index=index)
 
 
@@ -217,6 +288,7 @@ class RecordCheck:
     errors: tuple[RecordError, ...]
     num_bad: int
     num_records: int
+    num_identical: int = 0  # preference records whose chosen equals their rejected: pairs that teach nothing
 
     @property
     def ok(self) -> bool:
@@ -234,18 +306,19 @@ def check_records(records, *, record_type: str, fields: RecordFields, source: st
                   limit: int = 5) -> RecordCheck:
     """Format every record of `records` (dicts, or a `datasets.Dataset`), keeping the first `limit` errors.
     `source`: the file the records are, whole and in order; a JSON-lines file gives each error its line."""
-    errors, num_bad, num_records = [], 0, 0
+    errors, num_bad, num_records, num_identical = [], 0, 0, 0
     for index, record in enumerate(_with_progress(records, source=source)):
         num_records += 1
         try:
-            format_record(record, record_type=record_type, fields=fields, index=index)
+            formatted = format_record(record, record_type=record_type, fields=fields, index=index)
+            num_identical += record_type == "preference" and formatted["chosen"] == formatted["rejected"]
         except RecordError as error:
             num_bad += 1
             if len(errors) < limit:
                 errors.append(error)
     lines = line_numbers(path=source, indices=[e.index for e in errors]) if source and errors else {}
     located = tuple(e.located(line=lines[e.index], source=source) if e.index in lines else e for e in errors)
-    return RecordCheck(errors=located, num_bad=num_bad, num_records=num_records)
+    return RecordCheck(errors=located, num_bad=num_bad, num_records=num_records, num_identical=num_identical)
 
 
 PROGRESS_MIN_RECORDS = 100_000  # below this a check takes about a second: no bar

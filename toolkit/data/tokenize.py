@@ -13,9 +13,10 @@ A record reaches here through its type's formatting (toolkit/data/formats.py) as
   `"<role>: <content>\\n"` per message and EOS after a final assistant turn (`Examples.used_chat_template` and a log
   line say which). Labels count on each assistant turn: the text between the prompt rendered with
   `add_generation_prompt=True` and the conversation rendered up to and including that turn, so the template's
-  end-of-turn marker is learned as well.
+  end-of-turn marker is learned as well (toolkit/data/encoding.py, which the preference tokeniser shares).
 
 `tokenize_examples` then fits the records into rows (toolkit/data/packing.py: the long-record policy, packing).
+Preference records (`data.type: preference`) become pairs instead (toolkit/data/preference.py).
 """
 
 from __future__ import annotations
@@ -23,21 +24,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from typing import TYPE_CHECKING
 
+from toolkit.data.encoding import assistant_spans, formatted, map_records, span_targets, uses_chat_template
 from toolkit.data.examples import Examples
-from toolkit.data.formats import canonical_kind, format_record
+from toolkit.data.formats import canonical_kind
 from toolkit.data.packing import pack_examples
-from toolkit.data.records import record_fields, record_type
+from toolkit.data.preference import tokenize_preference
+from toolkit.data.records import record_type
 from toolkit.errors import DsmtError
 from toolkit.spec.schema import DataSpec
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from toolkit.data.preference_rows import PreferenceExamples
 
-MAP_BATCH_SIZE = 1000  # records per tokenizer call: big enough for the Rust tokenizer's batching to pay off
+log = logging.getLogger(__name__)
 
 
 def record_kind(*, data: DataSpec) -> str:
-    """The canonical kind `data`'s records become: "text", "prompt_completion" or "chat"."""
+    """The canonical kind `data`'s records become: "text", "prompt_completion", "chat" or "preference"."""
     return canonical_kind(record_type(data))
 
 
@@ -73,47 +78,25 @@ def tokenizer_identity(tokenizer) -> str:
     return hashlib.sha256(described.encode()).hexdigest()
 
 
-def tokenize_examples(*, records, data: DataSpec, tokenizer, seq_length: int) -> Examples:
-    """Tokenise `records` (from `load_records`) and fit them into `Examples` of `seq_length + 1` ids (packing.py)."""
+def tokenize_examples(*, records, data: DataSpec, tokenizer, seq_length: int) -> Examples | PreferenceExamples:
+    """Tokenise `records` (from `load_records`) and fit them into `Examples` of `seq_length + 1` ids (packing.py);
+    preference records into `PreferenceExamples` (toolkit/data/preference_rows.py)."""
     if seq_length < 1:
         raise DsmtError(f"seq_length={seq_length} must be at least 1")
     if tokenizer.eos_token_id is None:
         raise DsmtError("the tokenizer has no eos_token; documents and completions are terminated with EOS, so set "
                         "eos_token in its tokenizer_config.json")
     kind = record_kind(data=data)
-    used_template = None
-    if kind == "chat":
-        used_template = bool(getattr(tokenizer, "chat_template", None))
-        if not used_template:
-            log.warning("tokenizer has no chat_template: rendering chat records as '<role>: <content>\\n' lines")
+    if kind == "preference":
+        return tokenize_preference(records=records, data=data, tokenizer=tokenizer, seq_length=seq_length)
+    used_template = uses_chat_template(tokenizer) if kind == "chat" else None
     encode = _encoder(kind=kind, tokenizer=tokenizer, use_template=used_template)
-    mapped = _map(records, encode=_formatted(encode, data=data), desc=f"tokenize-{kind}")
+    mapped = map_records(records, encode=formatted(encode, data=data), desc=f"tokenize-{kind}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     examples = pack_examples(ids=mapped["ids"], targets=mapped["target"], kind=kind, seq_length=seq_length,
                              pad=pad, packed=data.packing, used_chat_template=used_template)
     log.info("data: %s (data.packing=%s)", examples.describe(), data.packing)
     return examples
-
-
-def _formatted(encode, *, data: DataSpec):
-    """`encode` over the batch's records formatted by `data.type` (toolkit/data/formats.py) into canonical ones."""
-    kind_of_type, fields = record_type(data), record_fields(data)
-
-    def encode_records(batch, indices):
-        names = list(batch)
-        records = [{**format_record(dict(zip(names, values)), record_type=kind_of_type, fields=fields, index=index),
-                    "index": index} for index, values in zip(indices, zip(*(batch[name] for name in names)))]
-        return encode(records)
-
-    return encode_records
-
-
-def _map(records, *, encode, desc: str):
-    """`datasets.map` in batches, in memory and without the on-disk cache: the output depends on the tokenizer,
-    which `datasets` cannot fingerprint reliably, and a stale cache would silently reuse old ids."""
-    return records.map(encode, batched=True, batch_size=MAP_BATCH_SIZE, with_indices=True,
-                       remove_columns=records.column_names, keep_in_memory=True, load_from_cache_file=False,
-                       new_fingerprint=f"dsmt-{desc}-{records._fingerprint}", desc=desc)
 
 
 def _encoder(*, kind: str, tokenizer, use_template: bool | None):
@@ -148,33 +131,6 @@ def _prompt_completion_encoder(*, tokenizer):
     return encode
 
 
-def _render(*, tokenizer, messages, add_generation_prompt: bool, use_template: bool) -> str:
-    if use_template:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-    return text + ("assistant: " if add_generation_prompt else "")
-
-
-def assistant_spans(*, tokenizer, messages, use_template: bool, index: int = 0) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans `[start, end)` of its assistant turns."""
-    full = _render(tokenizer=tokenizer, messages=messages, add_generation_prompt=False, use_template=use_template)
-    spans = []
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer=tokenizer, messages=messages[:turn], add_generation_prompt=True,
-                         use_template=use_template)
-        through = _render(tokenizer=tokenizer, messages=messages[: turn + 1], add_generation_prompt=False,
-                          use_template=use_template)
-        # Templates that rewrite earlier turns (e.g. dropping past reasoning) have no stable prefix to mask.
-        if not (full.startswith(through) and through.startswith(before)):
-            raise DsmtError(f"record {index}: the chat template renders turn {turn} differently once later turns "
-                            f"follow, so the assistant tokens cannot be located; use a template whose renderings "
-                            f"are prefixes of each other, or pre-render the chats into prompt/completion fields")
-        spans.append((len(before), len(through)))
-    return full, spans
-
-
 def _chat_encoder(*, tokenizer, use_template: bool):
     eos = tokenizer.eos_token_id
 
@@ -192,7 +148,7 @@ def _chat_encoder(*, tokenizer, use_template: bool):
         ids_out, target_out = [], []
         for ids, offsets, spans, final in zip(encoded["input_ids"], encoded["offset_mapping"], all_spans,
                                               ends_with_assistant):
-            target = [int(any(s <= start < e for s, e in spans) and end > start) for start, end in offsets]
+            target = span_targets(offsets, spans)
             if not use_template:  # the fallback has no end-of-turn marker: EOS teaches the model to stop
                 ids, target = ids + [eos], target + [int(final)]
             ids_out.append(list(ids))

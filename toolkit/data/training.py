@@ -16,13 +16,16 @@ from pathlib import Path
 from toolkit.data import validation
 from toolkit.data.cache import cache_root_for, shared_examples
 from toolkit.data.pipeline import build_examples
+from toolkit.data.preference_rows import PreferenceError
 from toolkit.spec.data_schema import DataSpec, mix_entry_data
 
 
 def job_rows(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_size: int, seed: int,
              output_dir: str | Path, part: str = validation.TRAIN, num_samples: int | None = None):
-    """The rows of `part`: an `Examples` or a row source with its interface (toolkit/data/examples.py).
+    """The rows of `part`: an `Examples` or a row source with its interface (toolkit/data/examples.py); for
+    `data.type: preference` a `PreferenceExamples` (toolkit/data/preference_rows.py).
     `num_samples`: the samples a Megatron corpus must provide for training (train_steps x global batch)."""
+    refuse_preference_sources(data)
     if data.synthetic:
         if part == validation.VALIDATION:
             raise validation.ValidationDataError("data.synthetic=true has no validation records; unset "
@@ -37,6 +40,20 @@ def job_rows(*, data: DataSpec, model_path: str | None, seq_length: int, vocab_s
     if data.is_megatron:
         return _megatron_rows(data=data, part=part, num_samples=num_samples, **common)
     return _cached_rows(data=data, part=part, status_name=part, **common)
+
+
+def refuse_preference_sources(data: DataSpec) -> None:
+    """Preference pairs come only from the records of one source: a mix draws rows (not pairs) by weight, and
+    Megatron corpora and synthetic tokens hold documents, not prompt/chosen/rejected."""
+    in_mix = [f"data.mix[{i}]" for i, entry in enumerate(data.mix or []) if entry.type == "preference"]
+    where = ("data.mix" if data.mix is not None else "data.blend / data.format=megatron" if data.is_megatron
+             else "data.synthetic=true" if data.synthetic else None)
+    if where is None or (data.type != "preference" and not in_mix):
+        return
+    said = f"data.type=preference in {', '.join(in_mix)}" if in_mix else "data.type=preference"
+    raise PreferenceError(rule="preference_source", message=f"{said} with {where}: preference pairs are read from "
+                          f"the records of one data.path", fix=f"unset {where.split('=')[0]} and set data.path to "
+                          f"a file or folder of preference records")
 
 
 def _cached_rows(*, data: DataSpec, model_path, seq_length: int, vocab_size: int, seed: int, output_dir, part: str,

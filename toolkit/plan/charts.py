@@ -8,13 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.plan.layout import num_micro_batches
-from toolkit.plan.memory import CATEGORIES, stage_memory
+from toolkit.plan.memory import stage_memory
 from toolkit.plan.schedule import simulate_pipeline
 from toolkit.plan.search import Candidate, Plan
 from toolkit.plan.units import time_unit
 
 COLORS = {"parameters": "#4c72b0", "gradients": "#55a868", "optimizer": "#c44e52", "activations": "#dd8452",
-          "buffers": "#8172b3", "overhead": "#999999"}
+          "buffers": "#8172b3", "overhead": "#999999", "reference": "#937860"}
 MAX_STAGES_DRAWN = 32
 MAX_MICRO_DRAWN = 16
 
@@ -44,7 +44,7 @@ def memory_chart(*, result: Plan, candidate: Candidate, out_dir: Path, note: str
     fig, ax = plt.subplots(figsize=(max(7.0, 0.45 * len(stages) + 5), 5))
     xs = list(range(len(stages)))
     bottom = [0.0] * len(stages)
-    for cat in CATEGORIES:
+    for cat in stages[0].by_category():  # CATEGORIES, and DPO's reference weights where a copy is held
         values = [getattr(s, cat) / 1e9 for s in stages]
         ax.bar(xs, values, bottom=bottom, color=COLORS[cat], label=cat, width=0.7)
         bottom = [b + v for b, v in zip(bottom, values)]
@@ -75,7 +75,7 @@ def pipeline_chart(*, result: Plan, candidate: Candidate, out_dir: Path, note: s
     if lay.vpp > 1:
         drawn = max(lay.pp, drawn // lay.pp * lay.pp)
     scale, unit = time_unit(t.step_time_s)
-    per_mb = (t.step_time_s - t.dp_comm_s - t.optimizer_s - t.bubble_s) / m / scale  # forward + backward, in `unit`
+    per_mb = (t.step_time_s - t.dp_comm_s - t.optimizer_s - t.bubble_s - t.reference_s) / m / scale  # forward + backward, in `unit`
     ops = simulate_pipeline(pp=lay.pp, vpp=lay.vpp, num_micro=drawn, forward_s=per_mb / 3,
                             backward_s=2 * per_mb / 3)
     cmap = plt.get_cmap("tab20")

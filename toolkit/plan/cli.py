@@ -54,7 +54,7 @@ def register(subparsers) -> None:
     p.add_argument("--gpu", default="h100-80gb", help="preset (a100-40gb, a100-80gb, h100-80gb, h200-141gb) or "
                    "'custom' with the --gpu-mem-gb / --peak-tflops / --nvlink-gbps / --ib-gbps figures")
     p.add_argument("--seq-len", type=int)
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (with --dpo: preference pairs)")
     p.add_argument("--top", type=int, default=10, help="how many fitting layouts to print")
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     p.add_argument("--emit-spec", type=Path, metavar="JOB.yaml", help="write the best layout as a job spec")
@@ -80,6 +80,12 @@ def register(subparsers) -> None:
     p.add_argument("--lora-rank", type=int, metavar="R", help="LoRA fine-tuning with adapters of rank R on what "
                    "dsmt adapts by default (attention, MLP, routed and shared experts): optimizer state for the "
                    "adapters only (toolkit/plan/lora.py)")
+    p.add_argument("--dpo", metavar="REFERENCE", help="preference tuning (training.method: dpo) against a reference: "
+                   "base (full fine-tuning: a frozen copy of the weights; with --lora-rank the adapters switched "
+                   "off), precomputed (log-probs from disk), or a checkpoint path (a frozen copy); --global-batch "
+                   "counts pairs (toolkit/plan/dpo.py)")
+    p.add_argument("--dpo-unpacked", action="store_true", help="with --dpo: data.packing false, each side of a pair "
+                   "its own row of --seq-len (default: both sides in one row)")
     for flag in ("--gpu-mem-gb", "--peak-tflops", "--nvlink-gbps", "--ib-gbps", "--hbm-gbps"):
         p.add_argument(flag, type=float, help="override the GPU preset's figure (GB, TFLOPS, GB/s per direction)")
     for flag, (_, text) in OVERRIDES.items():
@@ -116,7 +122,7 @@ def _calibration(args) -> int:
     question = [flag for flag, value in (("MODEL", args.model), ("--nodes", args.nodes), ("--seq-len", args.seq_len),
                                          ("--global-batch", args.global_batch), ("--explain", args.explain),
                                          ("--emit-spec", args.emit_spec), ("--charts", args.charts),
-                                         ("--lora-rank", args.lora_rank)) if value is not None]
+                                         ("--lora-rank", args.lora_rank), ("--dpo", args.dpo)) if value is not None]
     if question:
         raise DsmtError(f"--calibration prints the published runs on their own clusters; it takes no question "
                         f"({', '.join(question)}): drop those, or drop --calibration to plan")
@@ -180,6 +186,20 @@ def _peft_redirects_mlp(ref: str) -> bool:
     return bool(peft_redirected_names(model_type) - {"gate"})
 
 
+def _dpo(args):
+    """--dpo / --dpo-unpacked as the plan's DpoShape; None without --dpo."""
+    from toolkit.plan.dpo import DpoShape
+
+    if args.dpo is None:
+        if args.dpo_unpacked:
+            raise DsmtError("--dpo-unpacked describes DPO's pairs: give --dpo REFERENCE (base, precomputed or a "
+                            "checkpoint path) with it, or drop it")
+        return None
+    if not args.dpo.strip():
+        raise DsmtError("--dpo needs a reference: base, precomputed, or a checkpoint path")
+    return DpoShape(reference=args.dpo, packing=not args.dpo_unpacked)
+
+
 def _cluster(args):
     from toolkit.plan.hardware import custom_gpu, get_gpu
     from toolkit.plan.layout import Cluster
@@ -210,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     shape = _model_shape(args.model, load_model_shape)
     cluster = _cluster(args)
     training = TrainingShape(seq_length=args.seq_len, global_batch_size=args.global_batch,
-                             lora=_lora(args, shape))
+                             lora=_lora(args, shape), dpo=_dpo(args))
     if shape.attention_softcap is not None and args.attention == "fused":
         print(f"note: attn_logit_softcapping={shape.attention_softcap}: Transformer Engine's attention has no softcap, "
               "so the run uses megatron's local attention (training.attention: local); planned with it (the s x s "
@@ -265,8 +285,13 @@ def _emit_spec(*, args, result, shape, cluster, training) -> bool:
                             attention=result.assumptions.attention)
     if cluster.nodes > 1:  # a spec needs its hosts; under SLURM they come from the allocation (edit otherwise)
         spec["cluster"]["hosts"] = "slurm"
-    # synthetic tokens until data.path (and, for a built-in shape, data.tokenizer) are set: a spec that runs as is
-    spec["data"] = {"synthetic": True}
+    # synthetic tokens until data.path (and, for a built-in shape, data.tokenizer) are set: a spec that runs as is.
+    # DPO trains on preference records only: a placeholder path to replace, with the pairs' layout the plan counted
+    spec["data"] = ({"synthetic": True} if training.dpo is None else
+                    {"path": "data/preference.jsonl", "type": "preference", "packing": training.dpo.packing})
+    if training.dpo is not None:
+        print(f"note: set data.path in {args.emit_spec} to your preference records (prompt, chosen, rejected)",
+              file=sys.stderr)
     report.write_spec_atomic(path=args.emit_spec, spec=spec)
     print(f"wrote {args.emit_spec} ({best.layout.label()})", file=sys.stderr)
     return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from toolkit.parallel.layout import Layout
+from toolkit.plan.dpo import DpoShape  # noqa: F401  (TrainingShape.dpo)
 from toolkit.plan.hardware import GpuSpec
 from toolkit.plan.lora import LoraShape  # noqa: F401  (TrainingShape.lora)
 
@@ -40,6 +41,8 @@ class TrainingShape:
     seq_length: int
     global_batch_size: int
     lora: "LoraShape | None" = None  # toolkit/plan/lora.py; None: full fine-tuning
+    # toolkit/plan/dpo.py; None: SFT. With DPO global_batch_size and micro_batch_size count pairs
+    dpo: "DpoShape | None" = None
 
 
 @dataclasses.dataclass(frozen=True)

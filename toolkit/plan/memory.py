@@ -15,6 +15,9 @@ Sources
     TP (etp = tp) does; their states are partitioned over expert_dp = dp × cp / ep, the rest (shared experts
     included) over dp × cp (toolkit/plan/experts.py). Which tensors a layer holds, multi-latent attention's and
     dense first layers' included, and which layers a stage holds: toolkit/plan/layers.py.
+  * DPO (toolkit/plan/dpo.py): activations for the micro-batch's rows (a pair is one row packed, two unpacked), the
+    frozen reference's weights as a category of their own ("reference", shown only where a copy is held) and its
+    no_grad forward's transient where larger than the policy's activations.
   * ZeRO-3 build: zero.Init partitions each module as it is built and the checkpoint loads one parameter at a time
     (toolkit/adapters/zero3.py): a rank holds its partition plus one module before any optimizer state exists.
 """
@@ -29,6 +32,7 @@ from toolkit.errors import DsmtError
 from toolkit.plan.activations import (ROPE_FREQ_BYTES, activation_bytes_per_layer, heads_per_rank,  # noqa: F401
                                       output_layer_activation_bytes as _output_layer_bytes)
 from toolkit.plan.assumptions import Assumptions
+from toolkit.plan.dpo import reference_forward_bytes, reference_weight_bytes, row_layout
 from toolkit.plan.experts import require_expert_layout
 from toolkit.plan.hardware import GpuSpec
 from toolkit.plan.layers import (ONE_D_TENSORS, VOCAB_DIVISIBLE_BY, layer_params_per_gpu,  # noqa: F401 (re-exported)
@@ -41,6 +45,9 @@ from toolkit.models.shapes import ModelShape
 
 DEFAULT_ASSUMPTIONS = Assumptions()
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "overhead")
+# DPO's frozen reference weights sit after the model states; a breakdown shows them only where a copy is held, so
+# an SFT plan's columns are unchanged.
+WITH_REFERENCE = CATEGORIES[:3] + ("reference",) + CATEGORIES[3:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +65,14 @@ class StageMemory:
     micro_batches_in_flight: float
     build_peak: int = 0  # building and loading the model, before any gradient or optimizer state exists
     expert_params_per_gpu: int = 0  # the part of params_per_gpu that is MoE experts (0 for a dense model)
+    reference: int = 0  # DPO: the frozen reference's weights (toolkit/plan/dpo.py)
 
     @property
     def total_bytes(self) -> int:
-        return sum(getattr(self, name) for name in CATEGORIES)
+        return sum(self.by_category().values())
 
     def by_category(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in CATEGORIES}
+        return {name: getattr(self, name) for name in (WITH_REFERENCE if self.reference else CATEGORIES)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +84,7 @@ class MemoryBreakdown:
     capacity_bytes: int
 
     def __getattr__(self, name):  # parameters, gradients, ... of the worst stage
-        if name in CATEGORIES or name in ("params_per_gpu", "expert_params_per_gpu", "micro_batches_in_flight",
+        if name in WITH_REFERENCE or name in ("params_per_gpu", "expert_params_per_gpu", "micro_batches_in_flight",
                                           "stage"):
             return getattr(self.worst, name)
         raise AttributeError(name)
@@ -179,6 +187,8 @@ def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingSha
     expert_params = stage_expert_params_per_gpu(shape=shape, layout=layout, stage=stage)
     persistent = persistent_params(shape=shape, layout=layout, stage=stage, threshold=a.zero3_persistence_threshold,
                                    layer_spec=a.layer_spec)
+    # DPO's frozen reference: this stage shard's weights, without LoRA's adapters (counted into params below)
+    reference = reference_weight_bytes(params_per_gpu=params, training=training, assumptions=a)
     if training.lora is None:
         states = full_model_states(shape=shape, layout=layout, stage=stage, params=params,
                                    expert_params=expert_params, persistent=persistent, assumptions=a, dp_rank=dp_rank)
@@ -188,22 +198,33 @@ def stage_memory(*, shape: ModelShape, layout: PlanLayout, training: TrainingSha
                                            expert_params=expert_params)
     in_flight = micro_batches_in_flight(layout=layout, num_micro=num_micro_batches(layout=layout, training=training),
                                         stage=stage)
-    activations = int(stage_activation_bytes(shape=shape, layout=layout, training=training, assumptions=a,
-                                             stage=stage) * in_flight)
-    if layout.recompute != "none":  # backward re-runs one layer (its attention core) and holds what it keeps again
-        activations += _recomputed_layer_bytes(shape=shape, layout=layout, training=training, assumptions=a,
-                                               stage=stage)
-    if stage == layout.pp - 1:
-        activations += output_layer_activation_bytes(shape=shape, layout=layout, training=training, assumptions=a)
-    if stage == 0:
-        activations += int(embedding_activation_bytes(layout=layout, training=training) * in_flight)
-    activations += score_buffer_bytes(shape=shape, layout=layout, training=training, assumptions=a)
+    activations = stage_activations(shape=shape, layout=layout, training=training, assumptions=a, stage=stage,
+                                    in_flight=in_flight)
     buffers = _buffer_bytes(shape=shape, layout=layout, params=params, assumptions=a)
-    subtotal = sum(states.values()) + activations + buffers
+    subtotal = sum(states.values()) + reference + activations + buffers
     overhead = int(a.framework_overhead_gb * 1e9 + a.fragmentation_fraction * subtotal)
+    build_peak = build_peak_bytes(shape=shape, layout=layout, stage=stage, assumptions=a) + reference
     return StageMemory(stage=stage, activations=activations, buffers=buffers, overhead=overhead,
                        params_per_gpu=params, micro_batches_in_flight=in_flight, expert_params_per_gpu=expert_params,
-                       build_peak=build_peak_bytes(shape=shape, layout=layout, stage=stage, assumptions=a), **states)
+                       build_peak=build_peak, reference=reference, **states)
+
+
+def stage_activations(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, assumptions: Assumptions,
+                      stage: int, in_flight: float) -> int:
+    """Activation bytes of one GPU of `stage` at its peak: the policy's for `in_flight` micro-batches, counted in
+    rows of seq_length (DPO: dpo.row_layout), or a live DPO reference's forward transient where larger (it runs
+    before the policy holds anything: toolkit/plan/dpo.py); the score buffer serves both."""
+    a, rows = assumptions, row_layout(layout=layout, training=training)
+    held = int(stage_activation_bytes(shape=shape, layout=rows, training=training, assumptions=a,
+                                      stage=stage) * in_flight)
+    if layout.recompute != "none":  # backward re-runs one layer (its attention core) and holds what it keeps again
+        held += _recomputed_layer_bytes(shape=shape, layout=rows, training=training, assumptions=a, stage=stage)
+    if stage == layout.pp - 1:
+        held += output_layer_activation_bytes(shape=shape, layout=rows, training=training, assumptions=a)
+    if stage == 0:
+        held += int(embedding_activation_bytes(layout=rows, training=training) * in_flight)
+    reference = reference_forward_bytes(shape=shape, layout=rows, training=training, assumptions=a, stage=stage)
+    return max(held, reference) + score_buffer_bytes(shape=shape, layout=rows, training=training, assumptions=a)
 
 
 def full_model_states(*, shape: ModelShape, layout: PlanLayout, stage: int, params: int, expert_params: int,

@@ -9,15 +9,16 @@ from pathlib import Path
 
 from toolkit.errors import DsmtError
 from toolkit.plan.calibration import how_sure, how_sure_lines
+from toolkit.plan.dpo import holds_reference_copy
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
-from toolkit.plan.memory import CATEGORIES
+from toolkit.plan.memory import CATEGORIES, WITH_REFERENCE
 from toolkit.plan.search import Candidate, Plan, evaluate, layout_violations, simplicity_reason
 from toolkit.plan.units import bytes_text, count_text, flops_text, time_unit
 from toolkit.models.shapes import BUILTIN_SHAPES, ModelShape
 
 GB = 1e9
 SHORT = {"parameters": "par", "gradients": "grd", "optimizer": "opt", "activations": "act", "buffers": "buf",
-         "overhead": "ovh"}
+         "overhead": "ovh", "reference": "ref"}
 
 
 def _gb(n: float) -> str:
@@ -36,7 +37,8 @@ def candidate_dict(candidate: Candidate, *, moe: bool = False) -> dict:
         "worst_stage": mem.worst.stage, "fits": mem.fits,
         "step_time_s": round(t.step_time_s, 4), "tokens_per_s": round(t.tokens_per_s, 1), "mfu": round(t.mfu, 4),
         "bubble_fraction": round(t.bubble_fraction, 4),
-        "step_breakdown_s": {k: round(getattr(t, f), 4) for k, f in step_parts(moe=moe).items()},
+        "step_breakdown_s": {k: round(getattr(t, f), 4) for k, f in step_parts(moe=moe, reference=t.reference_s > 0)
+                             .items()},
         "dp_hidden_s": round(t.dp_hidden_s, 4),
     }
     if moe:
@@ -49,16 +51,15 @@ STEP_PARTS = {"compute": "compute_s", "memory_bound": "elementwise_s", "tp_comm"
               "pp_p2p": "pp_comm_s", "bubble": "bubble_s", "dp_comm_exposed": "dp_comm_s", "optimizer": "optimizer_s"}
 
 
-def step_parts(*, moe: bool) -> dict[str, str]:
-    """STEP_PARTS, with the expert-parallel token all-to-all after the CP ring for an MoE model."""
-    if not moe:
-        return STEP_PARTS
+def step_parts(*, moe: bool, reference: bool = False) -> dict[str, str]:
+    """STEP_PARTS, with the expert-parallel token all-to-all after the CP ring for an MoE model, and DPO's live
+    reference forward pass last when the step runs one."""
     parts = {}
     for name, field in STEP_PARTS.items():
         parts[name] = field
-        if name == "cp_ring":
+        if name == "cp_ring" and moe:
             parts["ep_all_to_all"] = "ep_comm_s"
-    return parts
+    return parts | ({"reference_forward": "reference_s"} if reference else {})
 
 
 def model_line(shape: ModelShape) -> str:
@@ -125,7 +126,8 @@ def plan_dict(result: Plan, *, top: int) -> dict:
                     "gpu_memory_gb": round(c.gpu.memory_gb, 2)},
         "training": {"seq_length": result.training.seq_length,
                      "global_batch_size": result.training.global_batch_size,
-                     "lora_rank": None if result.training.lora is None else result.training.lora.rank},
+                     "lora_rank": None if result.training.lora is None else result.training.lora.rank,
+                     "dpo": None if result.training.dpo is None else dataclasses.asdict(result.training.dpo)},
         "evaluated": result.evaluated,
         "choice": {"preferred_for_simplicity": result.preferred_for_simplicity,
                    "time_uncertainty": result.assumptions.time_uncertainty,
@@ -174,9 +176,33 @@ def _lora_line(*, shape, training) -> list[str]:
             "only (the step time still counts full backward FLOPs)"]
 
 
+def dpo_lines(*, training: TrainingShape, candidate: Candidate | None) -> list[str]:
+    """DPO's terms (toolkit/plan/dpo.py): how a micro-batch counts, the reference's weights and its forward, with
+    `candidate`'s figures (the choice, or the explained layout)."""
+    if (dpo := training.dpo) is None:
+        return []
+    lines = [f"DPO: {dpo.describe()}"]
+    if not dpo.live_reference:
+        return lines + ["  reference log-probs precomputed: no reference weights and no reference forward in the "
+                        "step; one forward pass over the training pairs before step 1 (not in the step time)"]
+    if holds_reference_copy(training):
+        weights = ("  reference weights: a frozen copy in the training dtype at the layout's TP x PP, whole on "
+                   "every data-parallel rank (not partitioned by ZeRO), no gradients or optimizer state (ref)")
+        weights += f"; {bytes_text(candidate.memory.reference)} per GPU" if candidate else ""
+    else:
+        weights = "  reference weights 0 GB: the LoRA policy with its adapters off, no second copy"
+    forward = ("  reference forward: one extra forward per micro-batch, a forward-only pipeline pass before the "
+               "policy's (~+33% compute; ~+25% under full recompute, whose step already re-runs each forward)")
+    if candidate:
+        t = candidate.time
+        forward += f"; {t.reference_s:.3g} s per step, {t.reference_s / (t.step_time_s - t.reference_s):+.0%}"
+    return lines + [weights, forward]
+
+
 def format_table(result: Plan, *, top: int) -> str:
     c, shape, tr = result.cluster, result.shape, result.training
     moe = shape.is_moe
+    categories = WITH_REFERENCE if holds_reference_copy(tr) else CATEGORIES
     lines = [
         model_line(shape),
         f"cluster {c.nodes} x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gb:.1f} GB, "
@@ -184,11 +210,12 @@ def format_table(result: Plan, *, top: int) -> str:
         f"{result.evaluated} layouts evaluated, {len(result.fitting)} fit",
         *([f"search limited to: {result.limits.describe()}"] if result.limits.describe() else []),
         *_lora_line(shape=shape, training=tr),
+        *dpo_lines(training=tr, candidate=result.best),
         *moe_lines(shape=shape, assumptions=result.assumptions),
         "",
         f"{'#':>3}  {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3}{'  ep' if moe else ''} {'dp':>5} {'zero':<7} {'mbs':>3} "
         f"{'recmp':>5} | "
-        f"{'mem GB':>6} = {' + '.join(SHORT[k] for k in CATEGORIES)} | {'step s':>7} {'tok/s':>9} {'MFU':>5} "
+        f"{'mem GB':>6} = {' + '.join(SHORT[k] for k in categories)} | {'step s':>7} {'tok/s':>9} {'MFU':>5} "
         f"{'bubble':>6}",
     ]
     for rank, x in enumerate(result.fitting[:top], 1):
@@ -270,6 +297,7 @@ def explain(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, c
                      f"[{count_text(stage.params_per_gpu)} params/GPU{experts}, {stage.micro_batches_in_flight:g} "
                      f"micro-batches in flight]")
     lines += _time_lines(x.time, moe=shape.is_moe)
+    lines += ["  " + line for line in dpo_lines(training=training, candidate=x)]
     lines += how_sure_lines(candidate=x, shape=shape, cluster=cluster, assumptions=result.assumptions, indent="  ")
     lines += _rank_lines(x, result)
     return "\n".join(lines)
@@ -279,7 +307,7 @@ def _time_lines(t, *, moe: bool = False) -> list[str]:
     """The step and its terms in the step's unit (s, or ms / µs for a small model's step)."""
     scale, unit = time_unit(t.step_time_s)
     parts = " + ".join(f"{name.replace('_', ' ')} {getattr(t, field) / scale:.3f}"
-                       for name, field in step_parts(moe=moe).items())
+                       for name, field in step_parts(moe=moe, reference=t.reference_s > 0).items())
     a2a = [f"  ep all to all: the MoE token all-to-all (dispatch + combine, forward and backward: 4 per layer and "
            f"micro-batch, 6 with full recompute), {t.ep_comm_s / scale:.3f} {unit} per step, not hidden"] if moe else []
     return [f"  step time {t.step_time_s / scale:.3f} {unit} = {parts}", *a2a, *_dp_lines(t, scale=scale, unit=unit),
@@ -323,7 +351,8 @@ def _gap_line(x: Candidate, best: Candidate, *, moe: bool) -> str:
     """The step-time terms that differ most between the explained layout and the choice: why it ranks where it
     does."""
     scale, unit = time_unit(max(x.time.step_time_s, best.time.step_time_s))
-    gaps = [(getattr(x.time, field) - getattr(best.time, field), name) for name, field in step_parts(moe=moe).items()]
+    parts = step_parts(moe=moe, reference=x.time.reference_s > 0)
+    gaps = [(getattr(x.time, field) - getattr(best.time, field), name) for name, field in parts.items()]
     shown = [gap for gap in gaps if abs(gap[0]) >= 0.0005 * scale]  # not the ones that would print as +0.000
     largest = sorted(shown, key=lambda gap: -abs(gap[0]))[:3]
     named = ", ".join(f"{name.replace('_', ' ')} {gap / scale:+.3f} {unit}" for gap, name in largest)
@@ -350,6 +379,8 @@ def spec_dict(*, model_ref: str, candidate: Candidate, cluster: Cluster, trainin
         spec["communication"] = {"grad_accum_dtype": "bf16"}
     if training.lora is not None:  # the plan counted dsmt's default targets (lora.default_projections)
         spec["training"]["lora"] = {"rank": training.lora.rank}
+    if training.dpo is not None:  # the pairs' layout the plan counted is data.packing's
+        spec["training"].update(method="dpo", dpo={"reference": training.dpo.reference})
     return spec
 
 

@@ -32,6 +32,10 @@ Sources
     twice as wide. Llama 4's chunked attention layers score min(s, attention_chunk_size) keys per query in the
     model FLOPs and under a fused kernel; megatron's local attention (what dsmt's llama4 family runs) computes
     all s and masks, so its time counts s.
+  * DPO (toolkit/plan/dpo.py): a micro-batch of pairs is one row of seq_length per pair packed, two unpacked; a
+    live reference adds a forward-only pipeline pass over the step's micro-batches before the policy's, about a
+    third of the policy's compute (a quarter under full recompute, whose step already runs each forward twice).
+    The reference forward is work the method needs, so the model FLOPs (MFU) count it too.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from toolkit.models.mixer_shapes import ATTENTION, LINEAR
 from toolkit.plan.activations import heads_per_rank
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.collectives import group_ring_time_s
+from toolkit.plan.dpo import live_reference, rows_per_pair
 from toolkit.plan.experts import all_to_all_s, imbalance_extra_flops
 from toolkit.plan.layers import (padded_vocab_size, representative_stages, stage_expert_params_per_gpu,
                                  stage_layer_kinds, stage_params_per_gpu)
@@ -72,6 +77,7 @@ class StepTime:
     tokens_per_s: float
     mfu: float
     dp_traffic: DpTraffic | None = None   # the data-parallel traffic by phase (zero_traffic.py)
+    reference_s: float = 0.0  # DPO: the live reference's forward pass over the step's micro-batches (dpo.py)
 
     @property
     def hfu(self) -> float:
@@ -101,17 +107,19 @@ def layer_forward_flops(*, shape: ModelShape, tokens: int, seq_length: int, moe:
     return 2.0 * tokens * matmul_params, core
 
 
-def training_flops(*, shape: ModelShape, tokens: int, seq_length: int, recompute: str, tp: int = 1) -> float:
+def training_flops(*, shape: ModelShape, tokens: int, seq_length: int, recompute: str, tp: int = 1,
+                   extra_forwards: int = 0) -> float:
     """Training FLOPs (forward + backward, recompute included) of the whole model over `tokens` tokens (chunked
-    attention's queries scored against the keys of their chunk only)."""
-    passes = 4.0 if recompute == "full" else 3.0
+    attention's queries scored against the keys of their chunk only), plus `extra_forwards` forwards of the whole
+    model (DPO's live reference: 1)."""
+    passes = (4.0 if recompute == "full" else 3.0) + extra_forwards
     layers = 0.0
     for (moe, mixer), count in shape.layer_kinds().items():
         matmul, core = layer_forward_flops(shape=shape, tokens=tokens, seq_length=seq_length, moe=moe, mixer=mixer,
                                            keys=shape.attention_keys(mixer=mixer, seq_length=seq_length))
         layers += count * ((matmul + core) * passes + (core if recompute == "selective" and mixer != LINEAR else 0.0))
     logits = 2.0 * tokens * padded_vocab_size(shape=shape, tp=tp) * shape.hidden_size
-    return layers + 3.0 * logits
+    return layers + (3.0 + extra_forwards) * logits
 
 
 def estimate_step_time(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, cluster: Cluster,
@@ -130,10 +138,15 @@ def estimate_step_time(*, shape: ModelShape, layout: PlanLayout, training: Train
     dp = _dp_traffic(shape=shape, layout=layout, cluster=cluster, num_micro=m, forward_s=busy_s / passes,
                      backward_s=busy_s * (passes - 1) / passes, assumptions=a, lora=training.lora)
     optimizer_s = _optimizer_s(shape=shape, layout=layout, cluster=cluster, assumptions=a)
-    step_s = m * per_mb_s + bubble_s + dp.exposed_s + optimizer_s
-    global_tokens = training.global_batch_size * s
-    model_flops = training_flops(shape=shape, tokens=global_tokens, seq_length=s, recompute="none", tp=t)
-    hw_flops = training_flops(shape=shape, tokens=global_tokens, seq_length=s, recompute=layout.recompute, tp=t)
+    reference_s = _reference_pass_s(shape=shape, layout=layout, training=training, cluster=cluster, assumptions=a,
+                                    num_micro=m, dp=dp)
+    step_s = m * per_mb_s + bubble_s + dp.exposed_s + optimizer_s + reference_s
+    global_tokens = training.global_batch_size * rows_per_pair(training) * s  # DPO: pairs x their rows
+    forwards = 1 if live_reference(training) else 0
+    model_flops = training_flops(shape=shape, tokens=global_tokens, seq_length=s, recompute="none", tp=t,
+                                 extra_forwards=forwards)
+    hw_flops = training_flops(shape=shape, tokens=global_tokens, seq_length=s, recompute=layout.recompute, tp=t,
+                              extra_forwards=forwards)
     return StepTime(
         step_time_s=step_s, compute_s=m * mb.compute_s, elementwise_s=m * mb.elementwise_s,
         tp_comm_s=m * mb.tp_s, cp_comm_s=m * mb.cp_s, ep_comm_s=m * mb.ep_s,
@@ -141,7 +154,32 @@ def estimate_step_time(*, shape: ModelShape, layout: PlanLayout, training: Train
         optimizer_s=optimizer_s, bubble_fraction=(p - 1) / (v * m), flops_per_step=hw_flops,
         model_flops_per_step=model_flops, tokens_per_s=global_tokens / step_s,
         mfu=model_flops / (step_s * cluster.world_size * gpu.peak_bf16_tflops * 1e12), dp_traffic=dp,
+        reference_s=reference_s,
     )
+
+
+def _reference_pass_s(*, shape, layout, training, cluster, assumptions, num_micro: int, dp: DpTraffic) -> float:
+    """DPO's live reference: one forward of each of the step's micro-batches, a forward-only pipeline pass before
+    the policy's (toolkit/plan/dpo.py), so m + (p-1)/v forwards of the slowest stage. Its forward is the forward's
+    share of each term of a micro-batch without recompute: compute 1/3 (forward, backward-data, backward-weight;
+    the logits too), memory-bound kernels 1 / (1 + elementwise_backward_factor), TP collectives 2 of 4, pipeline
+    sends 1 of 2 (activations, not gradients), the CP ring 1 of 3 exchanges, the MoE all-to-all 2 of 4. Under
+    ZeRO-3 with LoRA the reference is the partitioned policy, whose forward gathers the weights again (the step's
+    forward gathers, none of them hidden)."""
+    if not live_reference(training):
+        return 0.0
+    a, plain = assumptions, dataclasses.replace(layout, recompute="none")
+    forward_s = max(_forward_share_s(_per_micro_batch_s(shape=shape, layout=plain, training=training, cluster=cluster,
+                                                        assumptions=a, stage=stage), assumptions=a)
+                    for stage in _timed_stages(shape=shape, layout=layout))
+    gathers_s = dp.forward_s if training.lora is not None and layout.zero_stage >= 3 else 0.0
+    return (num_micro + (layout.pp - 1) / layout.vpp) * forward_s + gathers_s
+
+
+def _forward_share_s(mb: "_MicroBatch", *, assumptions: Assumptions) -> float:
+    """The forward's part of a micro-batch timed without recompute (_reference_pass_s)."""
+    return (mb.compute_s / 3 + mb.elementwise_s / (1 + assumptions.elementwise_backward_factor) + mb.tp_s / 2
+            + mb.pp_s / 2 + mb.cp_s / 3 + mb.ep_s / 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +220,7 @@ def _per_micro_batch_s(*, shape, layout, training, cluster, assumptions, stage: 
     """One micro-batch through pipeline stage `stage` (the last adds the logits) on one rank."""
     a, t, cp = assumptions, layout.tp, layout.cp
     s = training.seq_length
-    tokens = s * layout.micro_batch_size // cp          # this rank's share of the micro-batch
+    tokens = s * layout.micro_batch_size * rows_per_pair(training) // cp  # this rank's share (DPO: the pairs' rows)
     kinds = _stage_layer_kinds(shape=shape, layout=layout, stage=stage)
     dense, moe = _dense_and_moe(kinds)
     layers = dense + moe

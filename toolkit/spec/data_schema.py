@@ -27,7 +27,8 @@ DATA_SOURCE_FIX = ("set data.path to a jsonl/json/csv/parquet/text file, a save_
 # The field options each record type reads (the others would be silently ignored, so they are refused).
 TYPE_FIELDS = {"auto": {"text_field", "prompt_field", "completion_field", "messages_field"},
                "text": {"text_field"}, "completion": {"prompt_field", "completion_field"}, "alpaca": set(),
-               "sharegpt": {"messages_field"}, "messages": {"messages_field"}}
+               "sharegpt": {"messages_field"}, "messages": {"messages_field"},
+               "preference": set()}
 # Rules raised below (toolkit/spec/schema.py SCHEMA_RULES lists them with the others).
 DATA_RULES = frozenset({"messages_vs_prompt", "prompt_completion_pair", "synthetic_with_path", "validation_both",
                         "data_sources_exclusive", "type_fields", "megatron_type", "megatron_validation_path",
@@ -40,7 +41,7 @@ class RecordSource(Section):
     path: str | None = None
     # auto: from the extension; megatron: `path` is the prefix of an indexed corpus (PREFIX.bin / PREFIX.idx)
     format: Literal["auto", "jsonl", "json", "csv", "parquet", "text", "arrow", "megatron"] = "auto"
-    type: Literal["auto", "text", "completion", "alpaca", "sharegpt", "messages"] = "auto"
+    type: Literal["auto", "text", "completion", "alpaca", "sharegpt", "messages", "preference"] = "auto"
     config: str | None = None  # a dataset repository's configuration (its README `configs`), or a cached name's
     split: str = "train"
     text_field: str = "text"

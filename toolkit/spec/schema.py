@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from toolkit.spec.data_schema import DATA_RULES, DATA_SOURCE_FIX, DataSpec, MixSource  # noqa: F401  (part of the schema)
+from toolkit.spec.preference import PREFERENCE_RULES, DpoSpec, check_method
 from toolkit.spec.sections import FloatType, Section, _safe_path
 
 # RFC 1123 host names (and IPv4 addresses): letters, digits, '-', '.'; nothing a shell would interpret.
@@ -38,7 +39,7 @@ SCHEMA_RULES = frozenset({
     "job_name", "lora_export", "lora_rank", "sbatch_option", "slurm_line", "slurm_time", "slurm_value", "min_lr_above_lr",
     "model_source", "network_interface", "offload_optimizer_needs_zero", "offload_params_needs_zero3", "unknown_gpu",
     "wandb_value", "warmup_vs_steps",
-}) | DATA_RULES
+}) | DATA_RULES | PREFERENCE_RULES
 
 
 class ModelSpec(Section):
@@ -357,6 +358,8 @@ class TrainingSpec(Section):
     wandb: WandbSpec | None = None  # None: no Weights & Biases logging
     sync_batchnorm: bool = False  # models without an adapter: BatchNorm -> torch.nn.SyncBatchNorm (stats over DP)
     lora: LoraSpec | None = None  # None: full fine-tuning
+    method: Literal["sft", "dpo"] = "sft"  # dpo: preference pairs (toolkit/spec/preference.py)
+    dpo: DpoSpec | None = None  # method dpo's settings; None: TRL's defaults
     # Validation (data.validation_path / validation_fraction): before step 1 (logged as step 0), every
     # eval_interval steps and after the last step; None: at the start and the end only.
     eval_interval: int | None = Field(None, ge=1)
@@ -391,6 +394,7 @@ class TrainingSpec(Section):
                 {"gbt": self.global_batch_tokens, "seq": self.seq_length, "a": below or self.seq_length,
                  "b": below + self.seq_length},
             )
+        check_method(method=self.method, dpo=self.dpo)
         if self.min_lr > self.lr:
             raise PydanticCustomError("min_lr_above_lr", "min_lr={min_lr} exceeds lr={lr}", {"min_lr": self.min_lr, "lr": self.lr})
         if self.warmup_steps >= self.train_steps:

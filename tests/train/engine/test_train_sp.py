@@ -103,7 +103,7 @@ def backward_grads(*, model_dir: str, pp: int, sp: bool, recompute: str, summed:
     from toolkit.adapters.load import canonical_parameters
     from toolkit.convert.chunks import load_model_chunks
     from toolkit.parallel.groups import Layout
-    from toolkit.train.engine.hybrid import sum_sequence_parallel_grads
+    from toolkit.train.engine.tp_grads import sum_sequence_parallel_grads
     from toolkit.train.engine.loss import masked_token_loss_sum
 
     layout = Layout(tp=2, pp=pp, dp=4 // (2 * pp), sp=sp)

@@ -264,7 +264,7 @@ def lora_grads(*, model_dir: str, adapter_dir: str, tp: int, sp: bool, summed: b
     from toolkit.convert.chunks import load_model_chunks
     from toolkit.parallel.groups import Layout, init_process_groups
     from toolkit.spec.schema import LoraSpec
-    from toolkit.train.engine.hybrid import sum_sequence_parallel_grads
+    from toolkit.train.engine.tp_grads import sum_sequence_parallel_grads
     from toolkit.train.lora.adapters import adapted_linears
     from toolkit.train.lora.targets import LINEARS
     from toolkit.train.lora.apply import apply_lora

@@ -156,9 +156,17 @@ def padding_rows(rules: BatchRules) -> dict[str, torch.Tensor]:
                           "labels": torch.full(rules.shape, IGNORE_INDEX, dtype=torch.long)})
 
 
-def take_micro_batches(micro_batches, *, count: int | None, rules: BatchRules) -> tuple[list[dict], list[str]]:
+def read_micro_batch(batch, *, index: int, rules: BatchRules) -> tuple[dict | None, list[str]]:
+    """(token rows or None, problems) of one HF micro-batch."""
+    found = micro_batch_problems(batch, index=index, rules=rules)
+    return (None if found else to_token_rows(batch)), found
+
+
+def take_micro_batches(micro_batches, *, count: int | None, rules: BatchRules,
+                       read=read_micro_batch) -> tuple[list[dict], list[str]]:
     """(token rows, problems): `count` micro-batches pulled from the iterable `micro_batches` (None: all of it),
-    each checked; never raises, so that `agree` can tell every rank."""
+    each checked and turned into rows by `read` (DPO's pairs: toolkit/train/engine/hf_pairs.py); never raises, so
+    that `agree` can tell every rank."""
     if count is not None and isinstance(micro_batches, (list, tuple)) and len(micro_batches) != count:
         return [], [f"micro_batch_count: got a {type(micro_batches).__name__} of {len(micro_batches)} micro-batches; "
                     f"one optimizer step takes {count} per data-parallel rank (run.micro_batches_per_step)"]
@@ -183,9 +191,9 @@ def take_micro_batches(micro_batches, *, count: int | None, rules: BatchRules) -
             problems.append(f"micro_batch_iterator: the micro-batch iterator raised {type(err).__name__}: {err}")
             break
         try:
-            found = micro_batch_problems(batch, index=index, rules=rules)
-            if not found:
-                rows.append(to_token_rows(batch))
+            row, found = read(batch, index=index, rules=rules)
+            if row is not None:
+                rows.append(row)
         except Exception as err:  # a check that could not run on this input is a problem too, never a lone raise
             found = [f"micro_batch_type: micro-batch {index} could not be read: {type(err).__name__}: {err}"]
         problems += found

@@ -31,7 +31,6 @@ LM, sequence classification / regression); bf16 accumulates and reduces gradient
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from contextlib import nullcontext
 
@@ -43,6 +42,7 @@ from toolkit.errors import DsmtError
 from toolkit.train.engine import moe
 from toolkit.parallel.mpu import MegatronMpu
 from toolkit.train.engine.tasks import CausalLM
+from toolkit.train.engine.tp_grads import sum_sequence_parallel_grads
 from toolkit.train.engine.trainer import EngineCheckpoints
 
 MIN_DEEPSPEED = "0.19.4"  # the first release with `managed_gradient_accumulation` (the PP > 1 driver needs it)
@@ -54,7 +54,8 @@ class StepStats:
     grad_norm: float | None
     lr: float
     step_time_s: float
-    tokens: int | None = None  # loss units of the global batch (counted tokens; samples for classification)
+    tokens: int | None = None  # loss units of the global batch (counted tokens; samples for classification; pairs)
+    metrics: dict[str, float] | None = None  # the task's other means per unit (DPO: TRL's rewards/*, logps/*)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +65,17 @@ class EvalSums:
 
     loss_sum: float
     units: int
+    metric_sums: dict[str, float] | None = None  # the task's other sums over the same units (DPO)
 
     @property
     def loss(self) -> float:
         return self.loss_sum / max(self.units, 1)
+
+    @property
+    def metrics(self) -> dict[str, float] | None:
+        if self.metric_sums is None:
+            return None
+        return {name: value / max(self.units, 1) for name, value in self.metric_sums.items()}
 
 
 def engine_config(ds_config: dict, *, pp_size: int) -> dict:
@@ -93,7 +101,7 @@ class HybridEngine(EngineCheckpoints):
     engine: object  # DeepSpeed's engine around the chunks (set by `deepspeed.initialize`)
 
     def __init__(self, *, chunks: list, ds_config: dict, vocab_size: int, tied_embeddings: bool, pp_size: int,
-                 task=None, lr_schedule=None):
+                 task=None, lr_schedule=None, reference=None):
         import deepspeed
 
         module = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
@@ -113,6 +121,9 @@ class HybridEngine(EngineCheckpoints):
         self.task = task if task is not None else CausalLM(vocab_size=vocab_size)
         self.pp_size = pp_size
         self.tied_embeddings = tied_embeddings
+        # DPO's live reference (toolkit/train/engine/reference.py): its log-probs join each micro-batch before the
+        # policy's forward; None when the batches bring them (precomputed) or the task needs none
+        self.reference = reference
 
     @property
     def chunks(self) -> list:
@@ -132,6 +143,8 @@ class HybridEngine(EngineCheckpoints):
         lr = self.engine.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler steps after the update)
         device = backends.current().device
         micro_batches = [{key: value.to(device) for key, value in batch.items()} for batch in micro_batches]
+        if self.reference is not None:
+            self.reference.add_logps(self, micro_batches)  # before the CP cut: the reference cuts its own copy
         micro_batches = context_parallel_slices(micro_batches)
         check_sequence_split(seq_length=self.task.sequence(micro_batches[0]).shape[1], chunks=self.chunks)
         global_tokens = global_loss_tokens(micro_batches, device=device, count=self.task.count)
@@ -140,12 +153,28 @@ class HybridEngine(EngineCheckpoints):
         step = self._pipeline_step if self.pp_size > 1 else self._deepspeed_step
         if self.is_moe and self.pp_size == 1:
             moe.set_aux_loss_scale(len(micro_batches), device=device)  # megatron's pipeline schedule sets its own
-        local_sum = step(micro_batches, scale=scale)
+        local_sums = step(micro_batches, scale=scale)
         norm = self.engine.get_global_grad_norm()
         aux = moe.aux_loss_value(self.chunks, num_microbatches=len(micro_batches), device=device) if self.is_moe else 0.0
-        return StepStats(loss=self._global_loss(local_sum, global_tokens=global_tokens) + aux,
-                         grad_norm=None if norm is None else float(norm), lr=float(lr),
-                         step_time_s=time.perf_counter() - start, tokens=global_tokens)
+        sums = self._reduce_last_stage(local_sums.detach().double()).tolist()
+        units = max(global_tokens, 1)
+        return StepStats(loss=sums[0] / units + aux, grad_norm=None if norm is None else float(norm), lr=float(lr),
+                         step_time_s=time.perf_counter() - start, tokens=global_tokens,
+                         metrics=self._metric_values(sums[1:], units=units))
+
+    def _metric_values(self, sums: list[float], *, units: int) -> dict[str, float] | None:
+        names = getattr(self.task, "metric_names", ())
+        return {name: value / units for name, value in zip(names, sums)} if names else None
+
+    def _loss_terms(self, output, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum with its graph, the detached 1-D sums this engine adds up and reduces: the loss sum, then the
+        task's metric sums). A task with metrics (DPO) gives them with its loss (`loss_terms`)."""
+        terms = getattr(self.task, "loss_terms", None)
+        if terms is None:
+            loss = self.task.loss_sum(output, batch)
+            return loss, loss.detach().float().reshape(1)
+        loss, metrics = terms(output, batch)
+        return loss, torch.cat([loss.detach().float().reshape(1), metrics.float()])
 
     def eval_step(self, micro_batches: list[dict]) -> EvalSums:
         """Forward only, no gradient, dropout off (eval mode, restored after): the task's loss summed over this
@@ -154,17 +183,44 @@ class HybridEngine(EngineCheckpoints):
         toolkit/train/job/evaluate.py). Micro-batches move to the device one at a time."""
         if not micro_batches:
             raise DsmtError("eval_step() got no micro-batches: every rank needs at least one (pad with loss 0 rows)")
-        sums = torch.zeros(2, dtype=torch.float64)  # loss sum, units; on the CPU until the reduction
-        training = self.engine.training
-        self.engine.eval()
+        collected: list[torch.Tensor] = []  # per micro-batch on the last stage: loss sum, metric sums, units
+        if self.reference is not None:  # on copies: the caller's micro-batches stay as they were
+            micro_batches = [dict(batch) for batch in micro_batches]
+            self.reference.add_logps(self, micro_batches)
+
+        def add_sums(output, batch: dict) -> None:
+            _, sums = self._loss_terms(output, batch)
+            collected.append(torch.cat([sums.double().cpu(), torch.tensor([float(self.task.count(batch))],
+                                                                           dtype=torch.float64)]))
+
+        self.forward_only(micro_batches, on_output=add_sums)
+        width = 2 + len(getattr(self.task, "metric_names", ()))
+        local = torch.stack(collected).sum(0) if collected else torch.zeros(width, dtype=torch.float64)
+        sums = self._reduce_last_stage(local).tolist()
+        names = getattr(self.task, "metric_names", ())
+        return EvalSums(loss_sum=sums[0], units=int(round(sums[-1])),
+                        metric_sums=dict(zip(names, sums[1:-1])) if names else None)
+
+    def forward_only(self, micro_batches: list[dict], *, on_output, chunks: list | None = None) -> None:
+        """Forward passes without gradient in eval mode (dropout off; restored after) over `chunks` (default: the
+        trained ones, through DeepSpeed's engine, which ZeRO-3 needs to gather them; a frozen reference's own);
+        `on_output(output, batch)` runs on the last pipeline stage for each micro-batch, in micro-batch order.
+        Collective over the model-parallel groups; micro-batches move to the device one at a time."""
+        own = chunks is None
+        modules = [self.engine] if own else list(chunks)
+        training = [module.training for module in modules]
+        for module in modules:
+            module.eval()
         try:
             with torch.no_grad():
-                forward = self._pipeline_forward if self.pp_size > 1 else self._module_forward
-                forward(micro_batches, sums=sums)
+                if self.pp_size > 1:
+                    self._pipeline_forward(micro_batches, on_output=on_output, chunks=chunks)
+                else:
+                    for batch in self._eval_inputs(micro_batches):
+                        on_output(self.task.forward(modules[0], batch), batch)
         finally:
-            self.engine.train(training)
-        loss_sum, units = self._reduce_last_stage(sums).tolist()
-        return EvalSums(loss_sum=loss_sum, units=int(round(units)))
+            for module, was in zip(modules, training):
+                module.train(was)
 
     def _eval_inputs(self, micro_batches: list[dict]):
         device = backends.current().device
@@ -174,37 +230,32 @@ class HybridEngine(EngineCheckpoints):
                 check_sequence_split(seq_length=self.task.sequence(batch).shape[1], chunks=self.chunks)
             yield batch
 
-    def _add_sums(self, output, batch: dict, *, sums: torch.Tensor) -> torch.Tensor:
-        loss_sum = self.task.loss_sum(output, batch).detach()
-        sums[0] += float(loss_sum)
-        sums[1] += self.task.count(batch)
-        return loss_sum
-
-    def _module_forward(self, micro_batches: list[dict], *, sums: torch.Tensor) -> None:
-        for batch in self._eval_inputs(micro_batches):
-            self._add_sums(self.task.forward(self.engine, batch), batch, sums=sums)
-
-    def _pipeline_forward(self, micro_batches: list[dict], *, sums: torch.Tensor) -> None:
+    def _pipeline_forward(self, micro_batches: list[dict], *, on_output, chunks: list | None) -> None:
         """megatron's schedule with forward_only=True; the loss function runs on the last stage only."""
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
             output = self.task.forward(model, batch)
-            # a new tensor: megatron divides the returned loss in place by the number of micro-batches
-            return output, lambda out: (self._add_sums(out, batch, sums=sums).clone(), {})
+
+            def loss_func(out):
+                on_output(out, batch)
+                # a new tensor: megatron divides the returned loss in place by the number of micro-batches
+                return torch.zeros((), device=out.device), {}
+
+            return output, loss_func
 
         first = self.task.sequence(micro_batches[0])
         # the full length (these are the micro-batches before the CP cut): megatron divides it for the p2p tensors
         self._run_schedule(forward_step, iterators=lambda: self._eval_inputs(micro_batches),
                            num_microbatches=len(micro_batches), seq_length=first.shape[1],
-                           micro_batch_size=first.shape[0], forward_only=True)
+                           micro_batch_size=first.shape[0], forward_only=True, chunks=chunks)
 
     def _run_schedule(self, forward_step, *, iterators, num_microbatches: int, seq_length: int,
-                      micro_batch_size: int, forward_only: bool) -> None:
+                      micro_batch_size: int, forward_only: bool, chunks: list | None = None) -> None:
         """megatron's pipeline schedule over this rank's chunks (one data iterator per virtual stage, made by
         `iterators()`); the interleaved schedule takes lists, the plain 1F1B one a single model and iterator."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        chunks = self.chunks
+        chunks = self.chunks if chunks is None else chunks
         data = [iterators() for _ in chunks]
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0],
@@ -213,14 +264,14 @@ class HybridEngine(EngineCheckpoints):
         )
 
     def _deepspeed_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
-        local_sum = torch.zeros((), dtype=torch.float32, device=self.task.sequence(micro_batches[0]).device)
+        sums = []
         for batch in micro_batches:
-            token_sum = self.task.loss_sum(self.task.forward(self.engine, batch), batch)
+            token_sum, batch_sums = self._loss_terms(self.task.forward(self.engine, batch), batch)
             # The scale already accounts for accumulation: DeepSpeed must not divide by its GAS again.
             self.engine.backward(token_sum * scale, scale_wrt_gas=False)
             self.engine.step()  # steps at the accumulation boundary only
-            local_sum += token_sum.detach()
-        return local_sum
+            sums.append(batch_sums)
+        return torch.stack(sums).sum(0)
 
     def _pipeline_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
         from megatron.core import parallel_state
@@ -234,8 +285,8 @@ class HybridEngine(EngineCheckpoints):
             logits = self.task.forward(model, batch)
 
             def loss_func(output):
-                token_sum = self.task.loss_sum(output, batch)
-                sums.append(token_sum.detach().clone())
+                token_sum, batch_sums = self._loss_terms(output, batch)
+                sums.append(batch_sums)
                 # megatron's schedule divides a (loss, {}) return by num_microbatches and multiplies it by the CP
                 # size: undo both so that the backpropagated value is token_sum * scale, as in the DeepSpeed driver.
                 return token_sum * (scale * num_microbatches / cp_size), {}
@@ -252,7 +303,8 @@ class HybridEngine(EngineCheckpoints):
         # CSV / TensorBoard monitors plot every PP > 1 step at x = 0 samples.
         self.engine._unmanaged_backward_count = num_microbatches
         self.engine.step()  # unmanaged accumulation: this call reduces over DP, clips and steps
-        return torch.stack(sums).sum() if sums else torch.zeros((), device=first.device)
+        width = 1 + len(getattr(self.task, "metric_names", ()))
+        return torch.stack(sums).sum(0) if sums else torch.zeros(width, device=first.device)
 
     def _allreduce_tied_embedding_grads(self) -> None:
         """With tied embeddings and PP > 1 the first and last stages each hold a copy of the embedding; summing
@@ -269,11 +321,6 @@ class HybridEngine(EngineCheckpoints):
                 if weight is not None and weight.requires_grad:
                     dist.all_reduce(accumulated_grad(weight), group=parallel_state.get_embedding_group())
 
-    def _global_loss(self, local_sum: torch.Tensor, *, global_tokens: int) -> float:
-        """The step's per-token loss on every rank: token-loss sums of the last pipeline stage, summed over
-        data-parallel ranks, divided by the global number of loss tokens."""
-        return self._reduce_last_stage(local_sum.detach().float().reshape(1))[0].item() / max(global_tokens, 1)
-
     @staticmethod
     def _reduce_last_stage(local: torch.Tensor) -> torch.Tensor:
         """`local` (1-D) of the last pipeline stage summed over the data-parallel ranks (and the CP ranks'
@@ -289,53 +336,6 @@ class HybridEngine(EngineCheckpoints):
         return value.cpu()
 
 
-def sequence_parallel_params(chunks: list) -> list[torch.nn.Parameter]:
-    """Parameters whose gradient is partial on each TP rank, so it must be summed over the TP group (megatron's rule
-    in `finalize_model_grads`):
-      * under sequence parallelism, those marked `sequence_parallel=True`: each TP rank computes their gradient
-        from its own slice of the sequence (the marks come from dsmt's `TorchNorm`, Transformer Engine's norms and
-        fused layer-norm linears, apex's norms, megatron's row-parallel biases);
-      * with qk_layernorm (Qwen3), the q / k head norms: one weight shared by all heads, and each TP rank holds
-        only its own heads, so each computes the gradient from those heads alone (SP or not); not OLMo-2's
-        whole-projection q / k norms, whose weight is itself split over TP (`tensor_model_parallel`);
-      * parameters marked `tensor_parallel_partial_grad=True` (LoRA matrices replicated over TP whose gradient
-        each rank computes from its own shard of the base layer: toolkit/train/lora/adapters.py).
-    Empty for chunks built with none of these."""
-    found: dict[int, torch.nn.Parameter] = {}
-    for chunk in chunks:
-        config = getattr(chunk, "config", None)
-        sequence_parallel = getattr(config, "sequence_parallel", False)
-        qk_layernorm = getattr(config, "qk_layernorm", False)
-        for name, param in chunk.named_parameters():
-            partial = ((sequence_parallel and getattr(param, "sequence_parallel", False))
-                       or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
-                           # a TP-sharded q / k norm (OLMo-2's, over the whole projection) holds its own heads' slice
-                           and not getattr(param, "tensor_model_parallel", False))
-                       or getattr(param, "tensor_parallel_partial_grad", False))
-            if param.requires_grad and partial:
-                found[id(param)] = param
-    return list(found.values())
-
-
-def sum_sequence_parallel_grads(chunks: list, *, tp_group=None) -> list:
-    """Sum the gradients of `sequence_parallel_params` over the TP group; returns the hook handles.
-
-    megatron sums them in `finalize_model_grads` for its own DDP, after backward. Here DeepSpeed owns the
-    gradients, and at ZeRO-2/3 it reduces (and at bf16 moves) each one over DP in a post-accumulate-grad hook
-    during backward, so nothing after backward could come first. A tensor hook on the parameter runs when its
-    gradient is computed, before accumulation, so every DeepSpeed stage and both drivers see the TP sum; it also
-    fires inside activation recompute's backward. One small all-reduce per norm and micro-batch (norms are
-    hidden_size long); sum over micro-batches of TP sums = TP sum of the accumulated gradient."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
-    if dist.get_world_size(group=group) == 1:
-        return []
-    hook = functools.partial(_sum_over_group, group=group)
-    return [param.register_hook(hook) for param in sequence_parallel_params(chunks)]
-
-
 def check_sequence_split(*, seq_length: int, chunks: list) -> None:
     """Sequence parallelism splits every sequence into tp equal slices (megatron asserts it deep in a forward)."""
     from megatron.core import parallel_state
@@ -345,14 +345,6 @@ def check_sequence_split(*, seq_length: int, chunks: list) -> None:
         raise DsmtError(f"sequence_parallel_vs_seq_length: seq_length={seq_length} is not divisible by tp={tp}, "
                         "and sequence parallelism splits each sequence into tp equal slices; set "
                         f"training.seq_length to a multiple of {tp} or parallel.sequence_parallel: false")
-
-
-def _sum_over_group(grad: torch.Tensor, *, group) -> torch.Tensor:
-    import torch.distributed as dist
-
-    total = grad.to(torch.float32, copy=True)  # a new tensor (hooks must not modify theirs); fp32: one rounding
-    dist.all_reduce(total, group=group)
-    return total.to(grad.dtype)
 
 
 def global_loss_tokens(micro_batches: list[dict], *, device: torch.device, count) -> int:

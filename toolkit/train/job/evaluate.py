@@ -21,51 +21,50 @@ carry labels -100 (token tasks) and `sample_mask` 0 (every task; the per-sample 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import torch
 
 from toolkit.errors import DsmtError
+from toolkit.train.job.eval_rows import preference_rows, rank_rows  # noqa: F401  (rank_rows: part of this API)
 
 
 @dataclasses.dataclass(frozen=True)
 class ValLoss:
-    loss: float  # per counted token over the whole validation set
-    units: int  # the counted tokens (samples for classification)
+    loss: float  # per counted token over the whole validation set (per pair for DPO)
+    units: int  # the counted tokens (samples for classification, pairs for DPO)
     eval_time_s: float
-
-
-def rank_rows(*, num_examples: int, dp_rank: int, dp_size: int, micro_batch_size: int,
-              microbatch_multiple: int = 1) -> list[list[int | None]]:
-    """This rank's micro-batches as row indices; None is a padding row (see the module docstring)."""
-    if num_examples < 1:
-        raise DsmtError("the validation data tokenised to no example; give more validation records")
-    rows: list[int | None] = list(range(dp_rank, num_examples, dp_size))
-    num_micro = math.ceil(math.ceil(num_examples / dp_size) / micro_batch_size)
-    num_micro = math.ceil(num_micro / microbatch_multiple) * microbatch_multiple
-    rows += [None] * (num_micro * micro_batch_size - len(rows))
-    return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+    metrics: dict[str, float] | None = None  # the task's other means over the same units (DPO: rewards/*, logps/*)
 
 
 class Validation:
     """The validation micro-batches of one rank, gathered in the training batches' format (`MicroBatches`), so
     whatever the rows carry (positions of packed records) reaches the model as in training."""
 
-    def __init__(self, *, examples, micro_batch_size: int, dp_rank: int, dp_size: int, microbatch_multiple: int = 1):
+    def __init__(self, *, examples, micro_batch_size: int, dp_rank: int, dp_size: int, microbatch_multiple: int = 1,
+                 reference=None):
         from toolkit.data.batches import MicroBatches
 
+        self.examples = examples
         self.num_examples = len(examples)
         self.counted_tokens = examples.counted_tokens()
+        self.preference = getattr(examples, "kind", None) == "preference"
+        self.unit_name = "counted tokens"
+        if self.preference:  # DPO: the loss and its metrics are per pair
+            self.counted_tokens, self.unit_name = self.num_examples, "pairs"
+        self.reference = reference  # precomputed reference log-probs (toolkit/train/engine/preference.py)
         self._gatherer = MicroBatches(examples=examples, micro_batch_size=micro_batch_size, num_microbatches=1,
                                       dp_rank=dp_rank, dp_size=dp_size, seed=0, shuffle=False)
         self.rows = rank_rows(num_examples=self.num_examples, dp_rank=dp_rank, dp_size=dp_size,
                               micro_batch_size=micro_batch_size, microbatch_multiple=microbatch_multiple)
 
     def micro_batches(self) -> list[dict[str, torch.Tensor]]:
-        return [self._gather(rows) for rows in self.rows]
+        batches = [self._gather(rows) for rows in self.rows]
+        return [self.reference.add(batch) for batch in batches] if self.reference is not None else batches
 
     def _gather(self, rows: list[int | None]) -> dict[str, torch.Tensor]:
+        if self.preference:
+            return preference_rows(self.examples, rows)
         batch = self._gatherer._gather(torch.tensor([0 if row is None else row for row in rows]))
         padding = torch.tensor([row is None for row in rows])
         if padding.any():
@@ -114,7 +113,8 @@ def evaluate(*, trainer, validation: Validation) -> ValLoss:
     """The validation loss of the trainer's current weights (collective: every rank calls it)."""
     start = time.perf_counter()
     sums = trainer.eval_step(validation.micro_batches())
-    return ValLoss(loss=sums.loss, units=sums.units, eval_time_s=time.perf_counter() - start)
+    return ValLoss(loss=sums.loss, units=sums.units, eval_time_s=time.perf_counter() - start,
+                   metrics=getattr(sums, "metrics", None))
 
 
 def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValidation | None:
@@ -139,11 +139,28 @@ def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValid
     interleaved = len(getattr(trainer, "chunks", [None])) > 1
     rows = dict(micro_batch_size=layout.micro_batch_size, dp_rank=parallel_state.get_data_parallel_rank(),
                 dp_size=layout.dp, microbatch_multiple=layout.pp if interleaved else 1)
-    if getattr(task, "name", None) != "causal_lm":  # encoder heads (hybrid), every plain model's task
+    if getattr(task, "name", None) not in ("causal_lm", "dpo"):  # encoder heads (hybrid), every plain model's task
         return TaskValidation(examples=task_validation_examples(spec=spec, layout=layout, hf_dir=hf_dir), **rows)
     examples = job_rows(data=data, model_path=str(hf_dir), seq_length=layout.seq_length, vocab_size=task.vocab_size,
                         seed=spec.training.seed, output_dir=spec.training.output_dir, part=VALIDATION)
-    return Validation(examples=examples, **rows)
+    return Validation(examples=examples, reference=precomputed_reference(spec=spec, layout=layout, trainer=trainer,
+                                                                         examples=examples, hf_dir=hf_dir), **rows)
+
+
+def precomputed_reference(*, spec, layout, trainer, examples, hf_dir):
+    """The validation pairs' precomputed reference log-probs (training.dpo.reference: precomputed), else None.
+    Computed before training starts (`build_validation` runs before the resume): the policy is the reference."""
+    from toolkit.spec.preference import dpo_settings
+
+    dpo = dpo_settings(spec.training)
+    if dpo is None or dpo.reference != "precomputed":
+        return None
+    from toolkit.train.engine.preference import PrecomputedReference
+    from toolkit.train.job.preference_run import precomputed_table
+
+    table = precomputed_table(hybrid=trainer, examples=examples, layout=layout, hf_dir=hf_dir,
+                              precision=spec.training.precision)
+    return PrecomputedReference(batches=None, table=table)
 
 
 def task_validation_examples(*, spec, layout, hf_dir):

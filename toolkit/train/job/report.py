@@ -62,6 +62,14 @@ def _finish_wandb_run() -> None:
         wandb.finish()
 
 
+# the metrics the rank-0 line shows (all of them go to metrics.jsonl and the monitors)
+SHOWN_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def _metrics_text(metrics: dict) -> str:
+    return "".join(f" | {name} {metrics[name]:.4f}" for name in SHOWN_METRICS if name in metrics)
+
+
 class RunLog:
     def __init__(self, *, output_dir: Path, is_writer: bool, layout, spec, ds_config: dict):
         self.output_dir = Path(output_dir)
@@ -119,29 +127,37 @@ class RunLog:
         record = {"step": step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                   "step_time_s": stats.step_time_s, "tokens_per_s": tokens_per_s,
                   "memory_gib": peak_memory_over_ranks_gib()}  # collective: step() runs on every rank
+        metrics = getattr(stats, "metrics", None) or {}  # DPO: TRL's rewards/* and logps/* names
+        record.update(metrics)
         self.history.append(record)
         # DeepSpeed's engine adds Train/Samples/lr (and loss_scale with fp16) at the same x: samples seen
         samples = step * self.global_batch_size
         events = [("Train/Samples/train_loss", stats.loss, samples)]
         if stats.grad_norm is not None:
             events.append(("Train/Samples/grad_norm", stats.grad_norm, samples))
+        events += [(f"Train/Samples/{name}", value, samples) for name, value in metrics.items()]
         if not self._record(record, events=events, engine=engine):
             return
         if step % self.log_interval == 0 or step == 1:
             norm = "n/a" if stats.grad_norm is None else f"{stats.grad_norm:.3f}"
             memory = "n/a" if record["memory_gib"] is None else f"{record['memory_gib']:.2f} GiB"
-            _say(f"step {step:5d} | loss {stats.loss:.4f} | lr {stats.lr:.3e} | grad norm {norm} | "
-                 f"{tokens_per_s:,.0f} tok/s | {stats.step_time_s:.2f} s | max mem {memory}")
+            _say(f"step {step:5d} | loss {stats.loss:.4f}{_metrics_text(metrics)} | lr {stats.lr:.3e} | grad norm "
+                 f"{norm} | {tokens_per_s:,.0f} tok/s | {stats.step_time_s:.2f} s | max mem {memory}")
 
     def validation(self, *, step: int, result, engine) -> None:
         """One evaluation after `step` training steps (0: before the first)."""
-        record = {"step": step, "val_loss": result.loss, "val_tokens": result.units,
-                  "eval_time_s": result.eval_time_s}
+        metrics = getattr(result, "metrics", None) or {}
+        units = "val_pairs" if metrics else "val_tokens"  # DPO's loss is per pair
+        record = {"step": step, "val_loss": result.loss, units: result.units, "eval_time_s": result.eval_time_s,
+                  **{f"val_{name}": value for name, value in metrics.items()}}
         self.validation_history.append(record)
-        if not self._record(record, events=[("Validation/val_loss", result.loss, step * self.global_batch_size)],
-                            engine=engine):
+        samples = step * self.global_batch_size
+        events = [("Validation/val_loss", result.loss, samples)]
+        events += [(f"Validation/val_{name}", value, samples) for name, value in metrics.items()]
+        if not self._record(record, events=events, engine=engine):
             return
-        _say(f"step {step:5d} | val_loss {result.loss:.4f} | {result.units} tokens | {result.eval_time_s:.2f} s")
+        _say(f"step {step:5d} | val_loss {result.loss:.4f}{_metrics_text(metrics)} | {result.units} "
+             f"{'pairs' if metrics else 'tokens'} | {result.eval_time_s:.2f} s")
 
     def _record(self, record: dict, *, events: list[tuple[str, float, int]], engine) -> bool:
         """Append `record` to metrics.jsonl and `events` (name, value, samples seen) to DeepSpeed's monitors; only

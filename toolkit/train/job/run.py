@@ -58,6 +58,8 @@ def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
                         seed=spec.training.seed, output_dir=spec.training.output_dir,
                         num_samples=spec.training.train_steps * layout.global_batch_size)
     # megatron-core's GPTDataset has shuffled its samples with the seed already
+    if getattr(examples, "kind", None) == "preference":  # micro-batches of pairs (toolkit/data/preference.py)
+        from toolkit.data import PreferenceBatches as MicroBatches
     return MicroBatches(examples=examples, micro_batch_size=layout.micro_batch_size,
                         num_microbatches=layout.grad_accum_steps, dp_rank=parallel_state.get_data_parallel_rank(),
                         dp_size=layout.dp, seed=spec.training.seed, shuffle=spec.data.shuffle and not spec.data.is_megatron)
@@ -143,6 +145,7 @@ def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pa
         batches = encoder_batches(spec=spec, layout=layout, hf_dir=hf_dir, hf_config=info.hf_config)
     else:
         batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
+        batches = precomputed_batches(spec=spec, layout=layout, hybrid=hybrid, batches=batches, hf_dir=hf_dir)
     return TrainParts(trainer=hybrid, batches=batches,
                       export=lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir))
 
@@ -156,6 +159,7 @@ def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
     from toolkit.spec.layout import spec_attention
     from toolkit.train.engine.hybrid import HybridEngine
     from toolkit.train.engine.tasks import task_for_model
+    from toolkit.train.job.preference_run import dpo_task_and_reference
 
     # At ZeRO-3 the chunks are built partitioned (and loaded one parameter at a time): toolkit/adapters/zero3.py.
     zero3_config = ds_config if spec.parallel.zero_stage == 3 else None
@@ -175,11 +179,29 @@ def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
         from toolkit.train.lora.apply import apply_lora
 
         apply_lora(chunks, settings=info.settings, lora=spec.training.lora, seed=spec.training.seed)
+    dpo_task, reference = dpo_task_and_reference(spec=spec, layout=layout, info=info, params_dtype=dtype,
+                                                 attention=spec_attention(spec))
     hybrid = HybridEngine(chunks=chunks, ds_config=ds_config, vocab_size=info.settings.vocab_size,
                           tied_embeddings=info.settings.tied_embeddings, pp_size=layout.pp,
-                          task=task_for_model(settings=info.settings),
+                          task=dpo_task or task_for_model(settings=info.settings), reference=reference,
                           lr_schedule=LrSchedule.from_training(spec.training))
     return hybrid, info
+
+
+def precomputed_batches(*, spec, layout, hybrid, batches, hf_dir: Path):
+    """`batches` with each pair's precomputed reference log-probs (training.dpo.reference: precomputed), computed
+    here, before any checkpoint is loaded, when the data cache does not hold them yet; else `batches`."""
+    from toolkit.spec.preference import dpo_settings
+
+    dpo = dpo_settings(spec.training)
+    if dpo is None or dpo.reference != "precomputed":
+        return batches
+    from toolkit.train.engine.preference import PrecomputedReference
+    from toolkit.train.job.preference_run import precomputed_table
+
+    table = precomputed_table(hybrid=hybrid, examples=batches.examples, layout=layout, hf_dir=hf_dir,
+                              precision=spec.training.precision)
+    return PrecomputedReference(batches=batches, table=table)
 
 
 def _say_passthrough(info) -> None:

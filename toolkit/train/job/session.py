@@ -72,6 +72,12 @@ class TrainingRun:
         self._rules = hf_batches.BatchRules(micro_batch_size=layout.micro_batch_size, seq_length=layout.seq_length,
                                             vocab_size=info.settings.vocab_size,
                                             packing_refusal=_packing_refusal(layout=layout, chunks=hybrid.chunks))
+        self._read, self._padding = hf_batches.read_micro_batch, hf_batches.padding_rows
+        if getattr(hybrid.task, "name", None) == "dpo":  # pairs (toolkit/train/engine/hf_pairs.py)
+            from toolkit.train.engine import hf_pairs
+
+            self._read = hf_pairs.pair_reader(needs_reference=hybrid.reference is None)
+            self._padding = hf_pairs.padding_pairs
 
     # The layout and the raw objects, for scripts that need them.
     @property
@@ -108,7 +114,9 @@ class TrainingRun:
                   "decay); raise training.train_steps to train longer", file=sys.stderr, flush=True)
         stats = self.hybrid.train_step(rows)
         self.step += 1
-        return {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "tokens": stats.tokens}
+        # DPO: "tokens" counts pairs, and TRL's rewards/* and logps/* means join
+        return {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "tokens": stats.tokens,
+                **(stats.metrics or {})}
 
     def eval_step(self, micro_batches) -> dict:
         """Forward only, dropout off, over every micro-batch of the iterable (ranks may pass different numbers;
@@ -120,15 +128,15 @@ class TrainingRun:
             raise DsmtError("eval_step: no rank passed a micro-batch; pass at least one on some rank")
         if len(self.model_chunks) > 1:  # megatron's interleaved schedule takes a multiple of pp micro-batches
             needed = -(-needed // self.layout.pp) * self.layout.pp
-        rows += [hf_batches.padding_rows(self._rules) for _ in range(needed - len(rows))]
+        rows += [self._padding(self._rules) for _ in range(needed - len(rows))]
         sums = self.hybrid.eval_step(rows)
-        return {"loss": sums.loss, "tokens": sums.units}
+        return {"loss": sums.loss, "tokens": sums.units, **(sums.metrics or {})}
 
     def _take(self, micro_batches, *, count: int | None, what: str) -> tuple[list[dict], list[int]]:
         """(this rank's token rows, every rank's micro-batch count), or the same DsmtError on every rank."""
         from toolkit import backend as backends
 
-        rows, problems = hf_batches.take_micro_batches(micro_batches, count=count, rules=self._rules)
+        rows, problems = hf_batches.take_micro_batches(micro_batches, count=count, rules=self._rules, read=self._read)
         counts = hf_batches.agree(problems=problems, rows=rows, dp_rank=self.dp_rank, what=what,
                                   device=backends.current().device)
         return rows, counts

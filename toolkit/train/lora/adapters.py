@@ -14,7 +14,7 @@ megatron-layout matrices being built in the forward with the SAME transforms as 
                 an untargeted module of the fused layer has no block)
       out_local += scaling * copy_to_tp(x) A_all^T B_local^T   (gather_from_sequence_parallel under SP)
       -> the gradients of A and B on each rank are partial: marked `tensor_parallel_partial_grad`, the engine sums
-         them over TP (toolkit/train/engine/hybrid.py `sequence_parallel_params`).
+         them over TP (toolkit/train/engine/tp_grads.py `sequence_parallel_params`).
   row-parallel base (linear_proj, linear_fc2), x_local this rank's input columns:
       h = reduce_from_tp(x_local shard(ROW, A)^T)              (reduce_scatter_to_sequence_parallel under SP)
       out += scaling * h B^T
@@ -42,6 +42,7 @@ final-hf, PEFT's files for final-hf-adapter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import zlib
@@ -89,6 +90,7 @@ class LoraAdapter(torch.nn.Module):
         self.hf_paths = dict(modules)  # slot -> this layer's HF module path
         self.scaling, self.dropout = alpha / rank, dropout
         self.out_rows, self.ctx = list(out_rows), ctx
+        self.disabled = False  # `adapters_disabled`: the base alone (DPO's reference under LoRA)
         self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
         # Direct parameters, not a ParameterDict child: ZeRO-3 gathers for `forward` the module's own parameters only.
         for s in modules:
@@ -163,6 +165,8 @@ def lora_forward_hook(module, inputs, output):
     unpack it. The adapter is called as a module (ZeRO-3 gathers its parameters); nothing here reads the base
     weight."""
     out, bias, x = split_linear_output(output, linear_input=inputs[0])
+    if module.lora.disabled:
+        return out, bias
     return out + module.lora(x).to(out.dtype), bias
 
 
@@ -186,6 +190,8 @@ def router_gating(router, inputs: torch.Tensor) -> torch.Tensor:
     """megatron's router logits (in its routing dtype, fp32 for dsmt's families) plus the adapter's delta, added in
     that dtype: the router's own `gating` with LoRA, as PEFT adds the delta to HF's gate weight."""
     logits = type(router).gating(router, inputs)
+    if router.lora.disabled:
+        return logits
     delta = router.lora(inputs.to(router.lora.lora_A_0.dtype))
     return logits + delta.to(logits.dtype)
 
@@ -252,3 +258,18 @@ def adapted_linears(chunks: list):
                 for _, module in layer_linears(layer, linear):
                     if "lora" in module._modules:
                         yield layer.layer_number - 1, linear, module
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks: list):
+    """Every adapter of `chunks` off (each linear its base alone, as PEFT's `disable_adapter()`), restored after:
+    DPO's reference under LoRA is the same model without its adapters, no second copy."""
+    adapters = [module.lora for _, _, module in adapted_linears(chunks)]  # the routers' too ("mlp.router")
+    for adapter in adapters:
+        adapter.disabled = True
+    try:
+        yield len(adapters)
+    finally:
+        for adapter in adapters:
+            adapter.disabled = False
+

@@ -1,0 +1,163 @@
+"""DPO as a task of the hybrid engine (toolkit/train/engine/tasks.py's interface): the model call of causal LM, and
+a loss per preference PAIR computed from the log-probs of each sequence's completion.
+
+A micro-batch of n pairs (toolkit/data/preference.py) holds 2n sequences, chosen and rejected of pair j being
+sequences 2j and 2j + 1 (`sequence_index` per label), in 2n rows or, packed, both of a pair in one row. A sequence's
+log-prob is the SUM of its counted labels' log-probs, taken from megatron's vocab-parallel cross entropy (each TP
+rank holds vocab/tp columns; the cross entropy reduces max and sum-exp over TP itself), so no rank ever holds the
+full-vocabulary logits or an fp32 copy of them; its gradient flows back through that cross entropy. With PP the
+last stage computes it; under sequence parallelism the logits come out whole along the sequence.
+
+The loss and its metrics are TRL's (`DPOTrainer`), with delta = (pi_c - ref_c) - (pi_r - ref_r):
+
+    sigmoid  -(1 - eps) logsigmoid(beta delta) - eps logsigmoid(-beta delta)   (conservative DPO; eps 0: DPO)
+    ipo      ((pi_c - ref_c) / n_c - (pi_r - ref_r) / n_r - 1 / (2 beta))^2   (n: the completion's counted labels)
+    hinge    relu(1 - beta delta)
+
+summed over the pairs here; the engine divides by the global batch's pairs (the unit `count` gives), so the step's
+loss is the mean over its pairs whatever the layout. Metrics (`metric_names`), means over the same pairs:
+rewards/chosen = beta (pi_c - ref_c), rewards/rejected, rewards/accuracies (chosen reward above rejected),
+rewards/margins, logps/chosen = pi_c, logps/rejected.
+
+The reference log-probs `ref_logps` [2n] join the micro-batch before the policy's forward: from a live reference
+(toolkit/train/engine/reference.py) or precomputed with the data (`PrecomputedReference`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from toolkit.errors import DsmtError
+from toolkit.train.engine.loss import mask_padded_vocab_
+from toolkit.train.engine.tasks import CausalLM
+
+METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected")
+REFERENCE_KEY = "ref_logps"  # [2n] float32: chosen, rejected of pair 0, then of pair 1, ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Dpo:
+    """`dpo`: a `toolkit.spec.preference.DpoSpec` (beta, loss, label_smoothing)."""
+
+    vocab_size: int
+    dpo: object
+    name = "dpo"
+    metric_names = METRIC_NAMES
+
+    def sequence(self, batch: dict) -> torch.Tensor:
+        return batch["tokens"]
+
+    def count(self, batch: dict) -> int:
+        return int(batch["pair_mask"].sum().item())
+
+    def forward(self, model, batch: dict) -> torch.Tensor:
+        return CausalLM(vocab_size=self.vocab_size).forward(model, batch)  # packed pairs attend only to themselves
+
+    def loss_sum(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
+        return self.loss_terms(output, batch)[0]
+
+    def loss_terms(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the pairs' losses, with its graph; the metric sums over the pairs, detached)."""
+        reference = batch.get(REFERENCE_KEY)
+        if reference is None:
+            raise DsmtError("a DPO micro-batch reached the loss without reference log-probs ('ref_logps'): the run "
+                        "has no live reference and the batches brought none; set training.dpo.reference to base, "
+                        "precomputed or a checkpoint path")
+        policy, counts = sequence_logps(output, batch=batch, vocab_size=self.vocab_size)
+        return dpo_loss_terms(policy=policy, reference=reference.to(policy.dtype), counts=counts,
+                              pair_mask=batch["pair_mask"].to(policy.dtype), dpo=self.dpo)
+
+    def reference_logps(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The [2n] log-probs a reference forward gives (no graph)."""
+        return sequence_logps(output, batch=batch, vocab_size=self.vocab_size)[0].detach().float()
+
+
+def sequence_logps(logits: torch.Tensor, *, batch: dict, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob sums [2n] fp32, counted labels [2n]) of the micro-batch's sequences from its vocab-parallel logits
+    [rows, s, vocab/tp] (consumed, as the SFT loss consumes them: toolkit/train/engine/loss.py)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    per_token = vocab_parallel_cross_entropy(mask_padded_vocab_(logits, vocab_size=vocab_size), batch["labels"])
+    mask = batch["loss_mask"].to(per_token.dtype)
+    index = batch["sequence_index"].reshape(-1)
+    size = 2 * batch["pair_mask"].shape[0]
+    logps = torch.zeros(size, dtype=per_token.dtype, device=per_token.device).index_add(
+        0, index, (-per_token * mask).reshape(-1))
+    counts = torch.zeros(size, dtype=per_token.dtype, device=per_token.device).index_add(0, index, mask.reshape(-1))
+    return logps, counts
+
+
+def dpo_loss_terms(*, policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, pair_mask: torch.Tensor,
+                   dpo) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum over the pairs, metric sums [len(METRIC_NAMES)]) from [2n] policy and reference log-probs; pairs
+    with pair_mask 0 (validation padding) count nothing."""
+    chosen_ratio = policy[0::2] - reference[0::2]
+    rejected_ratio = policy[1::2] - reference[1::2]
+    losses = pair_losses(chosen_ratio=chosen_ratio, rejected_ratio=rejected_ratio, chosen_count=counts[0::2],
+                         rejected_count=counts[1::2], dpo=dpo)
+    with torch.no_grad():
+        chosen_reward, rejected_reward = dpo.beta * chosen_ratio, dpo.beta * rejected_ratio
+        per_pair = torch.stack([chosen_reward, rejected_reward, (chosen_reward > rejected_reward).to(policy.dtype),
+                                chosen_reward - rejected_reward, policy[0::2], policy[1::2]])
+        metrics = (per_pair * pair_mask).sum(1)
+    return (losses * pair_mask).sum(), metrics
+
+
+def pair_losses(*, chosen_ratio: torch.Tensor, rejected_ratio: torch.Tensor, chosen_count: torch.Tensor,
+                rejected_count: torch.Tensor, dpo) -> torch.Tensor:
+    """One loss per pair from the log-ratios log pi - log ref of its two completions (module docstring)."""
+    logsigmoid = torch.nn.functional.logsigmoid
+    if dpo.loss == "ipo":  # TRL normalises IPO's log-ratios by the completion's length
+        delta = chosen_ratio / chosen_count.clamp(min=1) - rejected_ratio / rejected_count.clamp(min=1)
+        return (delta - 1 / (2 * dpo.beta)) ** 2
+    delta = chosen_ratio - rejected_ratio
+    if dpo.loss == "hinge":
+        return torch.relu(1 - dpo.beta * delta)
+    smoothing = dpo.label_smoothing
+    return -(1 - smoothing) * logsigmoid(dpo.beta * delta) - smoothing * logsigmoid(-dpo.beta * delta)
+
+
+class PrecomputedReference:
+    """Batches with the reference log-probs of their pairs looked up in `table` [N, 2] (chosen, rejected per pair
+    index, from toolkit/train/engine/reference.py `precompute`): `batches_for_step` of the wrapped batches plus
+    `ref_logps`; validation micro-batches through `add`."""
+
+    def __init__(self, *, batches, table: torch.Tensor):
+        self.batches, self.table = batches, table.float()
+
+    def batches_for_step(self, step: int) -> list[dict]:
+        return [self.add(batch) for batch in self.batches.batches_for_step(step)]
+
+    def add(self, batch: dict) -> dict:
+        return {**batch, REFERENCE_KEY: self.table[batch["pair_index"]].reshape(-1)}
+
+    def __getattr__(self, name):  # the wrapped batches' layout (global_batch_size, ...)
+        return getattr(self.batches, name)
+
+
+class LiveReference:
+    """DPO's reference computed with each micro-batch, forward only, dropout off: a frozen copy of the model at the
+    policy's TP x PP (`chunks`: no optimizer state, no gradient, not partitioned by ZeRO), or, with `chunks` None,
+    the policy itself with its LoRA adapters off (one model, two forwards). Collective over the model-parallel
+    groups; `add_logps` puts `ref_logps` into each micro-batch dict on the last pipeline stage."""
+
+    def __init__(self, *, chunks: list | None = None):
+        self.chunks = chunks
+
+    def add_logps(self, engine, micro_batches: list[dict]) -> None:
+        from toolkit.train.lora.adapters import adapters_disabled
+
+        found: list[torch.Tensor] = []
+
+        def keep(output, batch: dict) -> None:
+            found.append(engine.task.reference_logps(output, batch))
+
+        if self.chunks is None:
+            with adapters_disabled(engine.chunks):
+                engine.forward_only(micro_batches, on_output=keep)
+        else:
+            engine.forward_only(micro_batches, on_output=keep, chunks=self.chunks)
+        for batch, logps in zip(micro_batches, found):  # none on the other stages: their loss is not computed
+            batch[REFERENCE_KEY] = logps.to(batch["tokens"].device)

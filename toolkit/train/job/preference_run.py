@@ -1,0 +1,130 @@
+"""What `training.method: dpo` adds to a run (toolkit/train/job/run.py): the DPO task, its reference, and the
+reference log-probs precomputed once over the data (`training.dpo.reference: precomputed`).
+
+    reference: base, LoRA         the policy with its adapters off: no second copy, one more forward per step
+    reference: base, full tuning  a frozen copy of the starting checkpoint at the policy's TP x PP (not ZeRO
+                                  partitioned: each model-parallel rank holds its shard whole, in the run's dtype)
+    reference: PATH               a frozen copy of that checkpoint, the same way
+    reference: precomputed        before training, one forward pass of the starting model (adapters off) over every
+                                  pair, written next to the data cache (`reference-logps-<key>.npy`, [pairs, 2]) and
+                                  read by later runs on the same data and model; training then holds one model
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from toolkit import backend as backends
+from toolkit.errors import DsmtError
+from toolkit.spec.preference import dpo_settings
+
+
+def dpo_task_and_reference(*, spec, layout, info, params_dtype: torch.dtype, attention: str | None):
+    """(Dpo task, LiveReference or None) for a DPO spec; (None, None) for SFT. Collective (a frozen copy is
+    loaded by every rank)."""
+    from toolkit.train.engine.preference import Dpo, LiveReference
+
+    dpo = dpo_settings(spec.training)
+    if dpo is None:
+        return None, None
+    if info.settings.encoder is not None:  # `dsmt check` says so first (rule dpo_model)
+        raise DsmtError(f"training.method=dpo: {info.hf_dir} is an encoder ({info.settings.encoder.task} head); DPO "
+                        "trains causal language models; set training.method: sft or use a causal LM checkpoint")
+    task = Dpo(vocab_size=info.settings.vocab_size, dpo=dpo)
+    if dpo.reference == "precomputed":
+        return task, None
+    if dpo.reference == "base" and spec.training.lora is not None:
+        return task, LiveReference(chunks=None)
+    where = Path(dpo.reference_path or info.hf_dir)
+    return task, LiveReference(chunks=frozen_chunks(checkpoint=where, layout=layout, params_dtype=params_dtype,
+                                                    attention=attention))
+
+
+def frozen_chunks(*, checkpoint: Path, layout, params_dtype: torch.dtype, attention: str | None) -> list:
+    """This rank's chunks of `checkpoint` for forward passes only: no gradient, eval mode, whole on the rank."""
+    from toolkit.convert.chunks import load_model_chunks
+
+    chunks, _ = load_model_chunks(checkpoint=checkpoint, layout=layout, params_dtype=params_dtype,
+                                  attention=attention)
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+        chunk.eval()
+    return chunks
+
+
+def reference_key(*, hf_dir: Path, precision: str) -> str:
+    """What the precomputed log-probs depend on beyond the data (whose cache directory holds them): the starting
+    checkpoint's files (name, size, modification time) and the precision they were computed in."""
+    files = sorted(p for p in Path(hf_dir).iterdir() if p.suffix in (".json", ".safetensors") and p.is_file())
+    described = [str(Path(hf_dir).resolve()), precision] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns]
+                                                           for p in files]
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+
+
+def precomputed_table(*, hybrid, examples, layout, hf_dir: Path, precision: str) -> torch.Tensor:
+    """[pairs, 2] reference log-probs (chosen, rejected) of `examples`: read from the data cache, or computed now
+    with the starting model (before any checkpoint is loaded: the policy is still the reference) and written there
+    by rank 0. Collective."""
+    import torch.distributed as dist
+
+    from toolkit.train.engine.preference import LiveReference
+
+    if examples.directory is None:
+        raise DsmtError("training.dpo.reference=precomputed needs the data cache (records read from data.path); "
+                        "set training.dpo.reference: base")
+    path = Path(examples.directory) / f"reference-logps-{reference_key(hf_dir=hf_dir, precision=precision)}.npy"
+    found = [path.is_file() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # one answer for every rank (NFS attribute caches differ)
+    if found[0]:
+        table = torch.from_numpy(np.load(path))
+        if tuple(table.shape) == (len(examples), 2):
+            return table
+    table = _forward_table(hybrid=hybrid, examples=examples, layout=layout, reference=LiveReference(chunks=None))
+    if dist.get_rank() == 0:
+        _write_atomically(path, table.numpy())
+        print(f"dsmt train: reference log-probs of {len(examples)} pairs written to {path}", flush=True)
+    dist.barrier()
+    return table
+
+
+def _forward_table(*, hybrid, examples, layout, reference) -> torch.Tensor:
+    """Every pair once, dealt over the data-parallel ranks as validation rows are; the last stage's TP rank 0 of
+    each replica fills its pairs, and a sum over the world gives every rank the whole table."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from toolkit.train.engine.preference import REFERENCE_KEY
+    from toolkit.train.job.eval_rows import preference_micro_batches
+
+    table = torch.zeros(len(examples), 2, dtype=torch.float64)
+    micro_batches = preference_micro_batches(examples=examples, micro_batch_size=layout.micro_batch_size,
+                                             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=layout.dp,
+                                             microbatch_multiple=layout.pp if len(hybrid.chunks) > 1 else 1)
+    reference.add_logps(hybrid, micro_batches)
+    writes = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+              and parallel_state.get_context_parallel_rank() == 0)
+    for batch in micro_batches if writes else ():
+        real = batch["pair_mask"].bool()
+        logps = batch[REFERENCE_KEY].double().cpu().view(-1, 2)
+        table[batch["pair_index"][real]] = logps[real]
+    summed = table.to(backends.current().device)  # NCCL reduces device tensors only
+    dist.all_reduce(summed)
+    return summed.cpu()
+
+
+def _write_atomically(path: Path, array: np.ndarray) -> None:
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npy", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            np.save(file, array)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
