@@ -128,3 +128,17 @@ def tiny_llama(tmp_path_factory):
     from toolkit.models.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("train-hf") / "llama")
+
+
+@pytest.fixture(scope="module")
+def megatron_tp1():
+    """One gloo rank with megatron's parallel state at TP 1 (the vocab-parallel loss needs its groups), for the
+    tests of a module; destroyed after them."""
+    from megatron.core import parallel_state
+
+    from toolkit.launch.local import single_process_group
+
+    with single_process_group(dist_backend="gloo"):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
+        yield
+        parallel_state.destroy_model_parallel()

@@ -58,6 +58,16 @@ def test_string_and_conversational_forms_format_to_three_fields():
     assert required_fields(DataSpec(type="preference")) == ["chosen", "rejected"]
 
 
+def test_an_implicit_prompt_leaves_each_side_its_last_message():
+    """TRL's extract_prompt: equal sides, or one a prefix of the other, stay a pair (of identical or longer
+    completions); only a file of identical pairs is refused (rule preference_identical)."""
+    turns = [_msg(USER, "q"), _msg(ASSISTANT, "a")]
+    same = _format({"chosen": turns, "rejected": list(turns)})
+    assert same == {"prompt": turns[:1], "chosen": turns[1:], "rejected": turns[1:]}
+    longer = _format({"chosen": turns + [_msg(USER, "more"), _msg(ASSISTANT, "b")], "rejected": turns})
+    assert longer["prompt"] == turns[:1] and len(longer["chosen"]) == 3 and longer["rejected"] == turns[1:]
+
+
 @pytest.mark.parametrize("record, rule, message", [
     ({"prompt": "p", "rejected": "r"}, "record_missing_field", "record 1: no field 'chosen' (fields present: "
                                                                "prompt, rejected)"),
@@ -69,8 +79,10 @@ def test_string_and_conversational_forms_format_to_three_fields():
      "record 1: field 'prompt' is str ('p') but 'chosen' is list"),
     ({"prompt": "p", "chosen": 3, "rejected": "r"}, "record_field_type", "field 'chosen' is int (3), expected str "
                                                                          "or a list of messages"),
-    ({"chosen": [_msg(USER, "a")], "rejected": [_msg(USER, "a")]}, "record_empty",
-     "field 'chosen' has no message after the 1 messages chosen and rejected share"),
+    ({"chosen": [_msg(USER, "a")], "rejected": [_msg(USER, "b")]}, "record_empty",
+     "chosen and rejected share no first message, so the record has no prompt"),
+    ({"prompt": [], "chosen": [_msg(ASSISTANT, "c")], "rejected": [_msg(ASSISTANT, "r")]}, "record_empty",
+     "field 'prompt' is an empty list"),
     ({"prompt": [_msg(USER, "a")], "chosen": [], "rejected": [_msg(ASSISTANT, "r")]}, "record_empty",
      "field 'chosen' is an empty list"),
     ({"prompt": [], "chosen": [{"role": "bot", "content": "c"}], "rejected": [_msg(ASSISTANT, "r")]},
@@ -287,3 +299,18 @@ def test_dry_run_describes_pairs(write_jsonl, cache_dir, tokenizer):
     [problem] = record_length_problems(spec=spec, label="data", data=same, tokenizer=tokenizer,
                                        records=load_records(data=same, cache_dir=cache_dir))
     assert (problem.severity, problem.rule) == ("error", "preference_identical")
+
+
+def test_a_token_overlapping_a_reply_is_the_replys():
+    """Byte-level BPE joins the space ending the fallback's 'assistant: ' to the reply's first word: the token
+    ' Yes' starts one character before the reply's span and is its first label all the same."""
+    from types import SimpleNamespace
+
+    from toolkit.data.encoding import single_bos, span_targets
+
+    text = "user: q\nassistant: Yes\n"
+    reply = (text.index("Yes"), len(text))
+    offsets = [(0, 4), (4, 5), (5, 7), (7, 8), (8, 17), (17, 18), (18, 22), (22, 23), (0, 0)]  # ' Yes' = (18, 22)
+    assert span_targets(offsets, [reply]) == [0, 0, 0, 0, 0, 0, 1, 1, 0]
+    tokenizer = SimpleNamespace(bos_token_id=1)
+    assert single_bos([1, 1, 5], tokenizer=tokenizer) == [1, 5] and single_bos([1, 5], tokenizer=tokenizer) == [1, 5]

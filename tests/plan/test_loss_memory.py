@@ -10,20 +10,8 @@ import torch
 MICRO, SEQ, VOCAB, PADDED = 2, 512, 16000, 16384  # the last 384 rows are padding, as on the last TP rank
 
 
-@pytest.fixture(scope="module")
-def tp_group():
-    from megatron.core import parallel_state
-
-    from toolkit.launch.local import single_process_group
-
-    with single_process_group(dist_backend="gloo"):
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
-        yield
-        parallel_state.destroy_model_parallel()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_loss_peak_is_one_fp32_copy_of_the_logits_and_the_value_is_torchs(tp_group, dtype):
+def test_loss_peak_is_one_fp32_copy_of_the_logits_and_the_value_is_torchs(megatron_tp1, dtype):
     from live_tensors import LiveBytes
 
     from toolkit.train.engine.loss import masked_token_loss_sum

@@ -168,6 +168,22 @@ def test_search_ranks_dpo_layouts_with_the_reference():
     assert len(dpo.fitting) < len(sft.fitting)  # the layouts that had no room for a second copy drop out
 
 
+def test_search_proposes_no_context_parallelism_for_dpo():
+    """At 16k tokens the SFT search takes CP layouts; DPO's are refused by `dsmt check` (dpo_context_parallel), so
+    the planner never proposes them, and --explain of one names the rule."""
+    from toolkit.plan.search import layout_violations
+
+    shape, cluster = BUILTIN_SHAPES["llama3-70b"], Cluster(nodes=4, gpus_per_node=8, gpu=H100)
+    sft = plan(shape=shape, training=TrainingShape(seq_length=16384, global_batch_size=64), cluster=cluster)
+    training = TrainingShape(seq_length=16384, global_batch_size=64, dpo=BASE)
+    dpo = plan(shape=shape, training=training, cluster=cluster)
+    assert any(c.layout.cp > 1 for c in sft.fitting + sft.rejected)
+    assert dpo.fitting and not any(c.layout.cp > 1 for c in dpo.fitting + dpo.rejected)
+    layout = PlanLayout(tp=4, pp=4, cp=2, dp=1, sp=True, zero_stage=1, micro_batch_size=1)
+    assert any("dpo_context_parallel" in v for v in layout_violations(shape=shape, layout=layout, training=training,
+                                                                       cluster=cluster))
+
+
 def test_report_names_the_reference():
     cluster = Cluster(nodes=1, gpus_per_node=8, gpu=H100)
     training = TrainingShape(seq_length=4096, global_batch_size=64, dpo=BASE)

@@ -137,12 +137,15 @@ def split_record(record: dict) -> tuple[object, object, object]:
         return record["prompt"], chosen, rejected
     if "prompt" in record and record["prompt"] is not None:
         return list(record["prompt"]), list(chosen), list(rejected)
-    n = common_prefix_length(chosen, rejected)
+    # TRL's extract_prompt: each side keeps at least its last message
+    n = min(common_prefix_length(chosen, rejected), min(len(chosen), len(rejected)) - 1)
     return list(chosen[:n]), list(chosen[n:]), list(rejected[n:])
 
 
 def string_piece(tokenizer, prompt: str, completion: str) -> Piece:
     prompt_ids = tokenizer(prompt)["input_ids"]
+    if tokenizer.bos_token_id is not None and prompt_ids[:2] == [tokenizer.bos_token_id] * 2:
+        prompt_ids = prompt_ids[1:]  # a prompt rendered with its template already began with BOS: one only
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return list(prompt_ids), completion_ids, [1] * len(completion_ids)
 
@@ -165,8 +168,9 @@ def chat_piece(tokenizer, prompt: list[dict], completion: list[dict]) -> Piece:
         raise ValueError(f"the rendered prompt is not a prefix of the rendered conversation: {messages}")
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
-    counted = [int(end > start and any(s <= start < e for s, e in spans)) for start, end in offsets]
-    boundary = next((t for t, (start, _) in enumerate(offsets) if start >= len(prompt_text)), len(ids))
+    # a token overlapping a reply is the reply's (byte-level BPE joins the space before it to its first word)
+    counted = [int(end > start and any(start < e and end > s for s, e in spans)) for start, end in offsets]
+    boundary = next((t for t, (_, end) in enumerate(offsets) if end > len(prompt_text)), len(ids))
     if not getattr(tokenizer, "chat_template", None):  # the fallback: EOS after a final assistant turn
         ids.append(tokenizer.eos_token_id)
         counted.append(int(bool(messages) and messages[-1]["role"] == "assistant"))

@@ -21,7 +21,7 @@ def check_preference(*, spec, shape: ModelShape | None) -> list[Problem]:
     dpo = dpo_settings(spec.training)
     if dpo is None:
         return _preference_data_without_dpo(spec)
-    problems = _dpo_data(spec) + _dpo_layout(spec)
+    problems = _dpo_data(spec) + _dpo_layout(spec) + _lora_reference(spec, reference=dpo.reference)
     if shape is not None and dpo.reference_path is not None:
         problems += _reference_problems(path=dpo.reference_path, shape=shape)
     return problems
@@ -71,6 +71,17 @@ def _dpo_layout(spec) -> list[Problem]:
                         "a sequence's log-prob is summed on one rank, and context parallelism splits it", "set "
                         "parallel.cp: 1 (sequence_parallel or a larger tp saves activation memory instead)")]
     return []
+
+
+def _lora_reference(spec, *, reference: str) -> list[Problem]:
+    lora = spec.training.lora
+    if lora is None or not lora.train_embeddings or reference != "base":
+        return []
+    return [Problem("error", "dpo_lora_embeddings", "training.lora.train_embeddings with training.dpo.reference=base: "
+                    "the reference is the model with its adapters off, and the trained embedding and output layer "
+                    "are not adapters, so the reference would move with the policy", "set training.dpo.reference: "
+                    "precomputed (computed before training) or the starting checkpoint's path, or leave the "
+                    "embeddings frozen")]
 
 
 def _reference_problems(*, path: str, shape: ModelShape) -> list[Problem]:

@@ -80,6 +80,15 @@ def assistant_spans(*, tokenizer, messages, use_template: bool, index: int = 0) 
 
 
 def span_targets(offsets, spans: list[tuple[int, int]]) -> list[int]:
-    """1 for each token (by its character `offsets`) that starts inside one of `spans`, else 0; a token of no
-    characters (a special token the template wrote) is never a target."""
-    return [int(any(s <= start < e for s, e in spans) and end > start) for start, end in offsets]
+    """1 for each token (by its character `offsets`) that overlaps one of `spans`, else 0; a token of no
+    characters (a special token the template wrote) is never a target. Overlaps, not starts inside: a byte-level
+    BPE tokenizer joins the space that ends the fallback's `assistant: ` to the reply's first word (` Yes`), which
+    starts one character before the span and is the reply's first token all the same."""
+    return [int(end > start and any(start < e and end > s for s, e in spans)) for start, end in offsets]
+
+
+def single_bos(ids: list[int], *, tokenizer) -> list[int]:
+    """A prompt's ids with one leading BOS: text that was rendered with its chat template already starts with the
+    BOS token, and the tokenizer adds another (TRL tokenises such prompts without specials); one is dropped."""
+    bos = tokenizer.bos_token_id
+    return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids

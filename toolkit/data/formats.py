@@ -193,10 +193,11 @@ def format_preference(record: Mapping, *, index: int = 0) -> dict:
                         for turns, name in ((chosen, "chosen"), (rejected, "rejected")))
     if prompt is None:
         return _implicit_prompt(chosen=chosen, rejected=rejected, index=index)
-    for name, completion in (("chosen", chosen), ("rejected", rejected)):
-        if not completion:
+    for name, completion in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        if not completion:  # an empty prompt has no rendering a chat template accepts, nor a place to start
             raise RecordError(rule="record_empty", index=index, what=f"field {name!r} is an empty list",
-                              fix="give each side at least one message after the prompt, or drop the record")
+                              fix="give the prompt its messages (a user turn) and each side at least one message "
+                                  "after it, or drop the record")
     return {"prompt": _chat_turns(prompt, name="prompt", index=index), "chosen": chosen, "rejected": rejected}
 
 
@@ -219,15 +220,18 @@ def _chat_turns(turns: list, *, name: str, index: int) -> list[dict]:
 
 
 def _implicit_prompt(*, chosen: list[dict], rejected: list[dict], index: int) -> dict:
+    """The messages chosen and rejected share at their start are the prompt; each side keeps at least its last
+    message (TRL's `extract_prompt`: a pair whose sides are equal, or one a prefix of the other, stays a pair, of
+    identical or longer completions, and only a file of identical pairs is refused)."""
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
-    for name, side in (("chosen", chosen), ("rejected", rejected)):
-        if len(side) == shared:
-            raise RecordError(rule="record_empty", index=index, what=f"field {name!r} has no message after the "
-                              f"{shared} messages chosen and rejected share (the implicit prompt)",
-                              fix="give each side a completion that differs from the other's, or give an explicit "
-                                  "'prompt' list and the completions alone in chosen / rejected")
+    shared = min(shared, min(len(chosen), len(rejected)) - 1)
+    if shared < 1:
+        raise RecordError(rule="record_empty", index=index, what="chosen and rejected share no first message, so "
+                          "the record has no prompt (the implicit prompt is the messages both sides start with)",
+                          fix="start both sides with the same prompt messages (a user turn), or give an explicit "
+                              "'prompt' list and the completions alone in chosen / rejected")
     return {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from toolkit.data.encoding import (assistant_spans, formatted, map_records, render_chat, span_targets,
+from toolkit.data.encoding import (assistant_spans, formatted, map_records, render_chat, single_bos, span_targets,
                                    uses_chat_template)
 from toolkit.data.formats import RecordError, format_preference
 from toolkit.data.preference_rows import SIDES, PreferenceError, PreferenceExamples, pair_examples
@@ -70,7 +70,8 @@ def _string_encoder(*, tokenizer):
     eos = tokenizer.eos_token_id
 
     def encode(records):
-        prompts = tokenizer([r["prompt"] for r in records])["input_ids"]  # BOS etc. as at inference
+        prompts = [single_bos(ids, tokenizer=tokenizer)  # BOS etc. as at inference, once
+                   for ids in tokenizer([r["prompt"] for r in records])["input_ids"]]
         out = {}
         for side in SIDES:
             completions = tokenizer([r[side] for r in records], add_special_tokens=False)["input_ids"]
@@ -101,7 +102,8 @@ def _chat_encoder(*, tokenizer, use_template: bool):
                     ids, target = list(ids) + [eos], target + [int(record[side][-1]["role"] == "assistant")]
                 ids_out.append(list(ids))
                 target_out.append(target)
-                prompt_out.append(sum(start < prompt_chars for start, _ in offsets))
+                # the prompt: the tokens before the first one reaching past the rendered prompt
+                prompt_out.append(next((t for t, (_, end) in enumerate(offsets) if end > prompt_chars), len(offsets)))
             out.update({f"{side}_ids": ids_out, f"{side}_target": target_out, f"{side}_prompt": prompt_out})
         return out
 

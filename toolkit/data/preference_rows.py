@@ -119,8 +119,9 @@ def pair_examples(*, mapped, seq_length: int, pad: int, packed: bool,
     length = seq_length + 1
     columns = {f"{side}_{what}": mapped[f"{side}_{what}"] for side in SIDES for what in ("ids", "target", "prompt")}
     pairs, num_truncated = [], 0
-    for n in range(len(columns["chosen_ids"])):
-        sides = [(columns[f"{s}_ids"][n], columns[f"{s}_target"][n], columns[f"{s}_prompt"][n]) for s in SIDES]
+    # one pass over the columns together (indexing a `datasets` column row by row costs ~40 us a read)
+    for c_ids, c_target, c_prompt, r_ids, r_target, r_prompt in zip(*columns.values()):
+        sides = [(c_ids, c_target, c_prompt), (r_ids, r_target, r_prompt)]
         pieces, truncated = fit_pair(sides, example_length=length, packed=packed)
         if all(any(target[1:]) for _, target in pieces):  # target[0] is never a label
             pairs.append(pieces)

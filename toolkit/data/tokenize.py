@@ -7,7 +7,8 @@ A record reaches here through its type's formatting (toolkit/data/formats.py) as
   its EOS included: a document of L tokens has L - 1 labels. With the dsmt tiny tokenizer (no BOS) document `ab`
   is `a b EOS`.
 * prompt/completion (`{"prompt", "completion"}`; Alpaca records with their template): `prompt (tokenizer's
-  default specials) + completion + EOS`. Labels count on the completion and its EOS only. No chat template.
+  default specials; a second leading BOS, from a prompt already rendered with its template, dropped) + completion
+  + EOS`. Labels count on the completion and its EOS only. No chat template.
 * chat (`{"messages": [{"role", "content"}]}`; ShareGPT records with their roles mapped): rendered with
   `tokenizer.apply_chat_template` when the tokenizer has a `chat_template`, else with the fallback
   `"<role>: <content>\\n"` per message and EOS after a final assistant turn (`Examples.used_chat_template` and a log
@@ -26,7 +27,8 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
-from toolkit.data.encoding import assistant_spans, formatted, map_records, span_targets, uses_chat_template
+from toolkit.data.encoding import (assistant_spans, formatted, map_records, single_bos, span_targets,
+                                    uses_chat_template)
 from toolkit.data.examples import Examples
 from toolkit.data.formats import canonical_kind
 from toolkit.data.packing import pack_examples
@@ -123,7 +125,8 @@ def _prompt_completion_encoder(*, tokenizer):
     eos = tokenizer.eos_token_id
 
     def encode(records):
-        prompts = tokenizer([r["prompt"] for r in records])["input_ids"]  # BOS etc. as at inference
+        prompts = [single_bos(ids, tokenizer=tokenizer)  # BOS etc. as at inference, once
+                   for ids in tokenizer([r["prompt"] for r in records])["input_ids"]]
         completions = tokenizer([r["completion"] for r in records], add_special_tokens=False)["input_ids"]
         return {"ids": [p + c + [eos] for p, c in zip(prompts, completions)],
                 "target": [[0] * len(p) + [1] * (len(c) + 1) for p, c in zip(prompts, completions)]}

@@ -163,6 +163,10 @@ def layout_violations(*, shape: ModelShape, layout: PlanLayout, training: Traini
         problems.append("offload_optimizer needs zero_stage >= 1 (ZeRO-Offload partitions the optimizer)")
     if layout.recompute not in RECOMPUTE_CHOICES:
         problems.append(f"recompute={layout.recompute!r} is not one of {', '.join(RECOMPUTE_CHOICES)}")
+    if getattr(training, "dpo", None) is not None and layout.cp > 1:
+        problems.append(f"[dpo_context_parallel] DPO with cp={layout.cp}: a sequence's log-prob is summed on one "
+                        "rank, and context parallelism splits it; fix: cp=1 (sequence parallelism or a larger tp "
+                        "saves activation memory instead)")
     return problems
 
 
@@ -176,13 +180,15 @@ def evaluate(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, 
 def _topologies(*, model: ModelFacts, training: TrainingShape, cluster: Cluster, attention: str, max_vpp: int,
                 limits: SearchLimits):
     """(tp, cp, pp, vpp) to search: TP inside a node only (the planner never proposes a TP group across nodes),
-    CP only with fused attention and at least MIN_TOKENS_PER_CP_RANK tokens per rank."""
+    CP only with fused attention and at least MIN_TOKENS_PER_CP_RANK tokens per rank, and not for DPO (a
+    sequence's log-prob is summed on one rank: `dsmt check` rule dpo_context_parallel)."""
     world, per_node = cluster.world_size, cluster.gpus_per_node
+    dpo = getattr(training, "dpo", None) is not None
     for tp in valid_tp_sizes(model=model, limit=min(per_node, limits.max_tp or per_node)):
         if tp_spans_nodes(tp=tp, gpus_per_node=per_node):
             continue
         for cp in divisors(world // tp):
-            if cp > 1 and (attention != "fused" or training.seq_length // cp < MIN_TOKENS_PER_CP_RANK):
+            if cp > 1 and (dpo or attention != "fused" or training.seq_length // cp < MIN_TOKENS_PER_CP_RANK):
                 continue
             for pp in divisors(world // (tp * cp)):
                 if limits.max_pp and pp > limits.max_pp:

@@ -35,6 +35,9 @@ def pin_spec_paths(raw: dict[str, Any], *, base_dir: Path, source: str) -> dict[
     training = raw.get("training")
     if isinstance(training, dict):
         _pin_key(training.get("lora"), "init_adapter", base_dir=base_dir)
+        dpo = training.get("dpo")
+        if isinstance(dpo, dict) and dpo.get("reference") not in (None, "base", "precomputed"):
+            _pin_key(dpo, "reference", base_dir=base_dir)  # a checkpoint path, as model.path
     return raw
 
 

@@ -11,18 +11,6 @@ import torch
 VOCAB, PADDED = 50, 64
 
 
-@pytest.fixture(scope="module")
-def tp_group():
-    from megatron.core import parallel_state
-
-    from toolkit.launch.local import single_process_group
-
-    with single_process_group(dist_backend="gloo"):
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
-        yield
-        parallel_state.destroy_model_parallel()
-
-
 def packed_pair_batch(generator):
     """Two pairs: pair 0 packed in row 0 (chosen labels 1..3, rejected 6..8), pair 1 in row 1 (chosen 0..4,
     rejected 5..9 except 7)."""
@@ -36,7 +24,7 @@ def packed_pair_batch(generator):
     return {"labels": labels, "loss_mask": loss_mask, "sequence_index": sequence_index, "pair_mask": torch.ones(2)}
 
 
-def test_sequence_logps_are_torchs_log_softmax_sums_and_carry_the_gradient(tp_group):
+def test_sequence_logps_are_torchs_log_softmax_sums_and_carry_the_gradient(megatron_tp1):
     from toolkit.train.engine.preference import sequence_logps
 
     generator = torch.Generator().manual_seed(0)
@@ -120,6 +108,16 @@ def test_api_pairs_are_interleaved_rows_with_their_sequence_index():
     _, problems = hf_batches.take_micro_batches([batch], count=1, rules=rules,
                                                 read=hf_pairs.pair_reader(needs_reference=True))
     assert len(problems) == 1 and "lacks ref_chosen_logps" in problems[0]
+    for bad, needle in ((torch.zeros(1), "ref_chosen_logps is (1,), expected a float tensor of micro_batch_size = 2"),
+                        (torch.tensor([0.0, float("nan")]), "non-finite")):
+        _, problems = hf_batches.take_micro_batches(
+            [{**batch, "ref_chosen_logps": bad, "ref_rejected_logps": torch.zeros(2)}], count=1, rules=rules,
+            read=hf_pairs.pair_reader(needs_reference=True))
+        assert len(problems) == 1 and needle in problems[0], problems
+    unlabelled = {**batch, "rejected_labels": torch.full_like(ids, -100)}
+    _, problems = hf_batches.take_micro_batches([unlabelled], count=1, rules=rules,
+                                                read=hf_pairs.pair_reader(needs_reference=False))
+    assert len(problems) == 2 and "pair 0: the rejected side has no label" in problems[0], problems
     _, problems = hf_batches.take_micro_batches([{"input_ids": ids, "labels": ids}], count=1, rules=rules,
                                                 read=hf_pairs.pair_reader(needs_reference=False))
     assert any("lacks 'chosen_input_ids'" in p for p in problems) and any("'input_ids'" in p for p in problems)

@@ -375,7 +375,7 @@ class TransformerEngineLike(torch.nn.Module):
 
 
 def test_the_engine_sums_what_transformer_engine_marks():
-    from toolkit.train.engine.hybrid import sequence_parallel_params
+    from toolkit.train.engine.tp_grads import sequence_parallel_params
 
     chunk = TransformerEngineLike(sp=True)
     found = {id(p) for p in sequence_parallel_params([chunk])}

@@ -5,9 +5,10 @@ in the Hugging Face convention of each side, turned into dsmt's rows of pairs (t
     chosen_labels, rejected_labels         the same shape; -100 on the prompt and the padding (TRL's
                                            completion-only labels), HF-shifted inside as for SFT
     chosen_attention_mask, ...             optional, 1 for tokens, 0 for right padding
-    ref_chosen_logps, ref_rejected_logps   [micro_batch_size] precomputed reference log-probs (TRL's column
-                                           names): required when training.dpo.reference is precomputed, refused
-                                           otherwise (the run then computes them itself)
+    ref_chosen_logps, ref_rejected_logps   [micro_batch_size] precomputed reference log-probs, each the SUM over
+                                           the completion's tokens (TRL 1.x's columns; TRL 0.x's IPO divided them
+                                           by the length: not these): required when training.dpo.reference is
+                                           precomputed, refused otherwise (the run then computes them itself)
 
 micro_batch_size counts pairs, as in the spec. The sides are interleaved into 2n rows (chosen of pair j in row 2j,
 rejected in row 2j + 1) and checked by the SFT rules (toolkit/train/engine/hf_batches.py) on that 2n x seq_length
@@ -32,15 +33,25 @@ def pair_reader(*, needs_reference: bool):
     """The `read` of `hf_batches.take_micro_batches` for pairs; `needs_reference`: no live reference in the run."""
     def read(batch, *, index: int, rules: hf_batches.BatchRules):
         problems = _pair_problems(batch, index=index, needs_reference=needs_reference)
+        problems += _reference_problems(batch, index=index, pairs=rules.micro_batch_size) if not problems else []
         if problems:
             return None, problems
         rows_rules = dataclasses.replace(rules, micro_batch_size=2 * rules.micro_batch_size)
         interleaved = {name: _interleave(batch[f"chosen_{name}"], batch[f"rejected_{name}"])
                        for name in ("input_ids", "labels", "attention_mask") if f"chosen_{name}" in batch}
         row, problems = hf_batches.read_micro_batch(interleaved, index=index, rules=rows_rules)
-        if row is None:
-            return None, [problem.replace("input_ids", "chosen/rejected_input_ids") for problem in problems]
-        return _with_pairs(row, batch=batch), []
+        if row is None:  # said of the 2n interleaved rows: name the sides' own shape too
+            return None, [f"{problem} (a DPO micro-batch: chosen_* and rejected_* each [micro_batch_size = "
+                          f"{rules.micro_batch_size} pairs, seq_length = {rules.seq_length}], checked as their "
+                          f"{2 * rules.micro_batch_size} interleaved rows)" for problem in problems]
+        row = _with_pairs(row, batch=batch)
+        empty = (row["loss_mask"].sum(1) == 0).nonzero().flatten().tolist()
+        if empty:  # its log-prob would be 0: the data path drops such pairs
+            return None, [f"micro_batch_labels: micro-batch {index}, pair {row_index // 2}: the "
+                          f"{SIDES[row_index % 2]} side has no label other than -100 (after HF's shift), so it has "
+                          "no completion to score; give each side its completion's labels, or leave the pair out"
+                          for row_index in empty[:3]]
+        return row, []
 
     return read
 
@@ -68,6 +79,23 @@ def _pair_problems(batch, *, index: int, needs_reference: bool) -> list[str]:
         problems.append(f"micro_batch_keys: {where} has {', '.join(given)}, but this run computes the reference "
                         "log-probs itself (training.dpo.reference is base or a path); drop them, or set "
                         "training.dpo.reference: precomputed")
+    return problems
+
+
+def _reference_problems(batch, *, index: int, pairs: int) -> list[str]:
+    """Precomputed reference log-probs: one finite float per pair and side (a [n] tensor would otherwise broadcast
+    one pair's value to all, or fail on the last stage alone)."""
+    problems = []
+    for name in ("ref_chosen_logps", "ref_rejected_logps"):
+        if name not in batch:
+            continue
+        value = batch[name]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != pairs:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            problems.append(f"micro_batch_reference: micro-batch {index}: {name} is {shape}, expected a float "
+                            f"tensor of micro_batch_size = {pairs} values (a log-prob sum per pair)")
+        elif not torch.isfinite(value).all():
+            problems.append(f"micro_batch_reference: micro-batch {index}: {name} holds non-finite values")
     return problems
 
 

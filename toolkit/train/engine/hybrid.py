@@ -121,8 +121,8 @@ class HybridEngine(EngineCheckpoints):
         self.task = task if task is not None else CausalLM(vocab_size=vocab_size)
         self.pp_size = pp_size
         self.tied_embeddings = tied_embeddings
-        # DPO's live reference (toolkit/train/engine/reference.py): its log-probs join each micro-batch before the
-        # policy's forward; None when the batches bring them (precomputed) or the task needs none
+        # DPO's live reference (toolkit/train/engine/preference.py `LiveReference`): its log-probs join each
+        # micro-batch before the policy's forward; None when the batches bring them (precomputed) or there is no DPO
         self.reference = reference
 
     @property

@@ -20,7 +20,11 @@ rewards/chosen = beta (pi_c - ref_c), rewards/rejected, rewards/accuracies (chos
 rewards/margins, logps/chosen = pi_c, logps/rejected.
 
 The reference log-probs `ref_logps` [2n] join the micro-batch before the policy's forward: from a live reference
-(toolkit/train/engine/reference.py) or precomputed with the data (`PrecomputedReference`)."""
+(`LiveReference`) or precomputed with the data (`PrecomputedReference`).
+
+The policy runs in train mode (model and LoRA dropout as configured), the reference in eval mode (none); TRL turns
+dropout off in both by default, so a model with dropout > 0 starts with nonzero rewards here. The tiny and the
+usual Hub causal LMs have dropout 0."""
 
 from __future__ import annotations
 
@@ -121,7 +125,7 @@ def pair_losses(*, chosen_ratio: torch.Tensor, rejected_ratio: torch.Tensor, cho
 
 class PrecomputedReference:
     """Batches with the reference log-probs of their pairs looked up in `table` [N, 2] (chosen, rejected per pair
-    index, from toolkit/train/engine/reference.py `precompute`): `batches_for_step` of the wrapped batches plus
+    index, from toolkit/train/job/preference_run.py `precomputed_table`): `batches_for_step` of the wrapped batches plus
     `ref_logps`; validation micro-batches through `add`."""
 
     def __init__(self, *, batches, table: torch.Tensor):
@@ -159,5 +163,8 @@ class LiveReference:
                 engine.forward_only(micro_batches, on_output=keep)
         else:
             engine.forward_only(micro_batches, on_output=keep, chunks=self.chunks)
+        if found and len(found) != len(micro_batches):  # the last stage gets every micro-batch's output, in order
+            raise DsmtError(f"the reference forward gave {len(found)} outputs for {len(micro_batches)} micro-batches "
+                            "on the last pipeline stage; megatron's schedule ran another count: please report it")
         for batch, logps in zip(micro_batches, found):  # none on the other stages: their loss is not computed
             batch[REFERENCE_KEY] = logps.to(batch["tokens"].device)

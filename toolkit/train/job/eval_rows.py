@@ -32,11 +32,3 @@ def preference_rows(examples, rows: list[int | None]) -> dict[str, torch.Tensor]
         batch["pair_mask"] = batch["pair_mask"].masked_fill(padding, 0.0)
         batch["loss_mask"] = batch["loss_mask"].masked_fill(padding.repeat_interleave(rows_per_pair)[:, None], 0.0)
     return batch
-
-
-def preference_micro_batches(*, examples, micro_batch_size: int, dp_rank: int, dp_size: int,
-                             microbatch_multiple: int = 1) -> list[dict[str, torch.Tensor]]:
-    """Every pair of `examples` once, dealt over the data-parallel ranks as validation rows are (`rank_rows`)."""
-    return [preference_rows(examples, rows) for rows in rank_rows(
-        num_examples=len(examples), dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=micro_batch_size,
-        microbatch_multiple=microbatch_multiple)]

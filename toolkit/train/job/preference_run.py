@@ -41,6 +41,10 @@ def dpo_task_and_reference(*, spec, layout, info, params_dtype: torch.dtype, att
     if dpo.reference == "precomputed":
         return task, None
     if dpo.reference == "base" and spec.training.lora is not None:
+        if spec.training.lora.train_embeddings:  # `dsmt check` says so first (rule dpo_lora_embeddings)
+            raise DsmtError("training.lora.train_embeddings with training.dpo.reference=base: the trained embeddings "
+                            "are not adapters, so the reference would move with the policy; set "
+                            "training.dpo.reference: precomputed or the starting checkpoint's path")
         return task, LiveReference(chunks=None)
     where = Path(dpo.reference_path or info.hf_dir)
     return task, LiveReference(chunks=frozen_chunks(checkpoint=where, layout=layout, params_dtype=params_dtype,
@@ -61,17 +65,19 @@ def frozen_chunks(*, checkpoint: Path, layout, params_dtype: torch.dtype, attent
 
 def reference_key(*, hf_dir: Path, precision: str) -> str:
     """What the precomputed log-probs depend on beyond the data (whose cache directory holds them): the starting
-    checkpoint's files (name, size, modification time) and the precision they were computed in."""
-    files = sorted(p for p in Path(hf_dir).iterdir() if p.suffix in (".json", ".safetensors") and p.is_file())
-    described = [str(Path(hf_dir).resolve()), precision] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns]
-                                                           for p in files]
+    checkpoint's files, in sub-folders too (a dsmt megatron checkpoint's `model/`), by name, size and modification
+    time, and the precision they were computed in. Rank 0's view alone decides (nodes may hold their own copies)."""
+    root = Path(hf_dir)
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    described = [str(root.resolve()), precision] + [[str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns]
+                                                    for p in files]
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
 
 
 def precomputed_table(*, hybrid, examples, layout, hf_dir: Path, precision: str) -> torch.Tensor:
-    """[pairs, 2] reference log-probs (chosen, rejected) of `examples`: read from the data cache, or computed now
-    with the starting model (before any checkpoint is loaded: the policy is still the reference) and written there
-    by rank 0. Collective."""
+    """[pairs, 2] reference log-probs (chosen, rejected) of `examples`: read from the data cache by rank 0 and sent
+    to every rank, or computed now with the starting model (before any checkpoint is loaded: the policy is still the
+    reference) and written there by rank 0. Collective."""
     import torch.distributed as dist
 
     from toolkit.train.engine.preference import LiveReference
@@ -79,13 +85,14 @@ def precomputed_table(*, hybrid, examples, layout, hf_dir: Path, precision: str)
     if examples.directory is None:
         raise DsmtError("training.dpo.reference=precomputed needs the data cache (records read from data.path); "
                         "set training.dpo.reference: base")
-    path = Path(examples.directory) / f"reference-logps-{reference_key(hf_dir=hf_dir, precision=precision)}.npy"
-    found = [path.is_file() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(found, src=0)  # one answer for every rank (NFS attribute caches differ)
-    if found[0]:
-        table = torch.from_numpy(np.load(path))
-        if tuple(table.shape) == (len(examples), 2):
-            return table
+    found = [None]
+    if dist.get_rank() == 0:
+        path = Path(examples.directory) / f"reference-logps-{reference_key(hf_dir=hf_dir, precision=precision)}.npy"
+        table = torch.from_numpy(np.load(path)) if path.is_file() else None
+        found = [table if table is not None and tuple(table.shape) == (len(examples), 2) else None]
+    dist.broadcast_object_list(found, src=0)  # one answer for every rank, whatever each node's files
+    if found[0] is not None:
+        return found[0]
     table = _forward_table(hybrid=hybrid, examples=examples, layout=layout, reference=LiveReference(chunks=None))
     if dist.get_rank() == 0:
         _write_atomically(path, table.numpy())
@@ -94,26 +101,32 @@ def precomputed_table(*, hybrid, examples, layout, hf_dir: Path, precision: str)
     return table
 
 
+PRECOMPUTE_MICRO_BATCHES = 64  # per forward pass (times pp with virtual stages): host memory stays a chunk's
+
+
 def _forward_table(*, hybrid, examples, layout, reference) -> torch.Tensor:
-    """Every pair once, dealt over the data-parallel ranks as validation rows are; the last stage's TP rank 0 of
-    each replica fills its pairs, and a sum over the world gives every rank the whole table."""
+    """Every pair once, dealt over the data-parallel ranks as validation rows are (every rank the same number of
+    micro-batches), a chunk of micro-batches at a time; the last stage's TP rank 0 of each replica fills its pairs,
+    and a sum over the world gives every rank the whole table."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from toolkit.train.engine.preference import REFERENCE_KEY
-    from toolkit.train.job.eval_rows import preference_micro_batches
+    from toolkit.train.job.eval_rows import preference_rows, rank_rows
 
-    table = torch.zeros(len(examples), 2, dtype=torch.float64)
-    micro_batches = preference_micro_batches(examples=examples, micro_batch_size=layout.micro_batch_size,
-                                             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=layout.dp,
-                                             microbatch_multiple=layout.pp if len(hybrid.chunks) > 1 else 1)
-    reference.add_logps(hybrid, micro_batches)
+    multiple = layout.pp if len(hybrid.chunks) > 1 else 1
+    rows = rank_rows(num_examples=len(examples), dp_rank=parallel_state.get_data_parallel_rank(), dp_size=layout.dp,
+                     micro_batch_size=layout.micro_batch_size, microbatch_multiple=multiple)
     writes = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
               and parallel_state.get_context_parallel_rank() == 0)
-    for batch in micro_batches if writes else ():
-        real = batch["pair_mask"].bool()
-        logps = batch[REFERENCE_KEY].double().cpu().view(-1, 2)
-        table[batch["pair_index"][real]] = logps[real]
+    table = torch.zeros(len(examples), 2, dtype=torch.float64)
+    step = PRECOMPUTE_MICRO_BATCHES * multiple
+    for start in range(0, len(rows), step):
+        micro_batches = [preference_rows(examples, chunk) for chunk in rows[start:start + step]]
+        reference.add_logps(hybrid, micro_batches)
+        for batch in micro_batches if writes else ():
+            real = batch["pair_mask"].bool()
+            table[batch["pair_index"][real]] = batch[REFERENCE_KEY].double().cpu().view(-1, 2)[real]
     summed = table.to(backends.current().device)  # NCCL reduces device tensors only
     dist.all_reduce(summed)
     return summed.cpu()

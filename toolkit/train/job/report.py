@@ -80,6 +80,9 @@ class RunLog:
         self.history: list[dict] = []  # training steps of this run
         self.validation_history: list[dict] = []  # evaluations of this run
         self.global_batch_size = layout.global_batch_size
+        # the tokens a step's rows hold: DPO pairs without packing take a row per side (global_batch_size counts pairs)
+        unpacked_pairs = spec.training.method == "dpo" and not spec.data.packing
+        self.tokens_per_step = layout.tokens_per_step * (2 if unpacked_pairs else 1)
         if is_writer:
             self._write_resolved(spec=spec, ds_config=ds_config)
 
@@ -107,9 +110,10 @@ class RunLog:
               flush=True)
         if validation is not None:
             unit = getattr(validation, "unit_name", "counted tokens")
-            print(f"dsmt train: validation loss over {validation.num_examples} rows ({validation.counted_tokens} "
-                  f"{unit}) at the start, every {self.eval_interval or total_steps} steps and at the end",
-                  flush=True)
+            rows = "pairs" if unit == "pairs" else "rows"
+            counted = "" if unit == "pairs" else f" ({validation.counted_tokens} {unit})"
+            print(f"dsmt train: validation loss over {validation.num_examples} {rows}{counted} at the start, every "
+                  f"{self.eval_interval or total_steps} steps and at the end", flush=True)
         self._truncate_metrics(after_step=start_step)
 
     def _truncate_metrics(self, *, after_step: int) -> None:
@@ -123,7 +127,7 @@ class RunLog:
         path.write_text("".join(line + "\n" for line in kept))
 
     def step(self, *, step: int, stats, engine) -> None:
-        tokens_per_s = self.layout.tokens_per_step / stats.step_time_s
+        tokens_per_s = self.tokens_per_step / stats.step_time_s
         record = {"step": step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                   "step_time_s": stats.step_time_s, "tokens_per_s": tokens_per_s,
                   "memory_gib": peak_memory_over_ranks_gib()}  # collective: step() runs on every rank

@@ -106,7 +106,9 @@ class TrainingRun:
     def train_step(self, micro_batches) -> dict:
         """One optimizer step on `run.micro_batches_per_step` micro-batches pulled from the iterable
         `micro_batches`: {"loss" per token of the global batch, "grad_norm" (before clipping), "lr" of this step,
-        "tokens" counted in the global batch}, the same on every rank."""
+        "tokens" counted in the global batch}, the same on every rank. With `training.method: dpo` the micro-batches
+        are pairs (toolkit/train/engine/hf_pairs.py), "loss" is per pair, "tokens" counts pairs, and TRL's
+        rewards/* and logps/* means join."""
         rows, _ = self._take(micro_batches, count=self.micro_batches_per_step, what="train_step")
         if self.step == self.spec.training.train_steps and self.rank == 0:
             print(f"dsmt: step {self.step + 1} is beyond training.train_steps={self.spec.training.train_steps}, the "
