@@ -4,12 +4,13 @@ A record reaches here formatted (toolkit/data/formats.py `format_preference`, TR
 `{"prompt", "chosen", "rejected"}`: three strings, or three lists of `{"role", "content"}` messages (an implicit
 prompt already split off). Each side is tokenised as SFT tokenises its kind (toolkit/data/tokenize.py):
 
-* strings: `prompt` with the tokenizer's default specials, then the completion without them, then EOS; labels count
-  on the completion and its EOS;
+* strings: `prompt` with the tokenizer's default specials (one leading BOS), then the completion without them,
+  then EOS; labels count on the completion and its EOS;
 * messages: `prompt + completion` rendered as SFT renders chats (toolkit/data/encoding.py: the chat template, or
   the `"<role>: <content>\\n"` fallback with EOS); labels count on the assistant turns of the completion only, not
-  on assistant turns inside the prompt. The prompt's tokens are those that start inside the rendered prompt, with
-  the generation prompt when the completion opens with an assistant turn (TRL's prompt rendering).
+  on assistant turns inside the prompt (a token overlapping a reply is the reply's). The prompt's tokens are those
+  before the first token reaching past the rendered prompt, with the generation prompt when the completion opens
+  with an assistant turn (TRL's prompt rendering).
 
 All records of a source have the first record's form (one tokenisation for all). toolkit/data/preference_rows.py
 then cuts each pair to the row length and lays it out in rows.
