@@ -114,6 +114,8 @@ CATALOGUE = {
     "dpo_label_smoothing": (tiny_spec(training={"method": "dpo", "dpo": {"loss": "ipo", "label_smoothing": 0.1}}),
                             "dpo_label_smoothing", "applies to the sigmoid loss only"),
     "dpo_without_method": (tiny_spec(training={"dpo": {"beta": 0.2}}), "dpo_without_method", "training.method=sft"),
+    "simpo_without_method": (tiny_spec(training={"simpo": {"beta": 2.0}}), "dpo_without_method",
+                             "training.simpo is set but training.method=sft"),
     "dpo_data_type": (tiny_spec(training={"method": "dpo"}), "dpo_data_type", "data.synthetic=true"),
     "preference_needs_dpo": (tiny_spec(data={"synthetic": False, "type": "preference", "path": str(PREFERENCES)}),
                              "preference_needs_dpo", "training.method=sft"),

@@ -265,3 +265,19 @@ def test_llama3_70b_dpo_on_4x8_h100(capsys):
                      f"reproduce: {LLAMA70_COMMAND.format(lora=' --lora-rank 16' if lora else '')}")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+@pytest.mark.parametrize("method", ["simpo", "orpo"])
+def test_reference_free_methods_hold_no_reference_and_run_no_extra_forward(method):
+    from toolkit.spec.load import validate_spec
+
+    spec = validate_spec({"model": {"builtin": "llama3-8b"}, "data": {"path": "pairs.jsonl", "type": "preference"},
+                          "training": {"method": method, "global_batch_size": 64}}, source="test")
+    shape = dpo_shape_of(spec)
+    assert shape == DpoShape(reference="none", packing=True) and not shape.live_reference
+    training = TrainingShape(seq_length=4096, global_batch_size=64, dpo=shape)
+    layout = PlanLayout(tp=2, pp=1, dp=4, sp=True, zero_stage=1, micro_batch_size=1)
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu=H100)
+    memory = estimate_memory(shape=BUILTIN_SHAPES["llama3-8b"], layout=layout, training=training, gpu=H100)
+    time = estimate_step_time(shape=BUILTIN_SHAPES["llama3-8b"], layout=layout, training=training, cluster=cluster)
+    assert memory.worst.reference == 0 and time.reference_s == 0

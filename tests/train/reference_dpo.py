@@ -1,5 +1,5 @@
-"""An independent one-process reference for `dsmt train` with training.method: dpo: plain HF transformers (+ peft
-under training.lora) + torch, nothing from toolkit/. It reads the job spec YAML and the preference jsonl itself and
+"""An independent one-process reference for `dsmt train` with training.method: dpo, simpo or orpo: plain HF
+transformers (+ peft under training.lora) + torch, nothing from toolkit/. It reads the job spec YAML and the preference jsonl itself and
 re-implements, from their written rules (the DPO design: records, tokenisation, truncation, loss, metrics), what a
 dsmt DPO run should do, so a parity test against it can catch dsmt's bugs. The run settings, sample order, LR
 schedule, clipping and AdamW conventions are reference.py's (imported, not changed).
@@ -33,6 +33,17 @@ schedule, clipping and AdamW conventions are reference.py's (imported, not chang
              trainable LoRA tensors with weight decay on all (reference_lora.py's); clipping and the LR schedule
              through reference.py's `clip_and_step`.
 fp32 throughout; the policy stays in the eval mode HF loads it in (the tiny test models have no dropout).
+
+SimPO and ORPO (training.method: simpo / orpo, settings under training.simpo / training.orpo) are reference-free:
+the same records, tokens, truncation, order, optimizer, schedule and clipping, no reference model at all. With pi_c,
+pi_r the policy's log-prob sums of a pair and n_c, n_r their counted labels, avg_s = pi_s / n_s:
+  simpo      TRL CPOTrainer loss_type="simpo", cpo_alpha=0 (`simpo_pair_losses`): z = beta (avg_c - avg_r) - gamma,
+             -(1 - eps) logsigmoid(z) - eps logsigmoid(-z) per pair, averaged over the global batch's pairs.
+  orpo       TRL ORPOTrainer (`orpo_loss`): NLL - beta mean(logsigmoid(log_odds)) with log_odds = (avg_c - avg_r) -
+             (log1p(-exp(avg_c)) - log1p(-exp(avg_r))) and NLL = -sum(pi_c) / sum(n_c), ONE token-level mean over
+             the global batch's chosen completions (a micro-batch's part is -sum(its pi_c) / T, T the global batch's).
+  metrics    rewards from the AVERAGED log-probs (beta avg_s); logps/* are the averages (`simpo_metrics`,
+             `orpo_metrics`; ORPO adds nll_loss, log_odds_ratio, log_odds_chosen).
 """
 
 from __future__ import annotations
@@ -50,6 +61,8 @@ from reference import RunSettings, adamw, clip_and_step, global_sample_indices, 
 
 METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected")
+SIMPO_METRIC_NAMES = METRIC_NAMES
+ORPO_METRIC_NAMES = METRIC_NAMES + ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,41 @@ class DpoSettings:
         if settings.loss not in ("sigmoid", "ipo", "hinge"):
             raise ValueError(f"unknown training.dpo.loss {settings.loss!r}")
         return settings
+
+
+@dataclass(frozen=True)
+class SimpoSettings:
+    beta: float = 2.0
+    gamma: float = 1.0
+    label_smoothing: float = 0.0
+
+    @classmethod
+    def from_training(cls, training: dict) -> "SimpoSettings":
+        if training.get("method", "sft") != "simpo":
+            raise ValueError(f"training.method={training.get('method', 'sft')!r}: SimPO needs method: simpo")
+        simpo = training.get("simpo") or {}
+        return cls(beta=float(simpo.get("beta", 2.0)), gamma=float(simpo.get("gamma", 1.0)),
+                   label_smoothing=float(simpo.get("label_smoothing", 0.0)))
+
+
+@dataclass(frozen=True)
+class OrpoSettings:
+    beta: float = 0.1
+
+    @classmethod
+    def from_training(cls, training: dict) -> "OrpoSettings":
+        if training.get("method", "sft") != "orpo":
+            raise ValueError(f"training.method={training.get('method', 'sft')!r}: ORPO needs method: orpo")
+        return cls(beta=float((training.get("orpo") or {}).get("beta", 0.1)))
+
+
+def method_settings(training: dict) -> DpoSettings | SimpoSettings | OrpoSettings:
+    """The preference method's settings, by training.method (dpo, simpo or orpo)."""
+    method = training.get("method", "sft")
+    kinds = {"dpo": DpoSettings, "simpo": SimpoSettings, "orpo": OrpoSettings}
+    if method not in kinds:
+        raise ValueError(f"training.method={method!r}: the preference reference needs dpo, simpo or orpo")
+    return kinds[method].from_training(training)
 
 
 @dataclass(frozen=True)
@@ -102,8 +150,9 @@ class DpoReferenceRun:
     losses: list[float]
     grad_norms: list[float]  # before clipping
     lrs: list[float]
-    metrics: list[dict[str, float]]  # per step, TRL's names (METRIC_NAMES)
-    ref_logps: torch.Tensor  # [N, 2] float32: the reference's (chosen, rejected) log-prob sums of every kept pair
+    metrics: list[dict[str, float]]  # per step, TRL's names (METRIC_NAMES; ORPO: ORPO_METRIC_NAMES)
+    ref_logps: torch.Tensor | None  # DPO: [N, 2] float32, the reference's (chosen, rejected) log-prob sums of every
+    # kept pair; SimPO and ORPO (no reference): None
     data: PreferencePairs
     state_dict: dict[str, torch.Tensor] | None = None  # full fine-tuning: save_pretrained's names
     adapter: dict[str, torch.Tensor] | None = None  # LoRA: get_peft_model_state_dict's names
@@ -303,6 +352,55 @@ def dpo_metrics(*, pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, 
             "logps/chosen": pi_c.mean().item(), "logps/rejected": pi_r.mean().item()}
 
 
+def simpo_pair_losses(*, avg_c: torch.Tensor, avg_r: torch.Tensor, beta: float, gamma: float,
+                      label_smoothing: float = 0.0) -> torch.Tensor:
+    """TRL CPOTrainer's loss_type="simpo" (cpo_alpha=0) per pair [n], from the AVERAGED log-probs [n]."""
+    z = beta * (avg_c - avg_r) - gamma
+    eps = label_smoothing
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+
+
+def orpo_log_odds(*, avg_c: torch.Tensor, avg_r: torch.Tensor) -> torch.Tensor:
+    """TRL ORPOTrainer's log odds ratio per pair [n], from the AVERAGED log-probs [n] (all < 0)."""
+    return (avg_c - avg_r) - (torch.log1p(-torch.exp(avg_c)) - torch.log1p(-torch.exp(avg_r)))
+
+
+def orpo_loss(*, pi_c: torch.Tensor, pi_r: torch.Tensor, n_c: torch.Tensor, n_r: torch.Tensor, beta: float,
+              chosen_tokens: float | torch.Tensor | None = None, num_pairs: int | None = None) -> torch.Tensor:
+    """ORPO's step loss NLL - beta mean(logsigmoid(log_odds)) of a global batch from its log-prob SUMS [n] and
+    counted labels [n]: NLL = -sum(pi_c) / sum(n_c). For a micro-batch's part of a global batch, pass that global
+    batch's `chosen_tokens` (sum of n_c) and `num_pairs`: the parts then sum to the global batch's loss."""
+    n_c, n_r = n_c.to(pi_c.dtype), n_r.to(pi_r.dtype)
+    chosen_tokens = n_c.sum() if chosen_tokens is None else chosen_tokens
+    num_pairs = len(pi_c) if num_pairs is None else num_pairs
+    ratio = F.logsigmoid(orpo_log_odds(avg_c=pi_c / n_c, avg_r=pi_r / n_r))
+    return -pi_c.sum() / chosen_tokens - beta * ratio.sum() / num_pairs
+
+
+def _averaged_metrics(*, avg_c: torch.Tensor, avg_r: torch.Tensor, beta: float) -> dict[str, float]:
+    rc, rr = beta * avg_c, beta * avg_r
+    return {"rewards/chosen": rc.mean().item(), "rewards/rejected": rr.mean().item(),
+            "rewards/accuracies": (rc > rr).float().mean().item(), "rewards/margins": (rc - rr).mean().item(),
+            "logps/chosen": avg_c.mean().item(), "logps/rejected": avg_r.mean().item()}
+
+
+def simpo_metrics(*, pi_c: torch.Tensor, pi_r: torch.Tensor, n_c: torch.Tensor, n_r: torch.Tensor,
+                  beta: float) -> dict[str, float]:
+    """TRL CPOTrainer's logged metrics (SIMPO_METRIC_NAMES), means over the pairs, from the log-prob SUMS."""
+    return _averaged_metrics(avg_c=pi_c / n_c.to(pi_c.dtype), avg_r=pi_r / n_r.to(pi_r.dtype), beta=beta)
+
+
+def orpo_metrics(*, pi_c: torch.Tensor, pi_r: torch.Tensor, n_c: torch.Tensor, n_r: torch.Tensor,
+                 beta: float) -> dict[str, float]:
+    """TRL ORPOTrainer's logged metrics (ORPO_METRIC_NAMES), over the pairs of one global batch."""
+    n_c, n_r = n_c.to(pi_c.dtype), n_r.to(pi_r.dtype)
+    avg_c, avg_r = pi_c / n_c, pi_r / n_r
+    log_odds = orpo_log_odds(avg_c=avg_c, avg_r=avg_r)
+    return {**_averaged_metrics(avg_c=avg_c, avg_r=avg_r, beta=beta),
+            "nll_loss": (-pi_c.sum() / n_c.sum()).item(), "log_odds_ratio": F.logsigmoid(log_odds).mean().item(),
+            "log_odds_chosen": log_odds.mean().item()}
+
+
 def sequence_logp(model, side: Side) -> torch.Tensor:
     """Sum over the counted labels of log p(ids[t] | ids[:t]), from a forward of the sequence alone."""
     ids = torch.tensor([side.ids])
@@ -321,14 +419,16 @@ def pair_logps(model, pairs: list[Pair]) -> torch.Tensor:
 
 def train_dpo_reference(spec_path: Path, *, chunk_pairs: int | None = None,
                         start_rounded_to: torch.dtype | None = None) -> DpoReferenceRun:
-    """Train the spec's model with DPO for its train_steps in this process. `chunk_pairs` (default: the
-    micro-batch size) only changes how the global batch is split into backwards; `start_rounded_to=torch.bfloat16`
-    starts (policy and reference) from the checkpoint rounded to bf16, as a bf16 run's fp32 master weights do."""
+    """Train the spec's model with its training.method (dpo, simpo or orpo) for its train_steps in this process.
+    `chunk_pairs` (default: the micro-batch size) only changes how the global batch is split into backwards;
+    `start_rounded_to=torch.bfloat16` starts (policy and reference) from the checkpoint rounded to bf16, as a bf16
+    run's fp32 master weights do. SimPO and ORPO build no reference model (the result's ref_logps is None)."""
     from transformers import AutoTokenizer
 
     settings = RunSettings.from_yaml(spec_path)
     spec = yaml.safe_load(Path(spec_path).read_text())
-    dpo = DpoSettings.from_training(spec["training"])
+    method = method_settings(spec["training"])
+    is_dpo = isinstance(method, DpoSettings)
     lora = spec["training"].get("lora")
     tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
     data = tokenize_pairs(read_jsonl(settings.data_path), tokenizer=tokenizer, seq_length=settings.seq_length,
@@ -345,8 +445,8 @@ def train_dpo_reference(spec_path: Path, *, chunk_pairs: int | None = None,
                 param.copy_(param.to(start_rounded_to).float())
 
     reference_model = None
-    if dpo.reference not in ("base", "precomputed"):
-        reference_model = load_hf_model(Path(dpo.reference)).eval().requires_grad_(False)
+    if is_dpo and method.reference not in ("base", "precomputed"):
+        reference_model = load_hf_model(Path(method.reference)).eval().requires_grad_(False)
     if lora:
         if lora.get("train_embeddings"):
             raise NotImplementedError("the DPO reference does not model training.lora.train_embeddings")
@@ -359,13 +459,16 @@ def train_dpo_reference(spec_path: Path, *, chunk_pairs: int | None = None,
         optimizer = torch.optim.AdamW([{"params": params, "weight_decay": settings.weight_decay}], lr=settings.lr,
                                       betas=settings.betas, eps=settings.eps)
     else:
-        if reference_model is None:
+        if is_dpo and reference_model is None:
             reference_model = copy.deepcopy(model).eval().requires_grad_(False)
         params = list(model.parameters())
         optimizer = adamw(model, settings)
 
+    ref_logps = None
     with torch.no_grad():
-        if reference_model is not None:
+        if not is_dpo:
+            pass  # SimPO, ORPO: reference-free
+        elif reference_model is not None:
             ref_logps = pair_logps(reference_model, pairs)
         else:  # LoRA, reference base: the same model with its adapters off
             was_training = model.training
@@ -383,18 +486,35 @@ def train_dpo_reference(spec_path: Path, *, chunk_pairs: int | None = None,
                                        num_examples=len(pairs), seed=settings.seed, shuffle=settings.shuffle)
         optimizer.zero_grad(set_to_none=True)
         total, policy = 0.0, []
+        chosen_tokens = counts[chosen, 0].sum()  # ORPO's NLL denominator: the global batch's chosen tokens
         for start in range(0, len(chosen), chunk):
             indices = chosen[start:start + chunk]
             pi = pair_logps(model, [pairs[i] for i in indices])
-            ref, n = ref_logps[indices], counts[indices]
-            per_pair = pair_losses(pi_c=pi[:, 0], pi_r=pi[:, 1], ref_c=ref[:, 0], ref_r=ref[:, 1], beta=dpo.beta,
-                                   loss=dpo.loss, label_smoothing=dpo.label_smoothing, n_c=n[:, 0], n_r=n[:, 1])
-            loss = per_pair.sum() / len(chosen)
+            n = counts[indices]
+            if is_dpo:
+                ref = ref_logps[indices]
+                per_pair = pair_losses(pi_c=pi[:, 0], pi_r=pi[:, 1], ref_c=ref[:, 0], ref_r=ref[:, 1],
+                                       beta=method.beta, loss=method.loss, label_smoothing=method.label_smoothing,
+                                       n_c=n[:, 0], n_r=n[:, 1])
+                loss = per_pair.sum() / len(chosen)
+            elif isinstance(method, SimpoSettings):
+                per_pair = simpo_pair_losses(avg_c=pi[:, 0] / n[:, 0], avg_r=pi[:, 1] / n[:, 1], beta=method.beta,
+                                             gamma=method.gamma, label_smoothing=method.label_smoothing)
+                loss = per_pair.sum() / len(chosen)
+            else:
+                loss = orpo_loss(pi_c=pi[:, 0], pi_r=pi[:, 1], n_c=n[:, 0], n_r=n[:, 1], beta=method.beta,
+                                 chosen_tokens=chosen_tokens, num_pairs=len(chosen))
             loss.backward()
             total += loss.item()
             policy.append(pi.detach())
-        pi, ref = torch.cat(policy), ref_logps[chosen]
-        metrics.append(dpo_metrics(pi_c=pi[:, 0], pi_r=pi[:, 1], ref_c=ref[:, 0], ref_r=ref[:, 1], beta=dpo.beta))
+        pi, n = torch.cat(policy), counts[chosen]
+        if is_dpo:
+            ref = ref_logps[chosen]
+            metrics.append(dpo_metrics(pi_c=pi[:, 0], pi_r=pi[:, 1], ref_c=ref[:, 0], ref_r=ref[:, 1],
+                                       beta=method.beta))
+        else:
+            metric_fn = simpo_metrics if isinstance(method, SimpoSettings) else orpo_metrics
+            metrics.append(metric_fn(pi_c=pi[:, 0], pi_r=pi[:, 1], n_c=n[:, 0], n_r=n[:, 1], beta=method.beta))
         norm, lr = clip_and_step(optimizer, params=params, step=step, settings=settings)
         losses.append(total)
         norms.append(norm)

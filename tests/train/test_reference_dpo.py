@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from reference_dpo import (METRIC_NAMES, kept_lengths, pair_arrays, pair_losses, record_pieces, tokenize_pairs,
+from reference_dpo import (METRIC_NAMES, ORPO_METRIC_NAMES, SIMPO_METRIC_NAMES, OrpoSettings, SimpoSettings,
+                           kept_lengths, method_settings, orpo_log_odds, orpo_loss, orpo_metrics, pair_arrays,
+                           pair_logps, pair_losses, record_pieces, simpo_metrics, simpo_pair_losses, tokenize_pairs,
                            train_dpo_reference)
 
 LN2 = math.log(2.0)
@@ -83,6 +85,69 @@ def test_losses_match_trl():
         ours = pair_losses(pi_c=pi_c, pi_r=pi_r, ref_c=ref_c, ref_r=ref_r, beta=0.3, loss=loss, label_smoothing=eps,
                            n_c=n_c, n_r=n_r)
         torch.testing.assert_close(ours, theirs.float(), rtol=1e-5, atol=1e-6)
+
+
+def _sig(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def test_simpo_and_orpo_settings():
+    assert method_settings({"method": "simpo"}) == SimpoSettings(beta=2.0, gamma=1.0, label_smoothing=0.0)
+    assert method_settings({"method": "simpo", "simpo": {"beta": 3, "gamma": 0.5, "label_smoothing": 0.1}}) == \
+        SimpoSettings(beta=3.0, gamma=0.5, label_smoothing=0.1)
+    assert method_settings({"method": "orpo"}) == OrpoSettings(beta=0.1)
+    assert method_settings({"method": "orpo", "orpo": {"beta": 0.25}}) == OrpoSettings(beta=0.25)
+    with pytest.raises(ValueError):
+        method_settings({"method": "kto"})
+
+
+def test_simpo_by_hand():
+    t = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
+    # avg_c = -3 / 2 = -1.5, avg_r = -8 / 4 = -2: beta 2, gamma 1 gives z = 0, ln 2 for any smoothing
+    pi_c, pi_r, n_c, n_r = t([-3.0, -1.0]), t([-8.0, -6.0]), t([2, 4]), t([4, 3])
+    avg_c, avg_r = pi_c / n_c, pi_r / n_r
+    for eps in (0.0, 0.2):
+        assert simpo_pair_losses(avg_c=avg_c[:1], avg_r=avg_r[:1], beta=2.0, gamma=1.0,
+                                 label_smoothing=eps).item() == pytest.approx(LN2)
+    # second pair: avg_c = -0.25, avg_r = -2: z = 2.5 * 1.75 - 0.5 = 3.875; first: z = 2.5 * 0.5 - 0.5 = 0.75
+    for eps in (0.0, 0.3):
+        losses = simpo_pair_losses(avg_c=avg_c, avg_r=avg_r, beta=2.5, gamma=0.5, label_smoothing=eps)
+        expected = [-(1 - eps) * math.log(_sig(z)) - eps * math.log(_sig(-z)) for z in (0.75, 3.875)]
+        assert losses.tolist() == pytest.approx(expected, rel=1e-12)
+    # rewards from the averaged log-probs: beta * avg
+    metrics = simpo_metrics(pi_c=pi_c, pi_r=pi_r, n_c=n_c.long(), n_r=n_r.long(), beta=2.0)
+    assert sorted(metrics) == sorted(SIMPO_METRIC_NAMES)
+    assert metrics == pytest.approx({"rewards/chosen": 2 * (-1.5 - 0.25) / 2, "rewards/rejected": 2 * (-2 - 2) / 2,
+                                     "rewards/accuracies": 1.0, "rewards/margins": 2 * (0.5 + 1.75) / 2,
+                                     "logps/chosen": (-1.5 - 0.25) / 2, "logps/rejected": -2.0})
+
+
+def test_orpo_by_hand():
+    t = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
+    pi_c, pi_r, n_c, n_r = t([-2.0, -6.0, -1.0]), t([-3.0, -4.0, -1.0]), t([4, 3, 2]), t([2, 8, 2])
+    avg_c, avg_r = [-0.5, -2.0, -0.5], [-1.5, -0.5, -0.5]
+    odds = [(c - r) - (math.log(1 - math.exp(c)) - math.log(1 - math.exp(r))) for c, r in zip(avg_c, avg_r)]
+    assert odds[2] == 0.0  # equal averages: even odds
+    assert orpo_log_odds(avg_c=pi_c / n_c, avg_r=pi_r / n_r).tolist() == pytest.approx(odds, rel=1e-12)
+    nll = 9.0 / 9.0  # -(-2 - 6 - 1) / (4 + 3 + 2): one token-level mean, not a mean of per-sequence means
+    ratio = [math.log(_sig(x)) for x in odds]
+    beta = 0.25
+    expected = nll - beta * sum(ratio) / 3
+    assert orpo_loss(pi_c=pi_c, pi_r=pi_r, n_c=n_c, n_r=n_r, beta=beta).item() == pytest.approx(expected, rel=1e-12)
+    # the last pair alone: NLL 1 / 2, ratio -ln 2
+    assert orpo_loss(pi_c=pi_c[2:], pi_r=pi_r[2:], n_c=n_c[2:], n_r=n_r[2:], beta=beta).item() == pytest.approx(
+        0.5 + beta * LN2, rel=1e-12)
+    # micro-batch parts scaled by the global batch's chosen tokens and pairs sum to the global batch's loss
+    parts = [orpo_loss(pi_c=pi_c[a:b], pi_r=pi_r[a:b], n_c=n_c[a:b], n_r=n_r[a:b], beta=beta,
+                       chosen_tokens=n_c.sum(), num_pairs=3) for a, b in ((0, 1), (1, 3))]
+    assert sum(p.item() for p in parts) == pytest.approx(expected, rel=1e-12)
+    metrics = orpo_metrics(pi_c=pi_c, pi_r=pi_r, n_c=n_c.long(), n_r=n_r.long(), beta=beta)
+    assert sorted(metrics) == sorted(ORPO_METRIC_NAMES)
+    rc, rr = [beta * x for x in avg_c], [beta * x for x in avg_r]
+    assert metrics == pytest.approx({
+        "rewards/chosen": sum(rc) / 3, "rewards/rejected": sum(rr) / 3, "rewards/accuracies": 1 / 3,
+        "rewards/margins": (sum(rc) - sum(rr)) / 3, "logps/chosen": sum(avg_c) / 3, "logps/rejected": sum(avg_r) / 3,
+        "nll_loss": nll, "log_odds_ratio": sum(ratio) / 3, "log_odds_chosen": sum(odds) / 3}, rel=1e-7)  # accuracies: f32
 
 
 # --- truncation and tokenisation ----------------------------------------------------------------------------------
@@ -209,3 +274,49 @@ def test_lora_run(tiny_llama, tmp_path):
     assert run.losses[0] == pytest.approx(1 / (4 * 0.5**2), rel=1e-6)
     assert all(b < a for a, b in zip(run.losses, run.losses[1:])), run.losses
     assert run.state_dict is None and any("lora_B" in k and v.abs().sum() > 0 for k, v in run.adapter.items())
+
+
+def test_simpo_full_fine_tuning_run(tiny_llama, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    simpo = {"beta": 2.0, "gamma": 0.5}
+    run = train_dpo_reference(_spec(tmp_path, tiny_llama, steps=3, extra_training={"method": "simpo",
+                                                                                      "simpo": simpo}))
+    assert run.ref_logps is None and run.adapter is None and "lm_head.weight" in run.state_dict
+    assert all(math.isfinite(x) for x in run.losses + run.grad_norms)
+    assert all(b < a for a, b in zip(run.losses, run.losses[1:])), run.losses
+    assert [sorted(m) for m in run.metrics] == [sorted(SIMPO_METRIC_NAMES)] * 3
+    # the first step from the starting model, independently: the global batch is all 6 pairs (no shuffle)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    pairs = tokenize_pairs(RECORDS, tokenizer=tok, seq_length=48, packing=True).pairs
+    with torch.no_grad():
+        pi = pair_logps(AutoModelForCausalLM.from_pretrained(tiny_llama).eval(), pairs)
+    n = torch.tensor([[p.chosen.num_counted, p.rejected.num_counted] for p in pairs], dtype=torch.float32)
+    avg = pi / n
+    z = 2.0 * (avg[:, 0] - avg[:, 1]) - 0.5
+    assert run.losses[0] == pytest.approx(-torch.nn.functional.logsigmoid(z).mean().item(), rel=1e-5)
+    assert run.metrics[0]["logps/chosen"] == pytest.approx(avg[:, 0].mean().item(), rel=1e-5)
+    assert run.metrics[0]["rewards/rejected"] == pytest.approx(2.0 * avg[:, 1].mean().item(), rel=1e-5)
+    assert run.metrics[-1]["rewards/margins"] > run.metrics[0]["rewards/margins"]
+
+
+def test_orpo_lora_run(tiny_llama, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    peft_model.save_pretrained(tmp_path / "init")
+    lora = {"rank": 4, "alpha": 8, "init_adapter": str(tmp_path / "init")}
+    run = train_dpo_reference(_spec(tmp_path, tiny_llama, steps=3, packing=False,
+                                    extra_training={"lora": lora, "lr": 2e-2, "min_lr": 2e-2, "method": "orpo",
+                                                    "orpo": {"beta": 0.5}}))
+    assert run.ref_logps is None and run.state_dict is None
+    assert all(math.isfinite(x) for x in run.losses + run.grad_norms)
+    assert all(b < a for a, b in zip(run.losses, run.losses[1:])), run.losses
+    assert [sorted(m) for m in run.metrics] == [sorted(ORPO_METRIC_NAMES)] * 3
+    for loss, m in zip(run.losses, run.metrics):  # the step loss is NLL - beta * mean(logsigmoid(log odds))
+        assert loss == pytest.approx(m["nll_loss"] - 0.5 * m["log_odds_ratio"], rel=1e-5)
+        assert m["nll_loss"] > 0 and m["log_odds_ratio"] < 0
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in run.adapter.items())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from toolkit.errors import Problem
 from toolkit.models.shapes import ModelShape, ModelShapeError
-from toolkit.spec.preference import dpo_settings
+from toolkit.spec.preference import preference_settings
 
 # the shape fields a reference must share with the policy: its log-probs are compared token by token, and a
 # frozen copy is sharded by the policy's layout
@@ -18,28 +18,32 @@ SHAPE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "num_kv_head
 
 
 def check_preference(*, spec, shape: ModelShape | None) -> list[Problem]:
-    dpo = dpo_settings(spec.training)
-    if dpo is None:
+    found = preference_settings(spec.training)
+    if found is None:
         return _preference_data_without_dpo(spec)
-    problems = _dpo_data(spec) + _dpo_layout(spec) + _lora_reference(spec, reference=dpo.reference)
-    if shape is not None and dpo.reference_path is not None:
-        problems += _reference_problems(path=dpo.reference_path, shape=shape)
+    method, settings = found
+    problems = _dpo_data(spec) + _dpo_layout(spec)
+    if method != "dpo":  # SimPO, ORPO: no reference
+        return problems
+    problems += _lora_reference(spec, reference=settings.reference)
+    if shape is not None and settings.reference_path is not None:
+        problems += _reference_problems(path=settings.reference_path, shape=shape)
     return problems
 
 
 def plain_dpo_problems(*, spec, model_type: str) -> list[Problem]:
     """DPO on a model without a megatron-core adapter: refused (the plain engine trains the head's own task)."""
-    if dpo_settings(spec.training) is None:
+    if preference_settings(spec.training) is None:
         return _preference_data_without_dpo(spec)
-    return [Problem("error", "dpo_model", f"training.method=dpo with model_type {model_type!r}, which has no "
+    return [Problem("error", "dpo_model", f"training.method={spec.training.method} with model_type {model_type!r}, which has no "
                     "megatron-core adapter: dsmt's DPO runs on the adapters' causal language models",
                     "use a supported causal LM family (`dsmt check` lists them), or training.method: sft")]
 
 
 def encoder_dpo_problems(*, spec, model_type: str) -> list[Problem]:
-    if dpo_settings(spec.training) is None:
+    if preference_settings(spec.training) is None:
         return []
-    return [Problem("error", "dpo_model", f"training.method=dpo with the encoder {model_type!r}: DPO compares the "
+    return [Problem("error", "dpo_model", f"training.method={spec.training.method} with the encoder {model_type!r}: DPO compares the "
                     "log-probs of generated completions, which a masked-LM or classification head has none of",
                     "use a causal language model checkpoint, or training.method: sft")]
 
@@ -48,8 +52,8 @@ def _preference_data_without_dpo(spec) -> list[Problem]:
     if spec.data.type != "preference":
         return []
     return [Problem("error", "preference_needs_dpo", "data.type=preference with training.method=sft: pairs of "
-                    "chosen and rejected completions train with a preference loss", "set training.method: dpo, "
-                    "or give SFT records (data.type: completion, messages, ...)")]
+                    "chosen and rejected completions train with a preference loss", "set training.method: dpo (or simpo, "
+                    "orpo), or give SFT records (data.type: completion, messages, ...)")]
 
 
 def _dpo_data(spec) -> list[Problem]:
@@ -59,15 +63,16 @@ def _dpo_data(spec) -> list[Problem]:
     if data.synthetic or data.mix is not None or data.is_megatron or data.type != "preference":
         what = ("data.synthetic=true" if data.synthetic else "data.mix" if data.mix is not None
                 else "a Megatron corpus" if data.is_megatron else f"data.type={data.type}")
-        return [Problem("error", "dpo_data_type", f"training.method=dpo with {what}: DPO trains on pairs of "
-                        "completions", "set data.path to preference records ({prompt, chosen, rejected}, strings or "
+        return [Problem("error", "dpo_data_type", f"training.method={spec.training.method} with {what}: preference methods "
+                        "train on pairs of completions", "set data.path to preference records ({prompt, chosen, rejected}, strings or "
                         "message lists) and data.type: preference")]
     return []
 
 
 def _dpo_layout(spec) -> list[Problem]:
     if spec.parallel.cp > 1:
-        return [Problem("error", "dpo_context_parallel", f"training.method=dpo with parallel.cp={spec.parallel.cp}: "
+        return [Problem("error", "dpo_context_parallel", f"training.method={spec.training.method} with parallel.cp="
+                        f"{spec.parallel.cp}: "
                         "a sequence's log-prob is summed on one rank, and context parallelism splits it", "set "
                         "parallel.cp: 1 (sequence_parallel or a larger tp saves activation memory instead)")]
     return []

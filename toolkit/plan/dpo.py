@@ -39,13 +39,13 @@ REFERENCE_KINDS = ("base", "precomputed")  # anything else is a checkpoint path 
 class DpoShape:
     """What of `training.dpo` and `data` the plan needs: where the reference comes from and how a pair is laid out."""
 
-    reference: str = "base"    # base | precomputed | a checkpoint path
+    reference: str = "base"    # base | precomputed | a checkpoint path | none (SimPO, ORPO: reference-free)
     packing: bool = True       # data.packing: both sides of a pair in one row (true) or a row each (false)
 
     @property
     def live_reference(self) -> bool:
         """A reference model runs in the step (base or a path); precomputed log-probs are read from disk."""
-        return self.reference != "precomputed"
+        return self.reference not in ("precomputed", "none")
 
     @property
     def rows_per_pair(self) -> int:
@@ -60,10 +60,13 @@ class DpoShape:
 def dpo_shape_of(spec) -> DpoShape | None:
     """A job spec's DPO as the planner counts it (None for SFT): `toolkit.check.checks.planner_inputs` passes it
     as TrainingShape.dpo."""
-    from toolkit.spec.preference import dpo_settings
+    from toolkit.spec.preference import preference_settings
 
-    dpo = dpo_settings(spec.training)
-    return None if dpo is None else DpoShape(reference=dpo.reference, packing=spec.data.packing)
+    found = preference_settings(spec.training)
+    if found is None:
+        return None
+    method, settings = found  # SimPO and ORPO: pairs, no reference
+    return DpoShape(reference=settings.reference if method == "dpo" else "none", packing=spec.data.packing)
 
 
 def rows_per_pair(training) -> int:

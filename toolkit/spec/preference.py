@@ -2,6 +2,8 @@
 
     method: sft   the language-model loss on the counted tokens (default)
     method: dpo   Direct Preference Optimization on `data.type: preference` pairs, against a frozen reference
+    method: simpo SimPO on the same pairs, reference-free (`training.simpo`: SimpoSpec)
+    method: orpo  ORPO on the same pairs, reference-free, with the chosen completions' NLL (`training.orpo`)
 
 `training.dpo` takes TRL's `DPOConfig` names and meanings:
   beta             the deviation from the reference (IPO: its regularisation tau); > 0, default 0.1
@@ -22,7 +24,8 @@ from pydantic_core import PydanticCustomError
 
 from toolkit.spec.sections import Section, _safe_path
 
-METHODS = ("sft", "dpo")
+METHODS = ("sft", "dpo", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")  # no reference model: the policy's own average log-probs
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 REFERENCE_KINDS = ("base", "precomputed")  # anything else is a path
 # Rules raised below (toolkit/spec/schema.py SCHEMA_RULES lists them with the others).
@@ -55,16 +58,46 @@ class DpoSpec(Section):
         return None if self.reference in REFERENCE_KINDS else self.reference
 
 
-def check_method(*, method: str, dpo: DpoSpec | None) -> None:
-    """training.dpo belongs to method: dpo (a spec that sets it under sft would silently train SFT)."""
-    if dpo is not None and method != "dpo":
-        raise PydanticCustomError(
-            "dpo_without_method", "training.dpo is set but training.method={method}: set training.method: dpo, or "
-            "remove training.dpo", {"method": method})
+class SimpoSpec(Section):
+    """SimPO (Meng et al. 2024; TRL's CPOTrainer with loss_type simpo and cpo_alpha 0): reference-free, on each
+    completion's AVERAGE log-prob: -(1 - eps) logsigmoid(beta (avg_c - avg_r) - gamma) - eps logsigmoid(-(...)).
+    `gamma` is TRL's `simpo_gamma`, the paper's target margin; the defaults are the paper's (beta 2, gamma/beta
+    0.5), not CPOConfig's (made for CPO)."""
+
+    beta: float = Field(2.0, gt=0)
+    gamma: float = Field(1.0, ge=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+
+
+class OrpoSpec(Section):
+    """ORPO (Hong et al. 2024; TRL's ORPOTrainer): reference-free, the chosen completions' NLL (per token over the
+    global batch, as SFT's loss) minus beta times the mean log-sigmoid of the odds ratio of the average log-probs.
+    `beta` is TRL's ORPOConfig.beta, the paper's lambda."""
+
+    beta: float = Field(0.1, gt=0)
+
+
+def check_method(*, method: str, settings: dict) -> None:
+    """training.dpo / simpo / orpo belong to their method (a spec that sets one under another would silently train
+    that other method)."""
+    for name, value in settings.items():
+        if value is not None and method != name:
+            raise PydanticCustomError(
+                "dpo_without_method", "training.{name} is set but training.method={method}: set training.method: "
+                "{name}, or remove training.{name}", {"name": name, "method": method})
+
+
+def preference_settings(training):
+    """(method, its settings) of a `TrainingSpec` for a preference method (defaults when its section is left out);
+    None for SFT."""
+    defaults = {"dpo": DpoSpec, "simpo": SimpoSpec, "orpo": OrpoSpec}
+    if training.method not in defaults:
+        return None
+    given = getattr(training, training.method)
+    return training.method, given if given is not None else defaults[training.method]()
 
 
 def dpo_settings(training) -> DpoSpec | None:
-    """The DPO settings of a `TrainingSpec` (defaults when method: dpo leaves training.dpo out); None for SFT."""
-    if training.method != "dpo":
-        return None
-    return training.dpo if training.dpo is not None else DpoSpec()
+    """The DPO settings of a `TrainingSpec` (defaults when method: dpo leaves training.dpo out); None otherwise."""
+    found = preference_settings(training)
+    return found[1] if found is not None and found[0] == "dpo" else None

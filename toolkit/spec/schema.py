@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from toolkit.spec.data_schema import DATA_RULES, DATA_SOURCE_FIX, DataSpec, MixSource  # noqa: F401  (part of the schema)
-from toolkit.spec.preference import PREFERENCE_RULES, DpoSpec, check_method
+from toolkit.spec.preference import PREFERENCE_RULES, DpoSpec, OrpoSpec, SimpoSpec, check_method
 from toolkit.spec.sections import FloatType, Section, _safe_path
 
 # RFC 1123 host names (and IPv4 addresses): letters, digits, '-', '.'; nothing a shell would interpret.
@@ -358,8 +358,10 @@ class TrainingSpec(Section):
     wandb: WandbSpec | None = None  # None: no Weights & Biases logging
     sync_batchnorm: bool = False  # models without an adapter: BatchNorm -> torch.nn.SyncBatchNorm (stats over DP)
     lora: LoraSpec | None = None  # None: full fine-tuning
-    method: Literal["sft", "dpo"] = "sft"  # dpo: preference pairs (toolkit/spec/preference.py)
+    method: Literal["sft", "dpo", "simpo", "orpo"] = "sft"  # preference pairs: toolkit/spec/preference.py
     dpo: DpoSpec | None = None  # method dpo's settings; None: TRL's defaults
+    simpo: SimpoSpec | None = None  # method simpo's
+    orpo: OrpoSpec | None = None  # method orpo's
     # Validation (data.validation_path / validation_fraction): before step 1 (logged as step 0), every
     # eval_interval steps and after the last step; None: at the start and the end only.
     eval_interval: int | None = Field(None, ge=1)
@@ -394,7 +396,7 @@ class TrainingSpec(Section):
                 {"gbt": self.global_batch_tokens, "seq": self.seq_length, "a": below or self.seq_length,
                  "b": below + self.seq_length},
             )
-        check_method(method=self.method, dpo=self.dpo)
+        check_method(method=self.method, settings={"dpo": self.dpo, "simpo": self.simpo, "orpo": self.orpo})
         if self.min_lr > self.lr:
             raise PydanticCustomError("min_lr_above_lr", "min_lr={min_lr} exceeds lr={lr}", {"min_lr": self.min_lr, "lr": self.lr})
         if self.warmup_steps >= self.train_steps:

@@ -95,7 +95,7 @@ def test_api_pairs_are_interleaved_rows_with_their_sequence_index():
     batch = {"chosen_input_ids": ids, "chosen_labels": ids.masked_fill(ids % 4 < 2, -100),
              "rejected_input_ids": ids + 10, "rejected_labels": (ids + 10).masked_fill(ids % 4 < 2, -100)}
     rows, problems = hf_batches.take_micro_batches([batch], count=1, rules=rules,
-                                                   read=hf_pairs.pair_reader(needs_reference=False))
+                                                   read=hf_pairs.pair_reader(reference="live"))
     assert problems == []
     (row,) = rows
     assert row["tokens"].tolist() == [[0, 1, 2, 3], [10, 11, 12, 13], [4, 5, 6, 7], [14, 15, 16, 17]]
@@ -103,21 +103,21 @@ def test_api_pairs_are_interleaved_rows_with_their_sequence_index():
     assert row["sequence_index"][:, 0].tolist() == [0, 1, 2, 3] and row["pair_mask"].tolist() == [1, 1]
 
     _, problems = hf_batches.take_micro_batches([{**batch, "ref_chosen_logps": torch.zeros(2)}], count=1,
-                                                rules=rules, read=hf_pairs.pair_reader(needs_reference=False))
+                                                rules=rules, read=hf_pairs.pair_reader(reference="live"))
     assert len(problems) == 1 and "computes the reference log-probs itself" in problems[0]
     _, problems = hf_batches.take_micro_batches([batch], count=1, rules=rules,
-                                                read=hf_pairs.pair_reader(needs_reference=True))
+                                                read=hf_pairs.pair_reader(reference="precomputed"))
     assert len(problems) == 1 and "lacks ref_chosen_logps" in problems[0]
     for bad, needle in ((torch.zeros(1), "ref_chosen_logps is (1,), expected a float tensor of micro_batch_size = 2"),
                         (torch.tensor([0.0, float("nan")]), "non-finite")):
         _, problems = hf_batches.take_micro_batches(
             [{**batch, "ref_chosen_logps": bad, "ref_rejected_logps": torch.zeros(2)}], count=1, rules=rules,
-            read=hf_pairs.pair_reader(needs_reference=True))
+            read=hf_pairs.pair_reader(reference="precomputed"))
         assert len(problems) == 1 and needle in problems[0], problems
     unlabelled = {**batch, "rejected_labels": torch.full_like(ids, -100)}
     _, problems = hf_batches.take_micro_batches([unlabelled], count=1, rules=rules,
-                                                read=hf_pairs.pair_reader(needs_reference=False))
+                                                read=hf_pairs.pair_reader(reference="live"))
     assert len(problems) == 2 and "pair 0: the rejected side has no label" in problems[0], problems
     _, problems = hf_batches.take_micro_batches([{"input_ids": ids, "labels": ids}], count=1, rules=rules,
-                                                read=hf_pairs.pair_reader(needs_reference=False))
+                                                read=hf_pairs.pair_reader(reference="live"))
     assert any("lacks 'chosen_input_ids'" in p for p in problems) and any("'input_ids'" in p for p in problems)

@@ -37,6 +37,14 @@ RUNS = {
     "lora-tp2-pp2": dict(layout=dict(tp=2, pp=2, dp=1, zero=1, micro=2, global_batch=4, seq=48),
                          dpo={"beta": 0.2}, lora=True,
                          data={"path": str(DATA / "tiny_preferences.jsonl"), "packing": False}),
+    # reference-free: SimPO (average log-probs, a target margin) and ORPO (the chosen NLL per token over the global
+    # batch, the odds ratio), both with no reference model at all
+    "simpo-tp2-pp2": dict(layout=dict(tp=2, pp=2, dp=1, zero=1, micro=2, global_batch=4, seq=48), method="simpo",
+                          dpo={"beta": 2.0, "gamma": 0.5, "label_smoothing": 0.1},
+                          data={"path": str(DATA / "tiny_preferences.jsonl"), "packing": False}),
+    "orpo-lora-tp2-dp2": dict(layout=dict(tp=2, pp=1, dp=2, zero=1, micro=1, global_batch=4, seq=96), method="orpo",
+                              dpo={"beta": 0.2}, lora=True, data={"path": str(DATA / "tiny_preferences.jsonl"),
+                                                                  "validation_path": str(DATA / "tiny_preferences_val.jsonl")}),
     "precomputed-tp2-dp2-zero3": dict(layout=dict(tp=2, pp=1, dp=2, zero=3, micro=1, global_batch=4, seq=96),
                                       dpo={"beta": 0.1, "loss": "hinge", "reference": "precomputed"},
                                       data={"path": str(DATA / "tiny_preferences.jsonl")}),
@@ -52,7 +60,8 @@ def dpo_runs(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo-runs")
     specs = {}
     for name, run in RUNS.items():
-        training = {**PARITY_TRAINING, "grad_clip": DPO_GRAD_CLIP, "method": "dpo", "dpo": run["dpo"],
+        method = run.get("method", "dpo")
+        training = {**PARITY_TRAINING, "grad_clip": DPO_GRAD_CLIP, "method": method, method: run["dpo"],
                     **run.get("training", {})}
         if run.get("lora"):  # B = 0: the policy starts equal to its reference (the base with adapters off)
             adapter = write_peft_adapter(tiny_llama, root / f"init-{name}", rank=4, alpha=8.0, targets=None, seed=3,
@@ -91,9 +100,11 @@ def test_dpo_run_matches_the_reference(name, dpo_runs):
     assert [r["step"] for r in metrics] == list(range(1, len(reference.losses) + 1))
     assert min(reference.grad_norms) > DPO_GRAD_CLIP, reference.grad_norms
     assert all(abs(r["lr"] - x) <= 1e-12 * max(x, 1e-30) for r, x in zip(metrics, reference.lrs))
-    assert abs(metrics[0]["loss"] - _starting_loss(RUNS[name]["dpo"])) < 1e-6, metrics[0]["loss"]
-    names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-             "logps/rejected")
+    if RUNS[name].get("method", "dpo") == "dpo":  # reference-free methods start where the model is
+        assert abs(metrics[0]["loss"] - _starting_loss(RUNS[name]["dpo"])) < 1e-6, metrics[0]["loss"]
+    names = set(reference.metrics[0])
+    assert names >= {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                     "logps/rejected"}
     figures = {
         "loss_rel": max(abs(r["loss"] - x) / x for r, x in zip(metrics, reference.losses)),
         "grad_norm_rel": max(abs(r["grad_norm"] - x) / x for r, x in zip(metrics, reference.grad_norms)),
@@ -103,7 +114,8 @@ def test_dpo_run_matches_the_reference(name, dpo_runs):
         exported = load_file(output_dir / "final-hf-adapter" / "adapter_model.safetensors")
         assert set(exported) == set(reference.adapter)
         figures["adapter"] = max((exported[k] - reference.adapter[k]).abs().max().item() for k in exported)
-        figures["moved"] = max(reference.adapter[k].abs().max().item() for k in exported if "lora_B" in k)
+        start = load_file(spec_path.parent / f"init-{name}" / "adapter_model.safetensors")
+        figures["moved"] = max((reference.adapter[k] - start[k]).abs().max().item() for k in exported)
     else:
         exported = load_file(output_dir / "final-hf" / "model.safetensors")
         figures["weight"] = max((exported[k] - reference.state_dict[k]).abs().max().item() for k in exported)
@@ -248,3 +260,30 @@ if __name__ == "__main__":  # one rank of the launch: every `dsmt train` run, th
     launch_plan = json.loads(Path(sys.argv[1]).read_text())
     train_runs(launch_plan)
     _api_run(launch_plan)
+
+
+@pytest.mark.multiproc
+def test_orpo_validation_is_the_nll_per_chosen_token_of_the_whole_set_minus_the_odds_term(dpo_runs):
+    """ORPO's val_loss before step 1 (LoRA B = 0: the base model), by the reference's own scoring of the validation
+    records: NLL over all their chosen tokens (one mean, whatever the split over ranks) - beta mean(log-sigmoid)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from reference import load_hf_model, read_jsonl
+    from reference_dpo import orpo_loss, pair_logps, tokenize_pairs
+
+    name = "orpo-lora-tp2-dp2"
+    spec_path, run = dpo_runs[name], RUNS[name]
+    model_dir = Path(yaml.safe_load(spec_path.read_text())["model"]["path"])
+    pairs = tokenize_pairs(read_jsonl(Path(run["data"]["validation_path"])),
+                           tokenizer=AutoTokenizer.from_pretrained(model_dir), seq_length=run["layout"]["seq"],
+                           packing=True).pairs
+    with torch.no_grad():
+        logps = pair_logps(load_hf_model(model_dir).eval(), pairs)
+    counts = torch.tensor([[p.chosen.num_counted, p.rejected.num_counted] for p in pairs], dtype=torch.float32)
+    expected = orpo_loss(pi_c=logps[:, 0], pi_r=logps[:, 1], n_c=counts[:, 0], n_r=counts[:, 1],
+                         beta=run["dpo"]["beta"]).item()
+    first = read_validation(spec_path.parent / name)[0]
+    assert first["step"] == 0 and first["val_pairs"] == len(pairs) == 4
+    assert abs(first["val_loss"] - expected) < 1e-5 * abs(expected), (first, expected)
+    assert abs(first["val_nll_loss"] - first["val_loss"] - run["dpo"]["beta"] * first["val_log_odds_ratio"]) < 1e-5

@@ -29,10 +29,11 @@ REQUIRED = tuple(f"{side}_{name}" for side in SIDES for name in ("input_ids", "l
 OPTIONAL = ("chosen_attention_mask", "rejected_attention_mask", "ref_chosen_logps", "ref_rejected_logps")
 
 
-def pair_reader(*, needs_reference: bool):
-    """The `read` of `hf_batches.take_micro_batches` for pairs; `needs_reference`: no live reference in the run."""
+def pair_reader(*, reference: str):
+    """The `read` of `hf_batches.take_micro_batches` for pairs; `reference`: "live" (the run computes the reference
+    log-probs), "precomputed" (the micro-batches bring them) or "none" (SimPO, ORPO: reference-free)."""
     def read(batch, *, index: int, rules: hf_batches.BatchRules):
-        problems = _pair_problems(batch, index=index, needs_reference=needs_reference)
+        problems = _pair_problems(batch, index=index, reference=reference)
         problems += _reference_problems(batch, index=index, pairs=rules.micro_batch_size) if not problems else []
         if problems:
             return None, problems
@@ -56,7 +57,7 @@ def pair_reader(*, needs_reference: bool):
     return read
 
 
-def _pair_problems(batch, *, index: int, needs_reference: bool) -> list[str]:
+def _pair_problems(batch, *, index: int, reference: str) -> list[str]:
     where = f"micro-batch {index}"
     if not hasattr(batch, "keys"):
         return [f"micro_batch_type: {where} is a {type(batch).__name__}, not a mapping of tensors (chosen_input_ids, "
@@ -71,11 +72,14 @@ def _pair_problems(batch, *, index: int, needs_reference: bool) -> list[str]:
     if ("chosen_attention_mask" in keys) != ("rejected_attention_mask" in keys):
         problems.append(f"micro_batch_keys: {where} has an attention mask for one side only; give both or neither")
     given = [name for name in ("ref_chosen_logps", "ref_rejected_logps") if name in keys]
-    if needs_reference and len(given) < 2:
+    if reference == "none" and given:
+        problems.append(f"micro_batch_keys: {where} has {', '.join(given)}, but training.method is reference-free "
+                        "(simpo, orpo); drop them")
+    elif reference == "precomputed" and len(given) < 2:
         problems.append(f"micro_batch_keys: {where} lacks ref_chosen_logps / ref_rejected_logps, and "
                         "training.dpo.reference is precomputed (the run holds no reference model); add them, or "
                         "set training.dpo.reference: base")
-    elif given and not needs_reference:  # one rule per run: the ranks of a replica decide alike
+    elif given and reference == "live":  # one rule per run: the ranks of a replica decide alike
         problems.append(f"micro_batch_keys: {where} has {', '.join(given)}, but this run computes the reference "
                         "log-probs itself (training.dpo.reference is base or a path); drop them, or set "
                         "training.dpo.reference: precomputed")

@@ -148,6 +148,7 @@ class HybridEngine(EngineCheckpoints):
         micro_batches = context_parallel_slices(micro_batches)
         check_sequence_split(seq_length=self.task.sequence(micro_batches[0]).shape[1], chunks=self.chunks)
         global_tokens = global_loss_tokens(micro_batches, device=device, count=self.task.count)
+        self._prepare_step(micro_batches, global_units=global_tokens)
         # dp / global_tokens: see the class docstring (clamped: a step whose tokens are all masked learns nothing)
         scale = MegatronMpu().get_data_parallel_world_size() / max(global_tokens, 1)  # dp (× cp: MegatronMpu)
         step = self._pipeline_step if self.pp_size > 1 else self._deepspeed_step
@@ -161,6 +162,22 @@ class HybridEngine(EngineCheckpoints):
         return StepStats(loss=sums[0] / units + aux, grad_norm=None if norm is None else float(norm), lr=float(lr),
                          step_time_s=time.perf_counter() - start, tokens=global_tokens,
                          metrics=self._metric_values(sums[1:], units=units))
+
+    def _prepare_step(self, micro_batches: list[dict], *, global_units: int) -> None:
+        """A task's per-step constants over the global batch (ORPO: its chosen tokens), set into each micro-batch.
+        Collective over the data-parallel group, on every rank."""
+        prepare = getattr(self.task, "prepare_step", None)
+        if prepare is None:
+            return
+
+        def reduce(value: torch.Tensor) -> torch.Tensor:  # on the device (NCCL), back where it was
+            import torch.distributed as dist
+
+            summed = value.to(backends.current().device)
+            dist.all_reduce(summed, group=MegatronMpu().get_data_parallel_group())
+            return summed.to(value.device)
+
+        prepare(micro_batches, global_units=global_units, reduce=reduce)
 
     def _metric_values(self, sums: list[float], *, units: int) -> dict[str, float] | None:
         names = getattr(self.task, "metric_names", ())
@@ -184,9 +201,14 @@ class HybridEngine(EngineCheckpoints):
         if not micro_batches:
             raise DsmtError("eval_step() got no micro-batches: every rank needs at least one (pad with loss 0 rows)")
         collected: list[torch.Tensor] = []  # per micro-batch on the last stage: loss sum, metric sums, units
-        if self.reference is not None:  # on copies: the caller's micro-batches stay as they were
+        if self.reference is not None or hasattr(self.task, "prepare_step"):  # the caller's stay as they were
             micro_batches = [dict(batch) for batch in micro_batches]
+        if self.reference is not None:
             self.reference.add_logps(self, micro_batches)
+        if hasattr(self.task, "prepare_step"):  # over the whole evaluation: every rank's micro-batches
+            device = backends.current().device
+            units = global_loss_tokens(micro_batches, device=device, count=self.task.count)
+            self._prepare_step(micro_batches, global_units=units)
 
         def add_sums(output, batch: dict) -> None:
             _, sums = self._loss_terms(output, batch)

@@ -43,10 +43,11 @@ REFERENCE_KEY = "ref_logps"  # [2n] float32: chosen, rejected of pair 0, then of
 
 @dataclasses.dataclass(frozen=True)
 class Dpo:
-    """`dpo`: a `toolkit.spec.preference.DpoSpec` (beta, loss, label_smoothing)."""
+    """`settings`: the method's section of the spec (toolkit/spec/preference.py: DpoSpec: beta, loss,
+    label_smoothing)."""
 
     vocab_size: int
-    dpo: object
+    settings: object
     name = "dpo"
     metric_names = METRIC_NAMES
 
@@ -71,7 +72,7 @@ class Dpo:
                         "precomputed or a checkpoint path")
         policy, counts = sequence_logps(output, batch=batch, vocab_size=self.vocab_size)
         return dpo_loss_terms(policy=policy, reference=reference.to(policy.dtype), counts=counts,
-                              pair_mask=batch["pair_mask"].to(policy.dtype), dpo=self.dpo)
+                              pair_mask=batch["pair_mask"].to(policy.dtype), dpo=self.settings)
 
     def reference_logps(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
         """The [2n] log-probs a reference forward gives (no graph)."""
@@ -121,6 +122,73 @@ def pair_losses(*, chosen_ratio: torch.Tensor, rejected_ratio: torch.Tensor, cho
         return torch.relu(1 - dpo.beta * delta)
     smoothing = dpo.label_smoothing
     return -(1 - smoothing) * logsigmoid(dpo.beta * delta) - smoothing * logsigmoid(-dpo.beta * delta)
+
+
+@dataclasses.dataclass(frozen=True)
+class Simpo(Dpo):
+    """SimPO (toolkit/spec/preference.py SimpoSpec): reference-free, on each completion's average log-prob.
+    Metrics as TRL's CPOTrainer logs them for simpo (rewards from the averages)."""
+
+    name = "simpo"
+
+    def loss_terms(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        policy, counts = sequence_logps(output, batch=batch, vocab_size=self.vocab_size)
+        average = policy / counts.clamp(min=1)
+        settings, mask = self.settings, batch["pair_mask"].to(policy.dtype)
+        z = settings.beta * (average[0::2] - average[1::2]) - settings.gamma
+        logsigmoid = torch.nn.functional.logsigmoid
+        losses = -(1 - settings.label_smoothing) * logsigmoid(z) - settings.label_smoothing * logsigmoid(-z)
+        return (losses * mask).sum(), reward_metrics(average, beta=settings.beta, pair_mask=mask)
+
+
+ORPO_METRIC_NAMES = METRIC_NAMES + ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+NLL_SCALE_KEY = "nll_scale"  # ORPO: the global batch's pairs / its chosen completion tokens (`prepare_step`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Orpo(Dpo):
+    """ORPO (toolkit/spec/preference.py OrpoSpec): the chosen completions' NLL, per token over the global batch
+    as SFT's loss is, minus beta times the mean log-sigmoid of the odds ratio of the average log-probs (TRL's
+    ORPOTrainer). The engine divides every sum by the global batch's pairs; `prepare_step` gives each micro-batch
+    pairs / chosen tokens, so that the NLL's share comes out per chosen token."""
+
+    name = "orpo"
+    metric_names = ORPO_METRIC_NAMES
+
+    def prepare_step(self, micro_batches: list[dict], *, global_units: int, reduce) -> None:
+        """Collective over the data-parallel group (`reduce` sums a tensor there): every micro-batch gets the
+        global batch's pairs / chosen completion tokens."""
+        chosen = torch.tensor([float(sum(_chosen_mask(batch).sum().item() for batch in micro_batches))],
+                              dtype=torch.float64)
+        scale = global_units / max(float(reduce(chosen).item()), 1.0)
+        for batch in micro_batches:
+            batch[NLL_SCALE_KEY] = torch.tensor(scale, dtype=torch.float64, device=batch["tokens"].device)
+
+    def loss_terms(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        policy, counts = sequence_logps(output, batch=batch, vocab_size=self.vocab_size)
+        average = policy / counts.clamp(min=1)
+        mask = batch["pair_mask"].to(policy.dtype)
+        chosen, rejected = average[0::2], average[1::2]
+        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        ratio = torch.nn.functional.logsigmoid(log_odds)
+        nll = -(policy[0::2] * mask).sum() * batch[NLL_SCALE_KEY].to(policy.dtype)
+        loss = nll - self.settings.beta * (ratio * mask).sum()
+        with torch.no_grad():
+            extra = torch.stack([nll.detach(), (ratio * mask).sum(), (log_odds * mask).sum()])
+        return loss, torch.cat([reward_metrics(average, beta=self.settings.beta, pair_mask=mask), extra])
+
+
+def _chosen_mask(batch: dict) -> torch.Tensor:
+    return (batch["loss_mask"] > 0) & (batch["sequence_index"] % 2 == 0)
+
+
+def reward_metrics(logps: torch.Tensor, *, beta: float, pair_mask: torch.Tensor) -> torch.Tensor:
+    """TRL's metric sums for a reference-free method: rewards beta * the policy's (average) log-probs [2n]."""
+    with torch.no_grad():
+        chosen, rejected = beta * logps[0::2], beta * logps[1::2]
+        per_pair = torch.stack([chosen, rejected, (chosen > rejected).to(logps.dtype), chosen - rejected,
+                                logps[0::2], logps[1::2]])
+        return (per_pair.detach() * pair_mask).sum(1)
 
 
 class PrecomputedReference:

@@ -139,7 +139,7 @@ def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValid
     interleaved = len(getattr(trainer, "chunks", [None])) > 1
     rows = dict(micro_batch_size=layout.micro_batch_size, dp_rank=parallel_state.get_data_parallel_rank(),
                 dp_size=layout.dp, microbatch_multiple=layout.pp if interleaved else 1)
-    if getattr(task, "name", None) not in ("causal_lm", "dpo"):  # encoder heads (hybrid), every plain model's task
+    if getattr(task, "name", None) not in ("causal_lm", "dpo", "simpo", "orpo"):  # encoder heads (hybrid), every plain model's task
         return TaskValidation(examples=task_validation_examples(spec=spec, layout=layout, hf_dir=hf_dir), **rows)
     examples = job_rows(data=data, model_path=str(hf_dir), seq_length=layout.seq_length, vocab_size=task.vocab_size,
                         seed=spec.training.seed, output_dir=spec.training.output_dir, part=VALIDATION)

@@ -23,21 +23,26 @@ import torch
 
 from toolkit import backend as backends
 from toolkit.errors import DsmtError
-from toolkit.spec.preference import dpo_settings
+from toolkit.spec.preference import preference_settings
 
 
 def dpo_task_and_reference(*, spec, layout, info, params_dtype: torch.dtype, attention: str | None):
-    """(Dpo task, LiveReference or None) for a DPO spec; (None, None) for SFT. Collective (a frozen copy is
-    loaded by every rank)."""
-    from toolkit.train.engine.preference import Dpo, LiveReference
+    """(the preference task, DPO's LiveReference or None) for a dpo / simpo / orpo spec; (None, None) for SFT.
+    Collective (a frozen copy is loaded by every rank)."""
+    from toolkit.train.engine.preference import Dpo, LiveReference, Orpo, Simpo
 
-    dpo = dpo_settings(spec.training)
-    if dpo is None:
+    found = preference_settings(spec.training)
+    if found is None:
         return None, None
+    method, settings = found
     if info.settings.encoder is not None:  # `dsmt check` says so first (rule dpo_model)
-        raise DsmtError(f"training.method=dpo: {info.hf_dir} is an encoder ({info.settings.encoder.task} head); DPO "
-                        "trains causal language models; set training.method: sft or use a causal LM checkpoint")
-    task = Dpo(vocab_size=info.settings.vocab_size, dpo=dpo)
+        raise DsmtError(f"training.method={method}: {info.hf_dir} is an encoder ({info.settings.encoder.task} head); "
+                        "preference methods train causal language models; set training.method: sft or use a causal "
+                        "LM checkpoint")
+    task = {"dpo": Dpo, "simpo": Simpo, "orpo": Orpo}[method](vocab_size=info.settings.vocab_size, settings=settings)
+    if method != "dpo":  # reference-free
+        return task, None
+    dpo = settings
     if dpo.reference == "precomputed":
         return task, None
     if dpo.reference == "base" and spec.training.lora is not None:

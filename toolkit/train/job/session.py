@@ -73,10 +73,12 @@ class TrainingRun:
                                             vocab_size=info.settings.vocab_size,
                                             packing_refusal=_packing_refusal(layout=layout, chunks=hybrid.chunks))
         self._read, self._padding = hf_batches.read_micro_batch, hf_batches.padding_rows
-        if getattr(hybrid.task, "name", None) == "dpo":  # pairs (toolkit/train/engine/hf_pairs.py)
+        if getattr(hybrid.task, "name", None) in ("dpo", "simpo", "orpo"):  # pairs (toolkit/train/engine/hf_pairs.py)
             from toolkit.train.engine import hf_pairs
 
-            self._read = hf_pairs.pair_reader(needs_reference=hybrid.reference is None)
+            reference = ("none" if hybrid.task.name != "dpo" else "live" if hybrid.reference is not None
+                         else "precomputed")
+            self._read = hf_pairs.pair_reader(reference=reference)
             self._padding = hf_pairs.padding_pairs
 
     # The layout and the raw objects, for scripts that need them.
