@@ -195,8 +195,9 @@ def _dpo(args):
             raise DsmtError("--dpo-unpacked describes DPO's pairs: give --dpo REFERENCE (base, precomputed or a "
                             "checkpoint path) with it, or drop it")
         return None
-    if not args.dpo.strip():
-        raise DsmtError("--dpo needs a reference: base, precomputed, or a checkpoint path")
+    if not args.dpo.strip() or args.dpo == "none":  # "none" is the planner's SimPO / ORPO, not a spec's reference
+        raise DsmtError("--dpo needs a reference: base, precomputed, or a checkpoint path (SimPO and ORPO hold "
+                        "none: plan them as --dpo precomputed, which counts their pairs and no reference)")
     return DpoShape(reference=args.dpo, packing=not args.dpo_unpacked)
 
 

@@ -121,3 +121,24 @@ def test_api_pairs_are_interleaved_rows_with_their_sequence_index():
     _, problems = hf_batches.take_micro_batches([{"input_ids": ids, "labels": ids}], count=1, rules=rules,
                                                 read=hf_pairs.pair_reader(reference="live"))
     assert any("lacks 'chosen_input_ids'" in p for p in problems) and any("'input_ids'" in p for p in problems)
+
+
+def test_orpo_stays_finite_for_padding_pairs_and_a_certain_completion(megatron_tp1):
+    """ORPO's log(1 - p) is -inf at an average log-prob of 0: a validation padding pair (no label) and a chosen
+    completion predicted with certainty (cross entropy exactly 0 in fp32) must give a finite loss and gradient."""
+    from toolkit.train.engine.preference import NLL_SCALE_KEY, Orpo
+
+    generator = torch.Generator().manual_seed(1)
+    batch = packed_pair_batch(generator)
+    batch["pair_mask"] = torch.tensor([1.0, 0.0])  # pair 1: padding
+    batch["loss_mask"][1] = 0
+    batch["sequence_index"][1] = 0
+    batch[NLL_SCALE_KEY] = torch.tensor(2 / 3.0, dtype=torch.float64)
+    logits = torch.randn(2, 10, PADDED, generator=generator)
+    logits[0, [1, 2, 3]] = -1e4  # pair 0's chosen labels certain: their cross entropy is 0.0
+    logits[0, [1, 2, 3], batch["labels"][0, [1, 2, 3]]] = 1e4
+    logits.requires_grad_()
+    loss, metrics = Orpo(vocab_size=VOCAB, settings=SimpleNamespace(beta=0.1)).loss_terms(logits * 1, batch)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(metrics).all(), (loss, metrics)
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 7].abs().max() > 0  # the rejected side learns

@@ -149,8 +149,10 @@ NLL_SCALE_KEY = "nll_scale"  # ORPO: the global batch's pairs / its chosen compl
 class Orpo(Dpo):
     """ORPO (toolkit/spec/preference.py OrpoSpec): the chosen completions' NLL, per token over the global batch
     as SFT's loss is, minus beta times the mean log-sigmoid of the odds ratio of the average log-probs (TRL's
-    ORPOTrainer). The engine divides every sum by the global batch's pairs; `prepare_step` gives each micro-batch
-    pairs / chosen tokens, so that the NLL's share comes out per chosen token."""
+    ORPOTrainer's odds term; its NLL also counts the prompt's tokens, one mean per micro-batch: here the
+    completion's, as SFT on prompt / completion records, the paper's L_SFT). The engine divides every sum by the
+    global batch's pairs; `prepare_step` gives each micro-batch pairs / chosen tokens, so that the NLL's share comes
+    out per chosen token."""
 
     name = "orpo"
     metric_names = ORPO_METRIC_NAMES
@@ -166,16 +168,29 @@ class Orpo(Dpo):
 
     def loss_terms(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         policy, counts = sequence_logps(output, batch=batch, vocab_size=self.vocab_size)
-        average = policy / counts.clamp(min=1)
         mask = batch["pair_mask"].to(policy.dtype)
+        # log(1 - p) is -inf at an average log-prob of 0: a padding pair's (no label) and a completion predicted
+        # with certainty (per-token cross entropy 0.0 in fp32). Padding pairs take -1 before the log (a mask
+        # applied after would keep their NaN), and averages are kept below -1e-6, so value and gradient stay finite.
+        average = torch.where(mask.repeat_interleave(2) > 0, policy / counts.clamp(min=1), -1.0).clamp(max=-1e-6)
         chosen, rejected = average[0::2], average[1::2]
-        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
         ratio = torch.nn.functional.logsigmoid(log_odds)
         nll = -(policy[0::2] * mask).sum() * batch[NLL_SCALE_KEY].to(policy.dtype)
         loss = nll - self.settings.beta * (ratio * mask).sum()
         with torch.no_grad():
             extra = torch.stack([nll.detach(), (ratio * mask).sum(), (log_odds * mask).sum()])
         return loss, torch.cat([reward_metrics(average, beta=self.settings.beta, pair_mask=mask), extra])
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate on both sides of -ln 2 (Maechler's rule, as TRL's ORPO now computes it):
+    log(-expm1(x)) near 0, log1p(-exp(x)) below; each branch's input kept on its own side, so the branch
+    torch.where does not take gives no inf and no NaN gradient."""
+    threshold = -0.6931471805599453
+    near = torch.log(-torch.expm1(x.clamp(min=threshold)))
+    far = torch.log1p(-torch.exp(x.clamp(max=threshold)))
+    return torch.where(x > threshold, near, far)
 
 
 def _chosen_mask(batch: dict) -> torch.Tensor:
