@@ -92,3 +92,17 @@ def single_bos(ids: list[int], *, tokenizer) -> list[int]:
     BOS token, and the tokenizer adds another (TRL tokenises such prompts without specials); one is dropped."""
     bos = tokenizer.bos_token_id
     return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+
+
+def prompt_ids(*, tokenizer, prompts: list[str]) -> list[list[int]]:
+    """The prompts as the tokenizer encodes them at inference (its default specials), with one leading BOS."""
+    return [single_bos(ids, tokenizer=tokenizer) for ids in tokenizer(prompts)["input_ids"]]
+
+
+def with_completions(*, tokenizer, prompts: list[list[int]], completions: list[str]) -> tuple[list, list]:
+    """(ids, target) of `prompt + completion (no specials) + EOS` for each pair of the lists; target 1 on the
+    completion and its EOS only (SFT's prompt / completion records, each side of a preference pair)."""
+    eos = tokenizer.eos_token_id
+    encoded = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    return ([p + c + [eos] for p, c in zip(prompts, encoded)],
+            [[0] * len(p) + [1] * (len(c) + 1) for p, c in zip(prompts, encoded)])

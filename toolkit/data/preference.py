@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 
-from toolkit.data.encoding import (assistant_spans, formatted, map_records, render_chat, single_bos, span_targets,
-                                   uses_chat_template)
+from toolkit.data.encoding import (assistant_spans, formatted, map_records, prompt_ids, render_chat, span_targets,
+                                   uses_chat_template, with_completions)
 from toolkit.data.formats import RecordError, format_preference
 from toolkit.data.preference_rows import SIDES, PreferenceError, PreferenceExamples, pair_examples
 from toolkit.errors import DsmtError
@@ -68,16 +68,12 @@ def _one_form(encode, *, conversational: bool):
 
 
 def _string_encoder(*, tokenizer):
-    eos = tokenizer.eos_token_id
-
     def encode(records):
-        prompts = [single_bos(ids, tokenizer=tokenizer)  # BOS etc. as at inference, once
-                   for ids in tokenizer([r["prompt"] for r in records])["input_ids"]]
+        prompts = prompt_ids(tokenizer=tokenizer, prompts=[r["prompt"] for r in records])  # once for both sides
         out = {}
         for side in SIDES:
-            completions = tokenizer([r[side] for r in records], add_special_tokens=False)["input_ids"]
-            out[f"{side}_ids"] = [p + c + [eos] for p, c in zip(prompts, completions)]
-            out[f"{side}_target"] = [[0] * len(p) + [1] * (len(c) + 1) for p, c in zip(prompts, completions)]
+            out[f"{side}_ids"], out[f"{side}_target"] = with_completions(
+                tokenizer=tokenizer, prompts=prompts, completions=[r[side] for r in records])
             out[f"{side}_prompt"] = [len(p) for p in prompts]
         return out
 

@@ -27,8 +27,8 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
-from toolkit.data.encoding import (assistant_spans, formatted, map_records, single_bos, span_targets,
-                                    uses_chat_template)
+from toolkit.data.encoding import (assistant_spans, formatted, map_records, prompt_ids, span_targets,
+                                    uses_chat_template, with_completions)
 from toolkit.data.examples import Examples
 from toolkit.data.formats import canonical_kind
 from toolkit.data.packing import pack_examples
@@ -122,14 +122,11 @@ def _text_encoder(*, tokenizer):
 
 
 def _prompt_completion_encoder(*, tokenizer):
-    eos = tokenizer.eos_token_id
-
     def encode(records):
-        prompts = [single_bos(ids, tokenizer=tokenizer)  # BOS etc. as at inference, once
-                   for ids in tokenizer([r["prompt"] for r in records])["input_ids"]]
-        completions = tokenizer([r["completion"] for r in records], add_special_tokens=False)["input_ids"]
-        return {"ids": [p + c + [eos] for p, c in zip(prompts, completions)],
-                "target": [[0] * len(p) + [1] * (len(c) + 1) for p, c in zip(prompts, completions)]}
+        prompts = prompt_ids(tokenizer=tokenizer, prompts=[r["prompt"] for r in records])
+        ids, target = with_completions(tokenizer=tokenizer, prompts=prompts,
+                                       completions=[r["completion"] for r in records])
+        return {"ids": ids, "target": target}
 
     return encode
 
