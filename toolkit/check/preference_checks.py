@@ -35,16 +35,17 @@ def plain_dpo_problems(*, spec, model_type: str) -> list[Problem]:
     """DPO on a model without a megatron-core adapter: refused (the plain engine trains the head's own task)."""
     if preference_settings(spec.training) is None:
         return _preference_data_without_dpo(spec)
-    return [Problem("error", "dpo_model", f"training.method={spec.training.method} with model_type {model_type!r}, which has no "
-                    "megatron-core adapter: dsmt's DPO runs on the adapters' causal language models",
+    return [Problem("error", "dpo_model", f"training.method={spec.training.method} with model_type {model_type!r}, "
+                    "which has no megatron-core adapter: dsmt's DPO runs on the adapters' causal language models",
                     "use a supported causal LM family (`dsmt check` lists them), or training.method: sft")]
 
 
 def encoder_dpo_problems(*, spec, model_type: str) -> list[Problem]:
     if preference_settings(spec.training) is None:
         return []
-    return [Problem("error", "dpo_model", f"training.method={spec.training.method} with the encoder {model_type!r}: DPO compares the "
-                    "log-probs of generated completions, which a masked-LM or classification head has none of",
+    return [Problem("error", "dpo_model", f"training.method={spec.training.method} with the encoder {model_type!r}: "
+                    "DPO compares the log-probs of generated completions, which a masked-LM or classification head "
+                    "has none of",
                     "use a causal language model checkpoint, or training.method: sft")]
 
 
@@ -52,8 +53,8 @@ def _preference_data_without_dpo(spec) -> list[Problem]:
     if spec.data.type != "preference":
         return []
     return [Problem("error", "preference_needs_dpo", "data.type=preference with training.method=sft: pairs of "
-                    "chosen and rejected completions train with a preference loss", "set training.method: dpo (or simpo, "
-                    "orpo), or give SFT records (data.type: completion, messages, ...)")]
+                    "chosen and rejected completions train with a preference loss", "set training.method: dpo (or "
+                    "simpo, orpo), or give SFT records (data.type: completion, messages, ...)")]
 
 
 def _dpo_data(spec) -> list[Problem]:
@@ -63,18 +64,18 @@ def _dpo_data(spec) -> list[Problem]:
     if data.synthetic or data.mix is not None or data.is_megatron or data.type != "preference":
         what = ("data.synthetic=true" if data.synthetic else "data.mix" if data.mix is not None
                 else "a Megatron corpus" if data.is_megatron else f"data.type={data.type}")
-        return [Problem("error", "dpo_data_type", f"training.method={spec.training.method} with {what}: preference methods "
-                        "train on pairs of completions", "set data.path to preference records ({prompt, chosen, rejected}, strings or "
-                        "message lists) and data.type: preference")]
+        return [Problem("error", "dpo_data_type", f"training.method={spec.training.method} with {what}: preference "
+                        "methods train on pairs of completions", "set data.path to preference records ({prompt, "
+                        "chosen, rejected}, strings or message lists) and data.type: preference")]
     return []
 
 
 def _dpo_layout(spec) -> list[Problem]:
     if spec.parallel.cp > 1:
         return [Problem("error", "dpo_context_parallel", f"training.method={spec.training.method} with parallel.cp="
-                        f"{spec.parallel.cp}: "
-                        "a sequence's log-prob is summed on one rank, and context parallelism splits it", "set "
-                        "parallel.cp: 1 (sequence_parallel or a larger tp saves activation memory instead)")]
+                        f"{spec.parallel.cp}: a sequence's log-prob is summed on one rank, and context parallelism "
+                        "splits it", "set parallel.cp: 1 (sequence_parallel or a larger tp saves activation memory "
+                        "instead)")]
     return []
 
 

@@ -32,7 +32,6 @@ from toolkit.plan.activations import activation_bytes_per_layer
 from toolkit.plan.assumptions import Assumptions
 from toolkit.plan.layers import padded_vocab_size, stage_layer_kinds
 
-REFERENCE_KINDS = ("base", "precomputed")  # anything else is a checkpoint path (toolkit/spec/preference.py)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import Problem, Report, SpecError
+from toolkit.spec.preference import REFERENCE_KINDS
 
 # (section, key) of the single-path settings; data.blend and data.mix hold lists of them.
 PATH_KEYS = (("data", "tokenizer"), ("data", "cache_dir"), ("data", "validation_path"), ("training", "output_dir"))
@@ -36,7 +37,7 @@ def pin_spec_paths(raw: dict[str, Any], *, base_dir: Path, source: str) -> dict[
     if isinstance(training, dict):
         _pin_key(training.get("lora"), "init_adapter", base_dir=base_dir)
         dpo = training.get("dpo")
-        if isinstance(dpo, dict) and dpo.get("reference") not in (None, "base", "precomputed"):
+        if isinstance(dpo, dict) and dpo.get("reference") not in (None, *REFERENCE_KINDS):
             _pin_key(dpo, "reference", base_dir=base_dir)  # a checkpoint path, as model.path
     return raw
 

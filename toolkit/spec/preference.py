@@ -24,9 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from toolkit.spec.sections import Section, _safe_path
 
-METHODS = ("sft", "dpo", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")  # no reference model: the policy's own average log-probs
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+PREFERENCE_METHODS = ("dpo", "simpo", "orpo")  # training.method values that train on pairs; the tasks' names too
 REFERENCE_KINDS = ("base", "precomputed")  # anything else is a path
 # Rules raised below (toolkit/spec/schema.py SCHEMA_RULES lists them with the others).
 PREFERENCE_RULES = frozenset({"dpo_beta", "dpo_label_smoothing", "dpo_without_method"})
@@ -90,10 +88,10 @@ def check_method(*, method: str, settings: dict) -> None:
 def preference_settings(training):
     """(method, its settings) of a `TrainingSpec` for a preference method (defaults when its section is left out);
     None for SFT."""
-    defaults = {"dpo": DpoSpec, "simpo": SimpoSpec, "orpo": OrpoSpec}
-    if training.method not in defaults:
+    if training.method not in PREFERENCE_METHODS:
         return None
     given = getattr(training, training.method)
+    defaults = {"dpo": DpoSpec, "simpo": SimpoSpec, "orpo": OrpoSpec}
     return training.method, given if given is not None else defaults[training.method]()
 
 

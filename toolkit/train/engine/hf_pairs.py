@@ -21,10 +21,10 @@ import dataclasses
 
 import torch
 
+from toolkit.data.preference_rows import SIDES
 from toolkit.train.engine import hf_batches
 from toolkit.train.engine.preference import REFERENCE_KEY
 
-SIDES = ("chosen", "rejected")
 REQUIRED = tuple(f"{side}_{name}" for side in SIDES for name in ("input_ids", "labels"))
 OPTIONAL = ("chosen_attention_mask", "rejected_attention_mask", "ref_chosen_logps", "ref_rejected_logps")
 

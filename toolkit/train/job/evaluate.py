@@ -126,6 +126,7 @@ def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValid
 
     from toolkit.data.training import job_rows
     from toolkit.data.validation import VALIDATION, describe_source, has_validation
+    from toolkit.spec.preference import PREFERENCE_METHODS
 
     data = spec.data
     if not has_validation(data):
@@ -139,28 +140,16 @@ def build_validation(*, spec, layout, trainer, hf_dir) -> Validation | TaskValid
     interleaved = len(getattr(trainer, "chunks", [None])) > 1
     rows = dict(micro_batch_size=layout.micro_batch_size, dp_rank=parallel_state.get_data_parallel_rank(),
                 dp_size=layout.dp, microbatch_multiple=layout.pp if interleaved else 1)
-    if getattr(task, "name", None) not in ("causal_lm", "dpo", "simpo", "orpo"):  # encoder heads (hybrid), every plain model's task
+    # the encoder heads (hybrid) and every plain model's task read HF keyword rows; causal LMs dsmt's cached rows
+    if getattr(task, "name", None) not in ("causal_lm", *PREFERENCE_METHODS):
         return TaskValidation(examples=task_validation_examples(spec=spec, layout=layout, hf_dir=hf_dir), **rows)
     examples = job_rows(data=data, model_path=str(hf_dir), seq_length=layout.seq_length, vocab_size=task.vocab_size,
                         seed=spec.training.seed, output_dir=spec.training.output_dir, part=VALIDATION)
-    return Validation(examples=examples, reference=precomputed_reference(spec=spec, layout=layout, trainer=trainer,
+    from toolkit.train.job.preference_run import precomputed_reference
+
+    # before training starts (`build_validation` runs before the resume): the policy is still the reference
+    return Validation(examples=examples, reference=precomputed_reference(spec=spec, layout=layout, hybrid=trainer,
                                                                          examples=examples, hf_dir=hf_dir), **rows)
-
-
-def precomputed_reference(*, spec, layout, trainer, examples, hf_dir):
-    """The validation pairs' precomputed reference log-probs (training.dpo.reference: precomputed), else None.
-    Computed before training starts (`build_validation` runs before the resume): the policy is the reference."""
-    from toolkit.spec.preference import dpo_settings
-
-    dpo = dpo_settings(spec.training)
-    if dpo is None or dpo.reference != "precomputed":
-        return None
-    from toolkit.train.engine.preference import PrecomputedReference
-    from toolkit.train.job.preference_run import precomputed_table
-
-    table = precomputed_table(hybrid=trainer, examples=examples, layout=layout, hf_dir=hf_dir,
-                              precision=spec.training.precision)
-    return PrecomputedReference(batches=None, table=table)
 
 
 def task_validation_examples(*, spec, layout, hf_dir):

@@ -23,7 +23,7 @@ import torch
 
 from toolkit import backend as backends
 from toolkit.errors import DsmtError
-from toolkit.spec.preference import preference_settings
+from toolkit.spec.preference import dpo_settings, preference_settings
 
 
 def dpo_task_and_reference(*, spec, layout, info, params_dtype: torch.dtype, attention: str | None):
@@ -104,6 +104,20 @@ def precomputed_table(*, hybrid, examples, layout, hf_dir: Path, precision: str)
         print(f"dsmt train: reference log-probs of {len(examples)} pairs written to {path}", flush=True)
     dist.barrier()
     return table
+
+
+def precomputed_reference(*, spec, layout, hybrid, examples, hf_dir: Path, batches=None):
+    """`examples`' precomputed reference log-probs (training.dpo.reference: precomputed) as a
+    `PrecomputedReference` over `batches` (None for validation rows, which it serves through `add`); None for any
+    other reference. Collective; call it before any checkpoint is loaded (the policy is then the reference)."""
+    dpo = dpo_settings(spec.training)
+    if dpo is None or dpo.reference != "precomputed":
+        return None
+    from toolkit.train.engine.preference import PrecomputedReference
+
+    table = precomputed_table(hybrid=hybrid, examples=examples, layout=layout, hf_dir=hf_dir,
+                              precision=spec.training.precision)
+    return PrecomputedReference(batches=batches, table=table)
 
 
 PRECOMPUTE_MICRO_BATCHES = 64  # per forward pass (times pp with virtual stages): host memory stays a chunk's

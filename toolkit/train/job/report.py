@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from toolkit.spec.preference import PREFERENCE_METHODS
+
 
 def _say(line: str) -> None:
     """A line above the training bar (a plain print would be drawn into it on a terminal)."""
@@ -81,7 +83,7 @@ class RunLog:
         self.validation_history: list[dict] = []  # evaluations of this run
         self.global_batch_size = layout.global_batch_size
         # the tokens a step's rows hold: DPO pairs without packing take a row per side (global_batch_size counts pairs)
-        unpacked_pairs = spec.training.method in ("dpo", "simpo", "orpo") and not spec.data.packing
+        unpacked_pairs = spec.training.method in PREFERENCE_METHODS and not spec.data.packing
         self.tokens_per_step = layout.tokens_per_step * (2 if unpacked_pairs else 1)
         if is_writer:
             self._write_resolved(spec=spec, ds_config=ds_config)

@@ -139,13 +139,16 @@ def _node_joined(*, layout) -> None:
 def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
     """megatron-core chunks from the adapters inside DeepSpeed, on tokenised `datasets` data (a `loop.TrainParts`)."""
     from toolkit.train.job.loop import TrainParts
+    from toolkit.train.job.preference_run import precomputed_reference
 
     hybrid, info = build_hybrid(spec=spec, layout=layout, hf_dir=hf_dir, ds_config=ds_config)
     if info.settings.encoder is not None:  # BERT-style: HF keyword batches of the head's task
         batches = encoder_batches(spec=spec, layout=layout, hf_dir=hf_dir, hf_config=info.hf_config)
     else:
         batches = build_batches(spec=spec, layout=layout, hf_dir=hf_dir, vocab_size=info.settings.vocab_size)
-        batches = precomputed_batches(spec=spec, layout=layout, hybrid=hybrid, batches=batches, hf_dir=hf_dir)
+        reference = precomputed_reference(spec=spec, layout=layout, hybrid=hybrid, examples=batches.examples,
+                                          hf_dir=hf_dir, batches=batches)
+        batches = reference if reference is not None else batches  # with each pair's precomputed reference
     return TrainParts(trainer=hybrid, batches=batches,
                       export=lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir))
 
@@ -186,22 +189,6 @@ def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
                           task=dpo_task or task_for_model(settings=info.settings), reference=reference,
                           lr_schedule=LrSchedule.from_training(spec.training))
     return hybrid, info
-
-
-def precomputed_batches(*, spec, layout, hybrid, batches, hf_dir: Path):
-    """`batches` with each pair's precomputed reference log-probs (training.dpo.reference: precomputed), computed
-    here, before any checkpoint is loaded, when the data cache does not hold them yet; else `batches`."""
-    from toolkit.spec.preference import dpo_settings
-
-    dpo = dpo_settings(spec.training)
-    if dpo is None or dpo.reference != "precomputed":
-        return batches
-    from toolkit.train.engine.preference import PrecomputedReference
-    from toolkit.train.job.preference_run import precomputed_table
-
-    table = precomputed_table(hybrid=hybrid, examples=batches.examples, layout=layout, hf_dir=hf_dir,
-                              precision=spec.training.precision)
-    return PrecomputedReference(batches=batches, table=table)
 
 
 def _say_passthrough(info) -> None:

@@ -73,7 +73,9 @@ class TrainingRun:
                                             vocab_size=info.settings.vocab_size,
                                             packing_refusal=_packing_refusal(layout=layout, chunks=hybrid.chunks))
         self._read, self._padding = hf_batches.read_micro_batch, hf_batches.padding_rows
-        if getattr(hybrid.task, "name", None) in ("dpo", "simpo", "orpo"):  # pairs (toolkit/train/engine/hf_pairs.py)
+        from toolkit.spec.preference import PREFERENCE_METHODS
+
+        if getattr(hybrid.task, "name", None) in PREFERENCE_METHODS:  # pairs (toolkit/train/engine/hf_pairs.py)
             from toolkit.train.engine import hf_pairs
 
             reference = ("none" if hybrid.task.name != "dpo" else "live" if hybrid.reference is not None
