@@ -55,3 +55,11 @@ def test_manifest_cost_benchmark_prints_its_ratios():
     assert re.search(r"^manifest, page cache \(after save\)\s.*ratio manifest/save = \d+\.\d+$", output,
                      re.MULTILINE), output
     assert re.search(r"xxh3_128 \d+ MB/s, zlib\.crc32 \d+ MB/s", output), output
+
+
+@pytest.mark.multiproc
+def test_checkpoint_cost_benchmark_measures_save_and_resume():
+    output = run("benchmarks/checkpoint_cost.py", "--smoke")
+    for call in ("save step 1", "save step 2", "resume step 2", "save step 3"):
+        assert re.search(rf"^  smoke\s+2\s+[\d.]+\s+{call}(\s+-?[\d.]+){{8}}", output,
+                         re.MULTILINE), output

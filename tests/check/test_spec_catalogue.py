@@ -87,6 +87,9 @@ CATALOGUE = {
     "master_port_range": (_llama8b(cluster={"master_port": 80}), "bad_value", "master_port"),
     "min_lr_above_lr": (tiny_spec(training={"lr": 1e-4, "min_lr": 1e-3}), "min_lr_above_lr", "lr=0.0001"),
     "warmup_vs_steps": (tiny_spec(training={"warmup_steps": 5}), "warmup_vs_steps", "train_steps=5"),
+    "export_hf_interval_not_a_checkpoint": (tiny_spec(training={"export_hf_interval": 7}),
+                                            "export_hf_interval_not_a_checkpoint",
+                                            "export_hf_interval=7 is not a multiple of training.checkpoint_interval=5"),
     "prompt_without_completion": (tiny_spec(data={"prompt_field": "q"}), "prompt_completion_pair", "together"),
     "messages_with_prompt": (tiny_spec(data={"messages_field": "messages", "prompt_field": "q", "completion_field": "a"}),
                              "messages_vs_prompt", "exclusive"),
@@ -181,7 +184,8 @@ def test_a_run_shorter_than_checkpoint_interval_saves_its_last_step(monkeypatch)
 
     saved = []
     monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 0)
-    training = SimpleNamespace(train_steps=3, checkpoint_interval=500, eval_interval=None, keep_checkpoints=2)
+    training = SimpleNamespace(train_steps=3, checkpoint_interval=500, eval_interval=None, keep_checkpoints=2,
+                               export_hf_interval=None, async_save=False)
     trainer = SimpleNamespace(engine=None, train_step=lambda batch: {},
                               save=lambda checkpoint_dir, **kwargs: saved.append(kwargs["step"]))
     loop.train_steps(trainer=trainer, batches=SimpleNamespace(batches_for_step=lambda step: None),
@@ -213,6 +217,16 @@ def test_sync_batchnorm_on_a_transformer_is_a_warning_naming_it(tmp_path):
     assert report.ok and report.rules("warning") >= {"sync_batchnorm_no_batchnorm"}
     path.write_text(json.dumps(tiny_spec()))
     assert "sync_batchnorm_no_batchnorm" not in check_file(path)[1].rules("warning")
+
+
+def test_export_hf_interval_on_checkpoint_steps_passes_and_names_the_multiples(write_spec):
+    _, report = check_file(write_spec(tiny_spec(training={"export_hf_interval": 10})))
+    assert report.ok and "export_hf_interval_not_a_checkpoint" not in report.rules("error"), report.to_text()
+    _, report = check_file(write_spec(tiny_spec(training={"export_hf_interval": 12})))
+    [problem] = [p for p in report.errors if p.rule == "export_hf_interval_not_a_checkpoint"]
+    assert "a multiple of 5 (10 or 15), or training.checkpoint_interval to a divisor of 12" in problem.fix, problem
+    _, report = check_file(write_spec(tiny_spec(training={"export_hf_interval": 3})))
+    assert "a multiple of 5 (5)," in report.to_text(), report.to_text()
 
 
 def test_a_dpo_reference_of_other_shapes_is_named_before_any_rank_starts(tmp_path, write_spec):

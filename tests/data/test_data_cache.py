@@ -1,5 +1,6 @@
 """The on-disk examples cache: tokenised once, reused, invalidated by a changed source, memory-mapped on every
-rank, and equal to the uncached examples bit for bit."""
+rank, and equal to the uncached examples bit for bit. The 2-rank launch also builds megatron-core's index caches
+(toolkit/data/indexed.py), once, on rank 0, while rank 1 waits longer than the collective timeout."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 import torch
 from data_helpers import EXAMPLES
 
+from toolkit.cli import main as dsmt
 from toolkit.data import MicroBatches, build_examples, cache, open_cache, prepare_cache
 from toolkit.errors import DsmtError
 from toolkit.launch.ports import free_port
@@ -155,35 +157,67 @@ def test_simulated_nonzero_rank_only_opens_what_rank_zero_wrote(tiny_checkpoint,
                               cache_root=tmp_path / "cache", status_file=status_file)
 
 
+# Megatron corpora in the same launch (toolkit/data/indexed.py): rank 0's index build is made to last SLOW_S, longer
+# than the group's collective timeout TIMEOUT_S, set just before it (after the data cache: a slow start under load
+# must not trip it); rank 1 must wait on rank 0's status file, not in a collective, and read the caches it wrote.
+TIMEOUT_S, SLOW_S = 5, 8
 WORKER = textwrap.dedent('''
-    import json, sys
+    import json, sys, time
+    from datetime import timedelta
+    from pathlib import Path
+    import torch
     import torch.distributed as dist
+    from megatron.core.datasets import gpt_dataset
     from toolkit.data import cache
+    from toolkit.data.indexed import megatron_rows
     from toolkit.spec.schema import DataSpec
 
     dist.init_process_group("gloo")
+    rank = dist.get_rank()
     calls = []
     real = cache.part_examples
     cache.part_examples = lambda **kw: calls.append(1) or real(**kw)
-    model_dir, root, out = sys.argv[1:4]
-    data = DataSpec(path=sys.argv[4])
+    model_dir, root, out, path, corpus_a, corpus_b, timeout_s, slow_s = sys.argv[1:9]
+    data = DataSpec(path=path)
     examples = cache.shared_examples(data=data, model_path=model_dir, seq_length=32, vocab_size=250, seed=0,
                                      cache_root=root, status_file=f"{out}/data.status.json")
-    rank = dist.get_rank()
+
+    index_builds = []
+    real_index = gpt_dataset._build_document_index  # called only when an index cache is missing
+
+    def slow_index(*args, **kwargs):
+        if rank == 0 and not index_builds:
+            time.sleep(float(slow_s))
+        index_builds.append(1)
+        return real_index(*args, **kwargs)
+
+    gpt_dataset._build_document_index = slow_index
+    dist.barrier()
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=float(timeout_s)))
+    started = time.monotonic()
+    rows = megatron_rows(data=DataSpec(blend=[[1, corpus_a], [3, corpus_b]]), model_path=model_dir, part="train",
+                         num_samples=40, seq_length=16, vocab_size=250, seed=0, cache_root=Path(out) / "megatron")
+    megatron = {"index_builds": len(index_builds), "seconds": time.monotonic() - started,
+                "ids": rows.rows(torch.arange(len(rows)))[0].tolist()}
     with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump({"tokenised": len(calls), "ids": examples.token_ids.tolist(), "mask": examples.loss_mask.tolist()}, f)
+        json.dump({"tokenised": len(calls), "ids": examples.token_ids.tolist(), "mask": examples.loss_mask.tolist(),
+                   "megatron": megatron}, f)
     dist.destroy_process_group()
 ''')
 
 
 @pytest.mark.multiproc
-def test_two_gloo_ranks_tokenise_once_on_rank_zero(tiny_checkpoint, tmp_path, cache_dir):
+def test_two_gloo_ranks_tokenise_and_index_once_on_rank_zero(tiny_checkpoint, tmp_path, cache_dir):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     path = str(EXAMPLES / "tiny_stories.jsonl")
+    corpora = [str(tmp_path / f"corpus_{name}") for name in "ab"]
+    for corpus in corpora:
+        assert dsmt(["data", "prepare", path, "--tokenizer", str(tiny_checkpoint), "--output", corpus,
+                     "--workers", "1"]) == 0
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
                f"--master_port={free_port()}", str(script), str(tiny_checkpoint), str(tmp_path / "cache"),
-               str(tmp_path), path]
+               str(tmp_path), path, *corpora, str(TIMEOUT_S), str(SLOW_S)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_DATASETS_CACHE": cache_dir}
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -193,3 +227,8 @@ def test_two_gloo_ranks_tokenise_once_on_rank_zero(tiny_checkpoint, tmp_path, ca
                                vocab_size=250, seed=0, cache_dir=cache_dir)
     for r in ranks:
         assert r["ids"] == reference.token_ids.tolist() and r["mask"] == reference.loss_mask.tolist()
+    megatron = [r["megatron"] for r in ranks]
+    assert megatron[0]["index_builds"] > 0 and megatron[1]["index_builds"] == 0  # rank 1 read rank 0's caches
+    assert megatron[1]["seconds"] > TIMEOUT_S  # it waited longer than a collective may, on the status file
+    assert megatron[0]["ids"] == megatron[1]["ids"] and len(megatron[0]["ids"]) >= 40
+    assert not list((tmp_path / "megatron").glob(".dsmt-index-build-*"))  # the status file is removed once read

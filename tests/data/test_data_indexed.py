@@ -148,3 +148,25 @@ def test_a_corpus_changed_after_prepare_fails_training_at_its_next_read(corpora,
     rows.digest_watch.wait()  # rank 0's background check, which training does not wait for
     with pytest.raises(CorpusDamaged, match=r"^\[corpus_damaged\] .*corpus_a\.bin: its xxh3_128 digest is "):
         rows.rows(torch.arange(4))
+
+
+def test_a_failed_index_build_is_named_on_every_rank(corpora, tmp_path, tiny_checkpoint, monkeypatch):
+    """Rank 0 builds the index caches for every rank (toolkit/data/indexed.py): its OSError is a named error there,
+    and its status file carries it to the other ranks, which wait on that file."""
+    import numpy
+
+    from toolkit.data.indexed import CorpusError
+    from toolkit.launch.rank0 import RankTaskError, wait_for_task
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(numpy, "save", disk_full)  # megatron-core's GPTDataset writes its indices with it
+    with pytest.raises(CorpusError, match=r"megatron_index_cache: megatron-core could not build the index caches "
+                                          r"of .*corpus_a in .*No space left on device.*writable with free space"):
+        rows_of(DataSpec(format="megatron", path=str(tmp_path / "corpus_a")), tmp_path=tmp_path,
+                tiny_checkpoint=tiny_checkpoint)
+    status_file, = (tmp_path / "out" / "data-cache" / "megatron").glob(".dsmt-index-build-*.status.json")
+    status = json.loads(status_file.read_text())
+    with pytest.raises(RankTaskError, match=r"^building .* failed on rank 0: CorpusError: megatron_index_cache: "):
+        wait_for_task(status_file=status_file, token=status["token"], what="building the index caches")

@@ -1,43 +1,85 @@
-"""`python -m toolkit.train` with the layout-free save wrapped to measure each rank's host memory during it: the
-kernel's high-water mark (VmHWM) reset just before (`/proc/self/clear_refs` 5) and read just after, against the
-resident memory (VmRSS) at its start. Written to $DSMT_SAVE_PROBE/rankN.json with the bytes this rank writes."""
+"""Runs a plan of `dsmt train` jobs on every rank (one process group, as test_train_reshard.py does) with the
+checkpoint's two entry points measured: around each `checkpoints.save` and `checkpoints.resume` the kernel's
+high-water mark (VmHWM) is reset (`/proc/self/clear_refs` 5) and read after, against the resident memory (VmRSS)
+at the start. Each rank's background writer is slowed by DSMT_PROBE_WRITE_DELAY_S seconds before it writes, and the time its
+writing ended is kept, so a test can see whether the saving step returned before the write ended. One JSON line
+per call to $DSMT_SAVE_PROBE/rankN.jsonl."""
 
 import json
 import os
+import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
 from toolkit.convert.progress import proc_status_bytes
-from toolkit.errors import DsmtError
-from toolkit.train.checkpoint import reshard
-from toolkit.train.__main__ import main
+from toolkit.train.checkpoint import checkpoints
 
-_save = reshard.LayoutFreeState.save
+PROBE = Path(os.environ.get("DSMT_SAVE_PROBE", "."))
+_save, _resume, _write = checkpoints.save, checkpoints.resume, checkpoints._write_rank_files
+WRITES: list[float] = []  # when each write of this rank ended (time.time)
 
 
-def measured_save(self, tag_dir):
+def _measured(function, kind: str):
+    def call(**kwargs):
+        import torch.distributed as dist
+
+        dist.barrier()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        baseline = proc_status_bytes("VmRSS")
+        result = function(**kwargs)
+        record = {"kind": kind, "peak_above_baseline": proc_status_bytes("VmHWM") - baseline,
+                  "kept_after": proc_status_bytes("VmRSS") - baseline,
+                  "returned": time.time(), "step": kwargs.get("step"), "background": kwargs.get("background")}
+        with (PROBE / f"rank{dist.get_rank()}.jsonl").open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        return result
+    return call
+
+
+def slow_write(partial, **kwargs):
+    import torch.distributed as dist
+
+    if threading.current_thread() is not threading.main_thread():  # a background save's writer
+        time.sleep(float(os.environ.get("DSMT_PROBE_WRITE_DELAY_S", "0")))
+    entries = _write(partial, **kwargs)
+    with (PROBE / f"rank{dist.get_rank()}.jsonl").open("a") as out:
+        out.write(json.dumps({"kind": "written", "tag": partial.name, "ended": time.time()}) + "\n")
+    return entries
+
+
+def _cut_back(source: Path, target: Path, *, to_step: int) -> None:
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("final-*"))
+    for tag in (target / "checkpoints").glob("step_*"):
+        if int(tag.name[len("step_"):]) > to_step:
+            shutil.rmtree(tag)
+
+
+def main(plan_path: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    shards = reshard.trainable_shards(self.chunks)
-    values = [param.numel() * 4 for param, _, _ in shards.values()]  # fp32, this rank's TP / PP shard
-    # megatron saves SwiGLU's fc1 as two views (gate, up) of one tensor, and torch's checkpoint writer copies a
-    # view that does not span its storage before writing it: the writer holds those values twice for a while
-    fused = [param.numel() * 4 for key, (param, _, _) in shards.items() if "linear_fc1.weight" in key]
+    from toolkit.check.job import job_of
+    from toolkit.errors import Report
+    from toolkit.spec.load import load_spec
+    from toolkit.train.job.run import train
+
+    checkpoints.save = _measured(_save, "save")
+    checkpoints.resume = _measured(_resume, "resume")
+    checkpoints._write_rank_files = slow_write
+    dist.init_process_group("gloo")
+    for action, *args in json.loads(Path(plan_path).read_text()):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if action == "cut":
+            if dist.get_rank() == 0:
+                _cut_back(Path(args[0]), Path(args[1]), to_step=args[2])
+            dist.barrier()
+        else:
+            train(job=job_of(spec=load_spec(args[0]), report=Report(source=args[0], problems=())))
     dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current VmRSS
-    baseline = proc_status_bytes("VmRSS")
-    _save(self, tag_dir)
-    record = {"dp_rank": parallel_state.get_data_parallel_rank(), "peak_above_baseline": proc_status_bytes("VmHWM") - baseline,
-              "shard_bytes": 3 * sum(values), "largest_value_bytes": max(values),  # master + two Adam moments
-              "fused_view_bytes": 3 * sum(fused)}
-    Path(os.environ["DSMT_SAVE_PROBE"], f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
-    reshard.LayoutFreeState.save = measured_save
-    try:
-        sys.exit(main())
-    except DsmtError as err:
-        print(f"dsmt train: error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
+    main(sys.argv[1])

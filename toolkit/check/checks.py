@@ -109,6 +109,21 @@ def check_lengths_and_intervals(*, spec: JobSpec, shape: ModelShape) -> list[Pro
     return problems
 
 
+def check_export_hf_interval(*, spec: JobSpec, shape: ModelShape | None) -> list[Problem]:
+    """A checkpoint's hf/ is written while that checkpoint is saved (toolkit/train/job/loop.py `_save`): an
+    export_hf_interval that checkpoint_interval does not divide would skip the steps it names between saves."""
+    export, interval = spec.training.export_hf_interval, spec.training.checkpoint_interval
+    if export is None or export % interval == 0:
+        return []
+    below, above = (export // interval) * interval, (export // interval + 1) * interval
+    multiples = f"{below} or {above}" if below else f"{above}"
+    return [Problem("error", "export_hf_interval_not_a_checkpoint",
+                    f"training.export_hf_interval={export} is not a multiple of training.checkpoint_interval="
+                    f"{interval}: hf/ is written into the checkpoint of its step, and only every {interval}th step "
+                    "(and the last) is saved", f"set training.export_hf_interval to a multiple of {interval} "
+                    f"({multiples}), or training.checkpoint_interval to a divisor of {export}")]
+
+
 def check_validation_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     """data.validation_path present and its records readable as data.path's; validation needs real records. The
     held-out share's record counts need the records: `dsmt train --dry-run`."""
@@ -307,9 +322,9 @@ def check_wandb(*, spec: JobSpec, shape: ModelShape | None) -> list[Problem]:
 
 CHECKS: tuple[Check, ...] = (
     check_layout, check_vocab_padding, check_precision_on_device, check_mixed_precision, check_hosts_for_multi_node,
-    check_lengths_and_intervals, check_data, check_validation_data, check_builtin_tokenizer, check_memory_fit,
-    check_encoder_model, check_sync_batchnorm, check_lora, check_packing, check_model_files, check_model_family,
-    check_model_adapter, check_wandb, check_preference,
+    check_lengths_and_intervals, check_export_hf_interval, check_data, check_validation_data, check_builtin_tokenizer,
+    check_memory_fit, check_encoder_model, check_sync_batchnorm, check_lora, check_packing, check_model_files,
+    check_model_family, check_model_adapter, check_wandb, check_preference,
 )
 
 
@@ -323,6 +338,7 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
     problems += run_problems(layout=parallel_layout(spec), run=spec_run_facts(spec))
     problems += check_model_files(spec=spec, shape=None)
     problems += check_validation_data(spec=spec, shape=None)  # evaluated by PlainEngine.eval_step
+    problems += check_export_hf_interval(spec=spec, shape=None)
     problems += check_wandb(spec=spec, shape=None)
     problems += check_plain_model_data(spec=spec, model_type=model_type)
     problems += plain_dpo_problems(spec=spec, model_type=model_type)

@@ -14,8 +14,10 @@ and `BlendedDataset` (`data.blend`), built by its `BlendedMegatronDatasetBuilder
   documents is validation, read once per evaluation; the training side draws `train_steps x global batch`
   samples (more epochs when the corpus is smaller).
 * The index files megatron-core builds (document / sample / shuffle indices, the blend's) are cached under
-  `<data.cache_dir or OUTPUT/data-cache>/megatron`, built by global rank 0 first (a shared filesystem, as for
-  checkpoints), then read by the others.
+  `<data.cache_dir or OUTPUT/data-cache>/megatron` (a shared filesystem, as for checkpoints). Global rank 0 builds
+  them (minutes on a large corpus) while the other ranks wait on a status file beside them with rank 0's heartbeat
+  (toolkit/launch/rank0.py), not in megatron-core's barrier, which would time out after the process group's
+  collective timeout (`training.collective_timeout_s`); then every rank runs megatron-core's build, which reads them.
 * Every rank checks each corpus's files before megatron-core reads them (toolkit/data/corpus_check.py: the .idx
   against itself, the .bin's size and the sidecar's record), and global rank 0 compares their digests with the
   sidecar's in a background thread while training starts: damage found fails the run at rank 0's next read.
@@ -23,6 +25,7 @@ and `BlendedDataset` (`data.blend`), built by its `BlendedMegatronDatasetBuilder
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,9 +167,8 @@ def split_string(data: DataSpec) -> str:
 def megatron_rows(*, data: DataSpec, model_path: str | None, part: str, num_samples: int | None, seq_length: int,
                   vocab_size: int, seed: int, cache_root: Path) -> MegatronRows:
     """The samples of `part` ("train": `num_samples` of them; "validation": the held-out documents once).
-    Collective when torch.distributed is initialised (megatron-core builds the index cache on rank 0 first)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    Collective when torch.distributed is initialised (`build_datasets`: rank 0 builds the index caches first)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     from toolkit.data.tokenize import load_tokenizer, tokenizer_identity
 
@@ -186,7 +188,7 @@ def megatron_rows(*, data: DataSpec, model_path: str | None, part: str, num_samp
         add_extra_token_to_sequence=True)
     sizes = [num_samples, 0, 0] if part == TRAIN else [0, None, None]
     Path(cache_root).mkdir(parents=True, exist_ok=True)
-    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    built = build_datasets(config=config, sizes=sizes, cache_root=Path(cache_root), part=part)
     dataset = built[0 if part == TRAIN else 1]
     if dataset is None or len(dataset) == 0:
         documents = sum(corpus.num_documents for corpus in corpora)
@@ -194,6 +196,84 @@ def megatron_rows(*, data: DataSpec, model_path: str | None, part: str, num_samp
                         f"({documents} documents, split {split_string(data)}) holds no sample of seq_length + 1 = "
                         f"{seq_length + 1} tokens; adjust data.validation_fraction or give a larger corpus")
     return MegatronRows(dataset=dataset, seq_length=seq_length, digest_watch=watch)
+
+
+def build_datasets(*, config, sizes: list, cache_root: Path, part: str) -> list:
+    """megatron-core's datasets (one or None per split) on every rank. With a process group, global rank 0 first
+    builds the index caches while the others wait on a status file in `cache_root` (`on_rank0`: a failure raises on
+    every rank, a silent rank 0 too); megatron-core's own build then finds the caches on every rank, so that its
+    barriers last as long as loading them."""
+    import torch.distributed as dist
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    from toolkit.launch.rank0 import on_rank0
+
+    if not dist.is_initialized():  # no other rank to wait: megatron-core builds and reads in one go
+        return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    status_file = _status_file(cache_root)
+    on_rank0(lambda progress: _build_index_caches(config=config, sizes=sizes, cache_root=cache_root,
+                                                  progress=progress),
+             what=f"building megatron-core's {part} index caches in {cache_root}", status_file=status_file)
+    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    dist.barrier()  # every rank has read the status file (short: every rank has just read the caches)
+    if dist.get_rank() == 0:
+        status_file.unlink(missing_ok=True)
+    return built
+
+
+def _status_file(cache_root: Path) -> Path:
+    """This build's status file, named by rank 0 for every rank: two jobs sharing data.cache_dir that build at the
+    same time must not overwrite each other's status."""
+    import torch.distributed as dist
+
+    name = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return cache_root / f".dsmt-index-build-{name[0]}.status.json"
+
+
+def _build_index_caches(*, config, sizes: list, cache_root: Path, progress) -> None:
+    """On rank 0 alone: megatron-core's build without its barriers (`_rank0_builder`), which writes the caches.
+    An OSError (the cache directory, the corpus files) becomes a CorpusError naming what to fix."""
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    progress(f"building the index caches of {', '.join(config.blend[0])}")
+    try:
+        _rank0_builder()(GPTDataset, sizes, lambda: True, config).build()
+    except Exception as err:
+        cause = err if isinstance(err, OSError) else err.__cause__  # megatron-core wraps an OSError in Exception
+        if not isinstance(cause, OSError):
+            raise
+        raise CorpusError("megatron_index_cache", f"megatron-core could not build the index caches of "
+                          f"{', '.join(config.blend[0])} in {cache_root} ({type(cause).__name__}: {cause}); make "
+                          f"data.cache_dir (default OUTPUT/data-cache) writable with free space, and check that the "
+                          f"corpus files are readable (prepare them again if damaged)") from err
+
+
+def _rank0_builder():
+    """megatron-core's BlendedMegatronDatasetBuilder without its barriers, for rank 0 alone: the other ranks are not
+    in the builder, so a barrier would hold rank 0 until the collective timeout. `build_generic_dataset` takes a
+    `synchronize_ranks` flag, given False; the blend's per-corpus step has none and always synchronises, so it is
+    done here as megatron-core does it with its default single builder thread, through the per-corpus build with
+    synchronize_ranks=False. The datasets, hence the cache files, are the plain builder's. Private methods:
+    megatron-core is pinned <0.17 (pyproject.toml), and tests/data/test_data_cache.py's 2-rank launch fails
+    if a barrier comes back here."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.utils import Split
+
+    class Rank0Builder(BlendedMegatronDatasetBuilder):
+        @staticmethod
+        def build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args):
+            return BlendedMegatronDatasetBuilder.build_generic_dataset(cls, is_built_on_rank, False, *args)
+
+        def _build_megatron_datasets_parallel(self, prefixes, split, sizes_per_dataset):
+            built = [[] for _ in Split]
+            for prefix, sizes in zip(prefixes, sizes_per_dataset):
+                for index, dataset in enumerate(self._build_megatron_dataset_splits(prefix, split, sizes, False)):
+                    built[index].append(dataset)
+            return built
+
+    return Rank0Builder
 
 
 def digest_watch(corpora: list[Corpus]) -> DigestWatch | None:

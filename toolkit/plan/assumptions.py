@@ -63,6 +63,9 @@ class Assumptions:
         for name, value, valid in checks:
             if value not in valid:
                 raise DsmtError(f"assumption {name}={value!r} is not one of {', '.join(valid)}")
+        if self.checkpoint_write_gbps <= 0:
+            raise DsmtError(f"assumption checkpoint_write_gbps={self.checkpoint_write_gbps} must be positive: the "
+                            "GB/s one node writes to the checkpoint filesystem (e.g. 2)")
         if self.router_imbalance < 1.0:
             raise DsmtError(f"assumption router_imbalance={self.router_imbalance} is below 1; it is the busiest "
                             "expert-parallel rank's routed tokens over the mean (1.0: perfectly balanced)")
@@ -132,3 +135,8 @@ class Assumptions:
     # (what megatron-core's auxiliary load-balancing loss aims at); real routers run a few tens of percent above
     # it, more early in training. The step waits on that rank, so its expert compute and activations scale by it.
     router_imbalance: float = 1.0
+    # --- checkpoints (toolkit/plan/checkpoint_cost.py) -----------------------------------------------------------
+    # Sustained write bandwidth of one node to the checkpoint filesystem, GB/s. Conservative for a parallel
+    # filesystem client: Lustre / GPFS clients behind one 100-200 Gb/s link sustain ~2-10 GB/s of large
+    # sequential writes; NFS and object-store mounts give less. `dsmt plan --checkpoint-write-gbps` sets a cluster's.
+    checkpoint_write_gbps: float = 2.0

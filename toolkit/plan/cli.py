@@ -35,6 +35,8 @@ OVERRIDES = {  # flag -> (Assumptions field, help); defaults and sources: toolki
     "--pcie-gbps": ("pcie_gbps", "host <-> GPU bandwidth with offload, GB/s (default 25)"),
     "--overhead-gb": ("framework_overhead_gb", "per-GPU allowance for CUDA context, NCCL, workspaces (default 2.5)"),
     "--fragmentation": ("fragmentation_fraction", "allocator slack as a share of the rest (default 0.05)"),
+    "--checkpoint-write-gbps": ("checkpoint_write_gbps", "GB/s one node writes to the checkpoint filesystem, for "
+                                                         "the predicted save time (default 2, an assumption)"),
     "--adam-bytes": ("optimizer_bytes_per_param", "optimizer bytes per parameter, the ZeRO paper's K (default 12)"),
     "--master-grad-bytes": ("master_grad_bytes", "fp32 gradient copy bytes per parameter (default 4; 0 = paper)"),
 }

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from toolkit.errors import DsmtError
 from toolkit.plan.calibration import how_sure, how_sure_lines
+from toolkit.plan.checkpoint_cost import checkpoint_cost, checkpoint_lines, plan_checkpoint
 from toolkit.plan.dpo import holds_reference_copy
 from toolkit.plan.layout import Cluster, PlanLayout, TrainingShape
 from toolkit.plan.memory import CATEGORIES, WITH_REFERENCE
@@ -135,6 +136,7 @@ def plan_dict(result: Plan, *, top: int) -> dict:
         "search_limits": result.limits.describe() or None,
         "how_sure": (how_sure(candidate=result.best, shape=result.shape, cluster=c, assumptions=result.assumptions)
                      if result.best else None),
+        "checkpoint": None if result.best is None else plan_checkpoint(result).as_dict(),  # of the choice
         "layouts": [candidate_dict(x, moe=moe) for x in result.fitting[:top]],
         "rejected": [dict(candidate_dict(x, moe=moe), reason=rejection_reason(x)) for x in result.rejected],
     }
@@ -228,6 +230,7 @@ def format_table(result: Plan, *, top: int) -> str:
     else:
         lines += ["", choice_note(result)] + _expert_params_line(result.best, shape=shape)
         lines += how_sure_lines(candidate=result.best, shape=shape, cluster=c, assumptions=result.assumptions)
+        lines += checkpoint_lines(plan_checkpoint(result), label="checkpoint of #1")
     if result.rejected:
         header = ("best rejected (faster than the winner, but do not fit):" if result.fitting else
                   "closest to fitting (none fits: add GPUs, shorten the sequence, or try --allow-offload):")
@@ -298,6 +301,8 @@ def explain(*, shape: ModelShape, layout: PlanLayout, training: TrainingShape, c
                      f"micro-batches in flight]")
     lines += _time_lines(x.time, moe=shape.is_moe)
     lines += ["  " + line for line in dpo_lines(training=training, candidate=x)]
+    lines += checkpoint_lines(checkpoint_cost(shape=shape, layout=layout, training=training, cluster=cluster,
+                                              assumptions=result.assumptions), indent="  ")
     lines += how_sure_lines(candidate=x, shape=shape, cluster=cluster, assumptions=result.assumptions, indent="  ")
     lines += _rank_lines(x, result)
     return "\n".join(lines)

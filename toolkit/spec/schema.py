@@ -334,9 +334,17 @@ class TrainingSpec(Section):
     grad_clip: float = Field(1.0, ge=0)  # 0: no clipping
     train_steps: int = Field(1000, ge=1)
     checkpoint_interval: int = Field(500, ge=1)  # steps
-    # Newest complete checkpoints kept (null: every one). Each holds DeepSpeed's files and the layout-free copy:
-    # about 26 bytes per parameter (an 8B model: ~200 GB), so keeping every one fills a disk in a long run.
+    # Newest complete checkpoints kept (null: every one). Each holds the fp32 master weights and both Adam moments
+    # of the trainable parameters: 12 bytes per parameter (an 8B model: ~100 GB), so keeping every one fills a
+    # disk in a long run.
     keep_checkpoints: int | None = Field(2, ge=1)
+    # Save in the background: the saving step copies each rank's shard of the state to host memory and training
+    # goes on while a writer thread writes it (at most one save in flight; the next save, the end of training and
+    # a SIGTERM wait for it). null: on with GPUs, off on the CPU backend (its cores are the training's).
+    async_save: bool | None = None
+    # Every N steps the checkpoint of that step also holds hf/: the model as transformers loads it (and the LoRA
+    # adapter as training.lora.export says). null: only the final export (final-hf).
+    export_hf_interval: int | None = Field(None, ge=1)
     log_interval: int = Field(10, ge=1)  # steps
     # fp16 only: DeepSpeed skips a step whose gradients overflow and lowers the loss scale; after this many
     # skipped steps in a row the run stops (the scale cannot recover). bf16 / fp32 stop at the first non-finite

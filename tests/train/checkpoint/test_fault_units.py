@@ -24,17 +24,31 @@ from toolkit.train.job.guard import StepGuard, TrainingDiverged
 from toolkit.train.engine.hybrid import StepStats
 
 
-class CrashingCopy:
-    """A layout-free state that writes part of its files, then fails (a kill at that point of a save)."""
+class ShardedStandIn:
+    """A layout-free state with one tensor: each save writes a real share of it (state/rank_00000.safetensors, its
+    index and record, as toolkit/train/checkpoint/sharded.py does for a model); a resume reads the share back."""
 
-    def __init__(self, *, files_before_crash: int):
-        self.files_before_crash = files_before_crash
+    def take(self, *, copy):
+        from toolkit.train.checkpoint.sharded import Share, rank_file
 
-    def save(self, tag_dir):
-        (tag_dir / "layout-free").mkdir()
-        for index in range(self.files_before_crash):
-            (tag_dir / "layout-free" / f"__{index}_0.distcp").write_bytes(b"x" * 100)
-        raise RuntimeError("killed here")
+        values = torch.arange(64.0)
+        tensors = {f"{state}/w/0": values + index for index, state in enumerate(("master", "exp_avg", "exp_avg_sq"))}
+        share = Share(file=rank_file(0), tensors=tensors, boxes=[{"key": "w", "offset": [0], "shape": [64]}],
+                      shapes={"w": [64]}, host_bytes=0)
+        return share, {"layout": None}
+
+    def files_to_read(self, tag_dir):
+        return {"state/rank_00000.safetensors": 768, "state/index.json": 1, "dsmt_layout.json": 1,
+                "dsmt_rng_rank0.pt": 1}
+
+    def check(self, tag_dir):
+        return {}
+
+    def load(self, tag_dir):
+        from safetensors.torch import load_file
+
+        assert torch.equal(load_file(tag_dir / "state" / "rank_00000.safetensors")["master/w/0"], torch.arange(64.0))
+        return json.loads((tag_dir / "dsmt_layout.json").read_text())
 
 
 @pytest.fixture
@@ -47,12 +61,22 @@ def process_group():
 
 
 @pytest.mark.parametrize("files_before_crash", [0, 1, 3])
-def test_a_save_interrupted_anywhere_never_blocks_the_next_or_a_resume(process_group, tmp_path, files_before_crash):
+def test_a_save_interrupted_anywhere_never_blocks_the_next_or_a_resume(process_group, tmp_path, files_before_crash,
+                                                                       monkeypatch):
+    from toolkit.errors import DsmtError
+    from toolkit.train.checkpoint import sharded
+
+    def crashing_write(tag_dir, share):  # the writer killed after some of its files
+        (tag_dir / "state").mkdir(exist_ok=True)
+        for index in range(files_before_crash):
+            (tag_dir / "state" / f"rank_{index:05d}.safetensors").write_bytes(b"x" * 100)
+        raise RuntimeError("killed here")
+
     engine = FakeEngine()
     checkpoints.save(engine=engine, checkpoint_dir=tmp_path, step=4)
-    with pytest.raises(RuntimeError, match="killed here"):
-        checkpoints.save(engine=engine, checkpoint_dir=tmp_path, step=8,
-                         layout_free=CrashingCopy(files_before_crash=files_before_crash))
+    monkeypatch.setattr(sharded, "write_share", crashing_write)
+    with pytest.raises(DsmtError, match=r"\[checkpoint_io\] rank 0 could not write .*killed here"):
+        checkpoints.save(engine=engine, checkpoint_dir=tmp_path, step=8, layout_free=ShardedStandIn())
     assert (tmp_path / ".partial-step_000008").is_dir() and not (tmp_path / "step_000008").exists()
     assert checkpoints.latest_complete(tmp_path) == "step_000004"
     assert checkpoints.resume(engine=engine, checkpoint_dir=tmp_path).step == 4
@@ -118,31 +142,16 @@ class FilesEngine(FakeEngine):
         torch.save({"exp_avg": torch.ones(64)}, Path(save_dir) / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
 
-class FilesCopy:
-    """A layout-free stand-in: a shard, torch.distributed.checkpoint's metadata (a pickle) and dsmt's record."""
-
-    def save(self, tag_dir):
-        import pickle
-
-        (tag_dir / "layout-free").mkdir()
-        (tag_dir / "layout-free" / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
-        (tag_dir / "layout-free" / ".metadata").write_bytes(pickle.dumps({"shards": [1, 2, 3]}))
-        (tag_dir / "dsmt_layout.json").write_text(json.dumps({"layout": None}))
-
-    def check(self, tag_dir):
-        return {}
-
-
 DAMAGE = {  # file kind -> (path under the newest tag, how it is damaged)
     "marker": ("dsmt_complete.json", lambda p: p.write_text(p.read_text()[:20])),
     "marker-edited": ("dsmt_complete.json", lambda p: p.write_text(p.read_text().replace('"world_size": 1',
                                                                                          '"world_size": 2'))),
     "manifest": ("dsmt_manifest.json", lambda p: p.write_text(p.read_text()[:-30])),
-    "model": ("mp_rank_00_model_states.pt", lambda p: p.write_bytes(p.read_bytes()[:-10])),
-    "optimizer": ("zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                  lambda p: p.write_bytes(p.read_bytes().replace(b"\x00\x00\x80\x3f", b"\x00\x00\x00\x40", 1))),
-    "layout-free-shard": ("layout-free/__0_0.distcp", lambda p: p.write_bytes(b"\xff" + p.read_bytes()[1:])),
-    "metadata": ("layout-free/.metadata", lambda p: p.write_bytes(p.read_bytes()[:-3])),
+    "rng": ("dsmt_rng_rank0.pt", lambda p: p.write_bytes(p.read_bytes()[:-10])),
+    "state-shard": ("state/rank_00000.safetensors",
+                    lambda p: p.write_bytes(p.read_bytes().replace(b"\x00\x00\x80\x3f", b"\x00\x00\x00\x40", 1))),
+    "index": ("state/index.json", lambda p: p.write_bytes(p.read_bytes()[:-3])),
+    "record": ("dsmt_layout.json", lambda p: p.write_text(p.read_text().replace("null", "1"))),
     "pointer": ("../latest_complete", lambda p: p.write_text("step_000004")),
 }
 
@@ -156,7 +165,7 @@ def test_verify_and_resume_judge_every_file_kind_alike(process_group, tmp_path, 
     from toolkit.train.checkpoint import cli, manifest
 
     for step in (4, 8):
-        checkpoints.save(engine=FilesEngine(), checkpoint_dir=tmp_path, step=step, layout_free=FilesCopy())
+        checkpoints.save(engine=FilesEngine(), checkpoint_dir=tmp_path, step=step, layout_free=ShardedStandIn())
     name, damage = DAMAGE[kind]
     before = (tmp_path / "step_000008" / name).read_bytes()
     damage(tmp_path / "step_000008" / name)
@@ -168,7 +177,8 @@ def test_verify_and_resume_judge_every_file_kind_alike(process_group, tmp_path, 
     args = parser.parse_args(["checkpoint", "verify", str(tmp_path)])
     assert args.func(args) == (1 if verify_damaged else 0)
     said_by_verify = capsys.readouterr().out
-    resumed = checkpoints.resume(engine=FilesEngine(), checkpoint_dir=tmp_path, layout_free=FilesCopy(), owner=True)
+    resumed = checkpoints.resume(engine=FilesEngine(), checkpoint_dir=tmp_path, layout_free=ShardedStandIn(),
+                                 owner=True)
     said_by_resume = capsys.readouterr().out
     set_aside = {p.name.removeprefix(".damaged-") for p in tmp_path.glob(".damaged-*")}
     assert checkpoints.tag_for(resumed.step) == cli.resume_tag(verdicts)
@@ -236,39 +246,44 @@ def test_deepspeeds_own_classes_load_weights_only(tmp_path):
     assert loaded["zero_stage"] is ZeroStageEnum.weights and loaded["param_slice_mappings"]["w"].start == 8
 
 
-def test_a_disk_full_in_the_layout_free_copy_is_named_not_blamed_on_a_rank(process_group, tmp_path, monkeypatch):
-    """torch.distributed.checkpoint wraps each rank's failure in a CheckpointException (a BaseException): the
-    ENOSPC inside is found, the message quotes it (no rank traceback), and the previous checkpoint stays intact."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import filesystem
+@pytest.mark.parametrize("background", [False, True])
+def test_a_disk_full_while_writing_the_state_is_named_and_keeps_the_previous_checkpoint(
+        process_group, tmp_path, monkeypatch, background):
+    """The writer (a thread in a background save) hits ENOSPC: every rank raises the named disk_full (at the next
+    step for a background save: the step that saved had returned), never a traceback of the writer, and the
+    previous checkpoint stays the newest complete one; the half-written folder is never published."""
+    from toolkit.train.checkpoint import manifest, state_file, writer
 
-    from toolkit.train.checkpoint import manifest, reshard
+    checkpoints.save(engine=FakeEngine(), checkpoint_dir=tmp_path, step=4, layout_free=ShardedStandIn())
 
-    class DcpCopy:
-        def save(self, tag_dir):
-            writer = dcp.FileSystemWriter(str(tag_dir / "layout-free"), thread_count=1)
-            dcp.save({"master": torch.ones(256)}, storage_writer=writer)
-
-    checkpoints.save(engine=FilesEngine(), checkpoint_dir=tmp_path, step=4, layout_free=DcpCopy())
-
-    def full(*args, **kwargs):
+    def full(path, tensors, **kwargs):
+        Path(path).write_bytes(b"x" * 100)  # a part of the file, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(filesystem, "_write_item", full)
+    monkeypatch.setattr(state_file, "write_safetensors", full)
+    if background:
+        checkpoints.save(engine=FakeEngine(), checkpoint_dir=tmp_path, step=8, layout_free=ShardedStandIn(),
+                         background=True)
     with pytest.raises(space.DiskFull) as raised:
-        checkpoints.save(engine=FilesEngine(), checkpoint_dir=tmp_path, step=8, layout_free=DcpCopy())
+        if background:  # the step after: the writer is done, so the save is finished here, and fails
+            writer.in_flight().thread.join()
+            checkpoints.finish_save_if_written()
+        else:
+            checkpoints.save(engine=FakeEngine(), checkpoint_dir=tmp_path, step=8, layout_free=ShardedStandIn())
     message = str(raised.value)
     assert message.startswith("[disk_full] the disk filled while saving checkpoint step_000008 into "), message
     assert "the previous checkpoint is intact (the library said: OSError: [Errno 28] No space left" in message
-    assert "CheckpointException" not in message and "RANK" not in message and "\nfix: " in message
+    assert "Traceback" not in message and "\nfix: " in message
     assert [(v.tag, v.status) for v in manifest.verify_run(tmp_path)] == [
         ("step_000004", "intact"), (".partial-step_000008", "incomplete")]
-    # The copy's size is checked before it is written, at the first save too.
-    monkeypatch.setattr(space, "free_bytes", lambda directory: 1000)
-    item = type("Item", (), {"data": torch.ones(1024), "replica_id": 0})()
-    with pytest.raises(space.DiskFull, match=r"^\[disk_full\] the layout-free copy of checkpoint step_000012 needs "
-                       r"about 0.0 MB and .* has 0.0 MB free; nothing of the copy was written"):
-        reshard.refuse_unless_it_fits(tmp_path / ".partial-step_000012", sharded={"master/w": item})
+    assert checkpoints.resume(engine=FakeEngine(), checkpoint_dir=tmp_path, layout_free=ShardedStandIn()).step == 4
+    assert writer.in_flight() is None
+    # The state's size is checked before it is written, at the first save too.
+    monkeypatch.setattr(space, "free_bytes", lambda directory: 100)
+    with pytest.raises(space.DiskFull, match=r"^\[disk_full\] the state of checkpoint step_000012 needs about "
+                       r"0.0 MB and .* has 0.0 MB free; nothing of it was written"):
+        checkpoints.save(engine=FakeEngine(), checkpoint_dir=tmp_path / "first", step=12,
+                         layout_free=ShardedStandIn())
 
 
 def _stats(loss, norm=1.0):

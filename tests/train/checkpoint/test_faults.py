@@ -46,8 +46,8 @@ def test_kill_mid_save_second_run_refused_then_exact_resume(tiny_llama, referenc
     second = run(spec, timeout_s=120)  # the same command again, while the first starts its ranks
     assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
     assert "one_run_per_output_dir" in second.stderr and f"pid {first.pid}" in second.stderr, second.stderr
-    # Every process of the job killed while a save is half-way: its layout-free copy started, no marker yet.
-    wait_until(lambda: any(checkpoints.glob(".partial-step_*/layout-free")), timeout_s=300, what="a save",
+    # Every process of the job killed while a save is half-way: its folder made, no marker yet.
+    wait_until(lambda: any(checkpoints.glob(".partial-step_*")), timeout_s=300, what="a save",
                process=first, poll_s=0.002)
     kill_all(job_processes(first, tmp_path / "run", nprocs=2))
     first.wait(timeout=60)
@@ -95,8 +95,8 @@ def test_every_kind_of_checkpoint_file_is_checked(reference, tmp_path):
     copy = shutil.copytree(reference, tmp_path / "run")
     assert _problems(copy) == []
     tag = copy / "checkpoints" / LAST
-    kinds = [tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "mp_rank_00_model_states.pt",
-             sorted((tag / "layout-free").glob("*.distcp"))[0], tag / "dsmt_rng_rank1.pt"]
+    kinds = [tag / "state" / "rank_00001.safetensors", tag / "state" / "index.json", tag / "dsmt_layout.json",
+             tag / "dsmt_rng_rank1.pt"]
     for path in kinds:
         name, saved = path.relative_to(tag).as_posix(), path.read_bytes()
         _flip_byte(path)
@@ -114,12 +114,12 @@ def test_damaged_newest_checkpoint_falls_back_exactly(tiny_llama, reference, tmp
     copy = shutil.copytree(reference, tmp_path / "run")
     shutil.rmtree(copy / "final-hf")
     spec = write_spec(tmp_path / "job.yaml", model_dir=tiny_llama, output_dir=copy, **SHAPE)
-    damaged = copy / "checkpoints" / LAST / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    damaged = copy / "checkpoints" / LAST / "state" / "rank_00000.safetensors"
     _flip_byte(damaged)
     refused = run(spec, "--no-fallback")
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "checkpoint_damaged" in refused.stderr and LAST in refused.stderr
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: digest" in refused.stderr, refused.stderr[-2000:]
+    assert "state/rank_00000.safetensors: digest" in refused.stderr, refused.stderr[-2000:]
     assert not (copy / "final-hf").exists()
 
     fell_back = run(spec)

@@ -81,6 +81,9 @@ def _fake_tags(root: Path, *, complete, incomplete=(), latest=None):
 
 
 def _left(root: Path):
+    from toolkit.train.checkpoint.folders import wait_for_removals
+
+    wait_for_removals()  # old tags are deleted by a thread (renamed out of the way first)
     return sorted(p.name for p in root.iterdir() if p.is_dir())
 
 

@@ -124,13 +124,19 @@ def test_startup_line_names_both_layouts(resharded):
 
 
 def test_the_resumed_checkpoint_is_not_modified(resharded):
-    """The tag a resharding resume read keeps its DeepSpeed files for its own layout and its layout-free copy."""
+    """The tag a resharding resume read is as it was written: its record of the writer's layout and each rank's
+    share of the state."""
     root, _ = resharded
     tag = root / "tp2pp2-dp4" / "checkpoints" / "step_000002"
     record = json.loads((tag / "dsmt_layout.json").read_text())
     assert record["layout"]["tp"] == 2 and record["layout"]["pp"] == 2
     assert json.loads((tag / "dsmt_complete.json").read_text())["layout"] == record["layout"]
-    assert (tag / "layout-free" / "metadata.json").is_file()
+    # every rank wrote its own share (its ZeRO fragments): 4 files of about equal size, no DeepSpeed engine files
+    files = sorted((tag / "state").glob("rank_*.safetensors"))
+    assert [f.name for f in files] == [f"rank_{r:05d}.safetensors" for r in range(4)]
+    sizes = [f.stat().st_size for f in files]
+    assert min(sizes) > 0.2 * max(sizes) and (tag / "state" / "index.json").is_file()
+    assert not list(tag.glob("*optim_states.pt")) and not list(tag.glob("*model_states.pt"))
     later = json.loads((root / "tp2pp2-dp4" / "checkpoints" / "step_000004" / "dsmt_complete.json").read_text())
     assert later["layout"]["dp"] == 4
 

@@ -51,8 +51,8 @@ def test_a_trainer_that_falls_short_is_named_by_what_it_lacks():
         def train_step(self, micro_batches):
             return None
 
-        def save(self, checkpoint_dir, *, step, keep_checkpoints=None, layout):  # layout: no default
-            return checkpoint_dir
+        def save(self, checkpoint_dir, *, step, keep_checkpoints=None, layout, background=False, also_write=None):
+            return checkpoint_dir  # layout: no default
 
         def load(self, checkpoint_dir, layout=None, *, fallback=True, owner=False, strict):
             return None

@@ -129,8 +129,9 @@ def lora_runs(tiny_llama, tmp_path_factory):
             extra["data"] = {"path": str(moe_rows), "packing": False}
         specs[name] = write_spec(root / f"{name}.yaml", model_dir=model_dir, output_dir=root / name,
                                  steps=PARITY_TRAINING["train_steps"], extra=extra, **run["layout"], **rows)
-    # trained to the end, then trained again from its step-3 checkpoint (test_lora_resume_continues_the_run)
-    resume_training = {**PARITY_TRAINING, "grad_clip": LORA_GRAD_CLIP,
+    # trained to the end, then trained again from its step-3 checkpoint (test_lora_resume_continues_the_run); both
+    # checkpoints hold hf/ (test_lora_checkpoints_hold_the_hf_export), which the resume ignores
+    resume_training = {**PARITY_TRAINING, "grad_clip": LORA_GRAD_CLIP, "export_hf_interval": 3,
                        "lora": {"rank": RANK, "alpha": ALPHA, "init_adapter": str(root / "init-tp2-pp2")}}
     resume_spec = write_spec(root / "resume.yaml", model_dir=tiny_llama, output_dir=root / "resume",
                              steps=PARITY_TRAINING["train_steps"], checkpoint_interval=3, tp=2, pp=2, dp=1,
@@ -230,6 +231,33 @@ def test_lora_resume_continues_the_run(lora_runs):
     adapter_gap = max((resumed_adapter[k] - first_adapter[k]).abs().max().item() for k in first_adapter)
     print(f"\nLoRA resume at step 3: steps 4-6 loss rel gap {max(gaps):.1e}, adapter gap {adapter_gap:.1e}")
     assert max(gaps) <= 1e-6 and adapter_gap <= 1e-7
+
+
+@pytest.mark.multiproc
+def test_lora_checkpoints_hold_the_hf_export(lora_runs):
+    """training.export_hf_interval: 3 (= checkpoint_interval): each checkpoint holds hf/, the merged model as
+    transformers loads it, and hf/adapter, the PEFT adapter (training.lora.export: both). The step-6 checkpoint,
+    written by the run resumed from step 3's (whose hf/ the resume ignored), holds what its final export holds;
+    step 3's the model half-way."""
+    from transformers import AutoModelForCausalLM
+
+    output_dir = lora_runs[0]["tp2-pp2"][0].parent / "resume"
+
+    def tensors(directory: Path) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return {k: v for path in sorted(directory.glob("*.safetensors")) for k, v in load_file(path).items()}
+
+    def same(a: dict, b: dict) -> bool:
+        return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    last, middle = (output_dir / "checkpoints" / f"step_00000{step}" / "hf" for step in (6, 3))
+    model = AutoModelForCausalLM.from_pretrained(last, dtype=torch.float32).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(output_dir / "final-hf", dtype=torch.float32).state_dict()
+    assert same(model, final)
+    assert same(tensors(last / "adapter"), tensors(output_dir / "final-hf-adapter"))
+    assert not same(tensors(middle), tensors(last)) and not same(tensors(middle / "adapter"), tensors(last / "adapter"))
+    assert not any(path.name.startswith(".hf") for path in output_dir.glob("checkpoints/*/.*"))  # no scratch left
 
 
 @pytest.mark.multiproc

@@ -170,6 +170,7 @@ def trained(models, tmp_path_factory) -> tuple[dict, Path, dict]:
                         "out_dir": str(root / name / "final-hf")} for name, (model, stage) in SYNTHETIC.items()}
     real = {name: job_spec(model_dir=models[model], data=data[source], zero_stage=stage, output_dir=root / name)
             for name, (model, stage, source) in REAL.items()}
+    real["causal-text"]["training"]["export_hf_interval"] = REAL_STEPS  # its last checkpoint holds hf/
     spec = {"synthetic": synthetic, "real": real, "steps": STEPS, "micro": MICRO, "grad_accum": GRAD_ACCUM,
             "seed": SEED, "seq": SEQ, "results": str(root / "results.json"), "ddp_state": str(root / "ddp.pt"),
             "tests_dir": str(Path(__file__).parent)}
@@ -315,6 +316,21 @@ def test_text_models_on_jsonl_match_a_one_process_reference(name, trained):
     loss_diff = max(abs(a - b) for a, b in zip(losses, reference_losses))
     print(f"{name} max |Δloss| {loss_diff:.2e}, max |Δweight| vs reference {worst:.2e}")
     assert worst < PARITY_TOLERANCE
+
+
+@pytest.mark.multiproc
+def test_export_hf_interval_puts_the_model_in_its_checkpoint(trained):
+    """training.export_hf_interval: the checkpoint of the last step holds hf/, the model as transformers loads it
+    (the final export's weights) with the source's tokenizer files."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, root, _ = trained
+    hf = root / "causal-text" / "checkpoints" / f"step_{REAL_STEPS:06d}" / "hf"
+    state = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
+    final = exported_state(root / "causal-text")
+    assert sorted(state) == sorted(final) and all(torch.equal(state[k], final[k]) for k in state)
+    AutoTokenizer.from_pretrained(hf)
+    assert not (root / "mlm-text" / "checkpoints" / f"step_{REAL_STEPS:06d}" / "hf").exists()  # no interval, no hf/
 
 
 @pytest.mark.multiproc

@@ -1,51 +1,60 @@
-"""Training checkpoints: DeepSpeed's engine checkpoint (model, optimizer, scheduler) plus dsmt's own record of
-what makes a resumed run identical (step, per-rank RNG), and a completion marker written last.
+"""Training checkpoints: each rank's share of the training state, dsmt's record of what makes a resumed run
+identical (step, counters, LR schedule, per-rank RNG), a manifest of digests and a completion marker written last.
 
-    <output_dir>/checkpoints/step_000010/        DeepSpeed's files for tag step_000010
+    <output_dir>/checkpoints/step_000010/state/rank_{r:05d}.safetensors   rank r's ZeRO share of the fp32 master
+                                                 weights and Adam moments (toolkit/train/checkpoint/sharded.py)
+    <output_dir>/checkpoints/step_000010/state/index.json, dsmt_layout.json   where each share lies; the record
     <output_dir>/checkpoints/step_000010/dsmt_rng_rank{r}.pt
-    <output_dir>/checkpoints/step_000010/layout-free/, dsmt_layout.json   the same state for any other layout
+    <output_dir>/checkpoints/step_000010/hf/     at training.export_hf_interval: the model as transformers loads it
     <output_dir>/checkpoints/step_000010/dsmt_manifest.json   every file's size and xxh3-128 digest
     <output_dir>/checkpoints/step_000010/dsmt_complete.json   written by rank 0 after every rank has saved
     <output_dir>/checkpoints/latest_complete     the newest complete tag (replaced atomically): a hint only
 
+Every rank writes its own share and nothing is gathered: the bytes of a save are spread over all ranks, and each
+rank's files are hashed as they are written (toolkit/train/checkpoint/state_file.py). With `training.async_save`
+the saving step only copies the share to host memory and a thread writes it (toolkit/train/checkpoint/writer.py).
+A plain HF model (no megatron-core adapter) is saved as DeepSpeed's engine checkpoint instead, synchronously.
+
 A save writes into `.partial-step_000010/` and rank 0 renames it to `step_000010/` once the manifest and the marker
-are in (toolkit/train/checkpoint/manifest.py); a resume checks the marker, the manifest and the files as `dsmt
-checkpoint verify` does and falls back to the next older checkpoint when one is damaged
-(toolkit/train/checkpoint/integrity.py). It takes the newest tag that passes, whatever `latest_complete` names (a
-pointer naming another tag is said, not followed). DeepSpeed's files are unpickled with torch's weights-only loader
+are in (toolkit/train/checkpoint/manifest.py); a resume checks the marker, the manifest and the files each rank
+will read (each file hashed once, by one of its readers) and falls back to the next older checkpoint when one is
+damaged (toolkit/train/checkpoint/integrity.py); `dsmt checkpoint verify` checks every file. A resume takes the
+newest tag that passes, whatever `latest_complete` names (a pointer naming another tag is said, not followed).
+Pickles (the RNG files, an older checkpoint's DeepSpeed files) are read with torch's weights-only loader
 (toolkit/train/checkpoint/pickles.py): a checkpoint cannot run code.
 
-A run resumes through DeepSpeed when its layout (TP, PP, VPP, CP, DP, ZeRO stage) is the one in the completion
-marker, and from the layout-free copy when it differs (toolkit/train/checkpoint/reshard.py); either way nothing in the
-checkpoint is modified.
+A run resumes from the sharded state at any layout (TP, PP, VPP, CP, DP, EP, ZeRO stage; each rank reads the
+blocks its fragments need, at the same layout exactly its own file) and keeps its RNG streams at the same layout.
+A checkpoint of an older dsmt (DeepSpeed's files and a layout-free/ copy) resumes as it did: through DeepSpeed at
+the layout that wrote it, else from its layout-free copy (toolkit/train/checkpoint/reshard.py). Nothing in a
+checkpoint is ever modified by a resume.
 
 A run killed while saving leaves a `.partial-*` folder (or, from older dsmt, a tag without `dsmt_complete.json`);
 resume never takes it, and it is removed before the next save and at resume. With `training.keep_checkpoints: K`,
-rank 0 deletes the oldest complete tags beyond the newest K after each save.
+rank 0 renames the oldest complete tags beyond the newest K out of the way after each save and deletes them in a
+thread (no rank waits in a collective for a deletion of terabytes).
 
-The per-rank RNG file holds every generator a step can draw from: torch's CPU generator, the CUDA generator of
-this rank's device (when CUDA is available), megatron's RNG tracker states (the tensor-parallel / expert streams
-dropout forks into; on the CPU backend dsmt seeds megatron's inference-flavour tracker, which holds no states and
-makes `fork()` a no-op, so there is nothing to save and that is recorded as such), and Python's `random` and
-numpy's global generator (dsmt draws from neither; libraries might)."""
+The per-rank RNG file: toolkit/train/checkpoint/rng.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
-import random
-import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from toolkit.launch.rank0 import on_rank0
-from toolkit.train.checkpoint.folders import (COMPLETE_MARKER, PARTIAL, checkpoint_io_error, publish, remove_leftovers,
-                                              set_aside_damaged, tag_order, tag_step, write_small)
+from toolkit.train.checkpoint.folders import (COMPLETE_MARKER, PARTIAL, PRUNING, checkpoint_io_error, publish,
+                                              remove_in_background, remove_leftovers, set_aside_damaged, tag_order,
+                                              tag_step, wait_for_removals, write_small)
+from toolkit.train.checkpoint import manifest
 from toolkit.train.checkpoint.manifest import LATEST, marker_text, pointer_note, read_marker
 from toolkit.train.checkpoint.pickles import deepspeed_loads_weights_only, refuse_unsafe
+from toolkit.train.checkpoint.rng import restore_rng_states, rng_states
 
 
 def tag_for(step: int) -> str:
@@ -53,48 +62,151 @@ def tag_for(step: int) -> str:
 
 
 def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | None = None, layout: dict | None = None,
-         layout_free=None) -> None:
+         layout_free=None, background: bool = False, also_write=None) -> None:
     """Collective. `layout`: `reshard.layout_record` of this run (kept in the marker); `layout_free`: a
-    `reshard.LayoutFreeState` that writes the copy other layouts resume from (None: plain HF models).
+    `reshard.LayoutFreeState` whose sharded state is the checkpoint (None: a plain HF model, saved as DeepSpeed's
+    engine checkpoint). `background`: return once the state is in host memory; the files are written by a thread
+    and the save completes at a later step (toolkit/train/checkpoint/writer.py). `also_write(partial_dir)`:
+    collective, run during the save; what it writes under the folder is part of the checkpoint.
 
     Everything is written into `.partial-<tag>/` first; rank 0 adds the manifest and the completion marker, then
     renames it to `<tag>/`: a kill or a full disk at any point leaves no `<tag>/` a later save or resume trips on,
     and the leftover is removed before the next save (and at resume)."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.api import CheckpointException
 
-    from toolkit.train.checkpoint import space
+    from toolkit.train.checkpoint import space, writer
 
-    checkpoint_dir, tag, rank = Path(checkpoint_dir), tag_for(step), dist.get_rank()
-    partial = checkpoint_dir / f"{PARTIAL}{tag}"
+    writer.wait()  # at most one save in flight: the previous one completes (or raises) first
+    checkpoint_dir, tag = Path(checkpoint_dir), tag_for(step)
+    partial, started = checkpoint_dir / f"{PARTIAL}{tag}", time.perf_counter()
     refusal = on_rank0(lambda: _prepare_save(checkpoint_dir, tag=tag), what=f"preparing to save {tag}",
                        os_error=checkpoint_io_error)
     if refusal:  # every rank takes the same branch
         raise space.DiskFull(refusal)
-    started = time.perf_counter()
+    record = {"step": step, "world_size": dist.get_world_size(), "layout": layout, "manifest": True}
+    if layout_free is None:
+        _save_engine(engine, partial=partial, step=step, record=record, keep_checkpoints=keep_checkpoints,
+                     also_write=also_write, started=started)
+        return
+    share, state_record = layout_free.take(copy=background)
+    _refuse_unless_it_fits(partial, share_bytes=sum(t.numel() * t.element_size() for t in share.tensors.values()))
+    rng = rng_states()
+    if also_write is not None:
+        also_write(partial)
+    finish = functools.partial(_finish_sharded, partial=partial, tag=tag, record={**record, "state": "sharded"},
+                               state_record=state_record, keep_checkpoints=keep_checkpoints, started=started)
+    pending = writer.PendingSave(partial=partial, tag=tag, finish=finish, started=started,
+                                 needed=_newest_bytes(checkpoint_dir),
+                                 shared={"file": share.file, "boxes": share.boxes, "shapes": share.shapes,
+                                         "host_bytes": share.host_bytes})
+    writer.start(pending, functools.partial(_write_rank_files, partial, share=share, rng=rng), background=background)
+
+
+def wait_for_save() -> None:
+    """Collective: a save still in flight completed (or its error raised on every rank)."""
+    from toolkit.train.checkpoint import writer
+
+    writer.wait()
+
+
+def finish_save_if_written() -> None:
+    """Collective, after each training step: a background save completed once every rank has written its files."""
+    from toolkit.train.checkpoint import writer
+
+    writer.finish_if_written()
+
+
+def _refuse_unless_it_fits(partial: Path, *, share_bytes: int) -> None:
+    """The named `disk_full` on every rank, before a byte of the state is written, when the filesystem has not
+    room for every rank's share (known here, unlike the size of a first save of DeepSpeed's files). Collective."""
+    import torch.distributed as dist
+
+    from toolkit.train.checkpoint import space
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, share_bytes)
+    refusal = on_rank0(lambda: space.copy_refusal(directory=partial, needed=sum(every)),
+                       what=f"checking the free space for {partial}", os_error=checkpoint_io_error)
+    if refusal:
+        raise space.DiskFull(refusal)
+
+
+def _write_rank_files(partial: Path, *, share, rng: dict) -> dict:
+    """This rank's files of the save, hashed as they are written (no collective: the writer thread runs it);
+    rank 0 also hashes what `also_write` put in the folder. Returns {relpath: manifest entry}."""
+    import torch.distributed as dist
+
+    from toolkit.train.checkpoint import manifest
+    from toolkit.train.checkpoint.sharded import write_share
+    from toolkit.train.checkpoint.state_file import save_hashed
+
+    rank = dist.get_rank()
+    entries = write_share(partial, share)
+    entries[f"dsmt_rng_rank{rank}.pt"] = save_hashed(rng, partial / f"dsmt_rng_rank{rank}.pt")
+    if rank == 0 and (partial / "hf").is_dir():  # the HF export: read back once, by rank 0
+        entries.update(manifest.entries_for(partial, [name for name in manifest.list_files(partial)
+                                                      if name.startswith("hf/")]))
+    return entries
+
+
+def _finish_sharded(outcomes: list[dict], *, partial: Path, tag: str, record: dict, state_record: dict,
+                    keep_checkpoints: int | None, started: float) -> None:
+    """Collective, once every rank's files are written: rank 0 writes the index, the record, the manifest and the
+    marker, and publishes the tag."""
+    import torch.distributed as dist
+
+    from toolkit.train.checkpoint.reshard import RECORD
+    from toolkit.train.checkpoint.sharded import INDEX, index_record
+    from toolkit.train.checkpoint.state_file import HashedFile
+
+    def complete() -> int:
+        entries = {name: entry for outcome in outcomes for name, entry in outcome["entries"].items()}
+        index = index_record([(o["shared"]["file"], o["shared"]["boxes"], o["shared"]["shapes"]) for o in outcomes])
+        for name, content in ((INDEX, index), (RECORD, state_record)):
+            with HashedFile(partial / name) as out:
+                out.write(json.dumps(content, indent=None).encode())
+            entries[name] = out.entry()
+        manifest.write_manifest(partial, entries)
+        _finish_save(partial, tag=tag, record=record, keep_checkpoints=keep_checkpoints)
+        return sum(entry["size"] for entry in entries.values())
+
+    total = on_rank0(complete, what=f"completing {tag}", os_error=checkpoint_io_error)
+    if dist.get_rank() == 0:
+        host = max(o["shared"]["host_bytes"] for o in outcomes)
+        print(f"dsmt: checkpoint {tag}: {total / 1e6:,.1f} MB from {len(outcomes)} ranks in "
+              f"{time.perf_counter() - started:.2f} s, training blocked {max(o['blocked_s'] for o in outcomes):.2f} "
+              f"s, {host / 1e6:,.1f} MB copied to host memory per rank at most", flush=True)
+
+
+def _save_engine(engine, *, partial: Path, step: int, record: dict, keep_checkpoints: int | None, also_write,
+                 started: float) -> None:
+    """A plain HF model's checkpoint: DeepSpeed's engine checkpoint and the RNG states, synchronously."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from toolkit.train.checkpoint import space
+
+    checkpoint_dir, tag = partial.parent, partial.name.removeprefix(PARTIAL)
     try:
         engine.save_checkpoint(str(checkpoint_dir), tag=partial.name, client_state={"dsmt_step": step},
                                save_latest=False)
-        torch.save(rng_states(), partial / f"dsmt_rng_rank{rank}.pt")
-        if layout_free is not None:
-            layout_free.save(partial)
+        torch.save(rng_states(), partial / f"dsmt_rng_rank{dist.get_rank()}.pt")
+        if also_write is not None:
+            also_write(partial)
         dist.barrier()
-        written = time.perf_counter()
         total_bytes = write_manifest(partial)
-        hashed = time.perf_counter()
-    except (Exception, CheckpointException) as err:  # the layout-free copy's writer raises a BaseException
+    except (Exception, CheckpointException) as err:
         # The partial folder stays (the other ranks may still write into it): the next start removes it.
         full = space.as_disk_full(err, directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir),
                                   partial=partial)
         if full is None:
             raise
         raise full from err
-    record = {"step": step, "world_size": dist.get_world_size(), "layout": layout, "manifest": True}
     on_rank0(lambda: _finish_save(partial, tag=tag, record=record, keep_checkpoints=keep_checkpoints),
              what=f"completing {tag}", os_error=checkpoint_io_error)
-    if rank == 0:
-        print(f"dsmt: checkpoint {tag}: {total_bytes / 1e6:,.1f} MB in {time.perf_counter() - started:.2f} s "
-              f"(the manifest {hashed - written:.2f} s of it)", flush=True)
+    if dist.get_rank() == 0:
+        print(f"dsmt: checkpoint {tag}: {total_bytes / 1e6:,.1f} MB in {time.perf_counter() - started:.2f} s",
+              flush=True)
 
 
 def _prepare_save(checkpoint_dir: Path, *, tag: str) -> str | None:
@@ -103,7 +215,13 @@ def _prepare_save(checkpoint_dir: Path, *, tag: str) -> str | None:
 
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     _clear_leftovers(checkpoint_dir)
-    return space.refusal(directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
+    refusal = space.refusal(directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
+    if refusal is not None:  # the space pruned checkpoints free once their deletion ends: waited for only here
+        wait_for_removals()
+        refusal = space.refusal(directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
+    if refusal is None:
+        (checkpoint_dir / f"{PARTIAL}{tag}").mkdir()
+    return refusal
 
 
 def _finish_save(partial: Path, *, tag: str, record: dict, keep_checkpoints: int | None) -> None:
@@ -175,49 +293,12 @@ def prune(checkpoint_dir: Path, *, keep: int) -> list[str]:
     doomed = [t for t in tags[:-keep] if t not in protected]
     for tag in doomed:
         (checkpoint_dir / tag / COMPLETE_MARKER).unlink()  # first: a crash mid-delete leaves an incomplete tag
-        # ignore_errors: a reader on another NFS client leaves .nfs* files behind; the folder, now incomplete, is
-        # removed with the leftovers before the next save
-        shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)
+        aside = checkpoint_dir / f"{PRUNING}{tag}"
+        os.replace(checkpoint_dir / tag, aside)
+        # in a thread (rank 0's collectives must not wait on it); a reader on another NFS client leaves .nfs* files
+        # behind, which the leftovers' removal before a later save takes
+        remove_in_background(aside)
     return doomed
-
-
-def rng_states() -> dict:
-    """Every RNG state of this process a training step may draw from (see the module docstring)."""
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    numpy_state = np.random.get_state(legacy=False)
-    states = {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "megatron_tracker": None,
-        "python": random.getstate(),
-        # As tensors and ints: torch.load(weights_only=True) refuses numpy arrays.
-        "numpy": {"state": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-                  "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]),
-                  "gauss": float(numpy_state["gauss"])},
-    }
-    if megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED:  # not touched (or created) when nothing seeded it
-        tracker = megatron_random.get_cuda_rng_tracker()
-        states["megatron_tracker"] = {name: state.clone() for name, state in tracker.get_states().items()}
-    return states
-
-
-def restore_rng_states(states: dict) -> None:
-    """Set every generator `rng_states` saved; the tracker only when states were saved (the CPU backend's
-    inference-flavour tracker has none, and `set_states({})` would wipe a real tracker's streams)."""
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    torch.set_rng_state(states["torch"])
-    if states.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
-    if states.get("megatron_tracker"):
-        megatron_random.get_cuda_rng_tracker().set_states(dict(states["megatron_tracker"]))
-    if states.get("python") is not None:
-        random.setstate(states["python"])
-    if states.get("numpy") is not None:
-        saved = states["numpy"]
-        np.random.set_state(("MT19937", saved["state"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
-                             saved["gauss"]))
 
 
 def latest_complete(checkpoint_dir: Path) -> str | None:
@@ -243,16 +324,18 @@ def resume(*, engine, checkpoint_dir: Path, layout: dict | None = None, layout_f
     tag for all and they share the verdict)."""
     import torch.distributed as dist
 
-    tag = intact_tag(checkpoint_dir, fallback=fallback, owner=owner)
+    reads = layout_free.files_to_read if layout_free is not None else None
+    tag = intact_tag(checkpoint_dir, fallback=fallback, owner=owner, reads=reads)
     if tag is None:
         return Resumed(step=0)
     tag_dir = Path(checkpoint_dir) / tag
     marker = read_marker(tag_dir)
     saved_layout = marker.get("layout")
     same = saved_layout == layout if saved_layout is not None else marker["world_size"] == dist.get_world_size()
-    # DeepSpeed's module file keeps one EP rank's experts (toolkit/train/engine/moe.py): EP runs resume layout-free.
+    # Older dsmt: DeepSpeed's module file keeps one EP rank's experts (toolkit/train/engine/moe.py), so EP runs
+    # resumed layout-free; a sharded checkpoint (no DeepSpeed files) always does.
     experts_split = (saved_layout or {}).get("ep", 1) > 1
-    if not same or experts_split:
+    if marker.get("state") == "sharded" or not same or experts_split:
         step, resharded = _load_layout_free(tag_dir, marker=marker, layout=layout, layout_free=layout_free, same=same)
         if resharded:
             return Resumed(step=step, resharded=resharded)
@@ -287,10 +370,12 @@ def _load_layout_free(tag_dir: Path, *, marker: dict, layout: dict | None, layou
     return int(marker["step"]), resharded
 
 
-def intact_tag(checkpoint_dir: Path, *, fallback: bool = True, owner: bool = False) -> str | None:
+def intact_tag(checkpoint_dir: Path, *, fallback: bool = True, owner: bool = False, reads=None) -> str | None:
     """The newest complete tag that passes the checks `dsmt checkpoint verify` runs (`integrity.verdict_collectively`:
     marker, manifest, files); None when there is no complete tag. Rank 0 lists the candidates for every rank (on NFS
-    two nodes' directory caches may differ); the ranks share the hashing and the verdict. Collective."""
+    two nodes' directory caches may differ); the ranks share the hashing and the verdict. `reads(tag_dir)`: the
+    files this rank will read ({relpath: bytes}, collective; None: every file), so that only what is read is
+    checked, each file once, by one of its readers. Collective."""
     import torch.distributed as dist
 
     from toolkit.train.checkpoint import integrity
@@ -302,7 +387,7 @@ def intact_tag(checkpoint_dir: Path, *, fallback: bool = True, owner: bool = Fal
     taken = None
     for index, tag in enumerate(candidates):
         started = time.perf_counter()
-        status, problems = integrity.verdict_collectively(checkpoint_dir / tag)
+        status, problems = integrity.verdict_collectively(checkpoint_dir / tag, reads=reads)
         if status in USABLE:
             _say_verified(checkpoint_dir / tag, seconds=time.perf_counter() - started)
             # Not a fallback: a crafted file is no accident of the disk, and a person should look at it.

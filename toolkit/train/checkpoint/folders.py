@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 from toolkit.errors import DsmtError
@@ -16,6 +17,8 @@ from toolkit.errors import DsmtError
 COMPLETE_MARKER = "dsmt_complete.json"
 PARTIAL = ".partial-"  # a save in progress, renamed to its tag when complete
 DAMAGED = ".damaged-"  # a checkpoint whose files did not match its manifest, set aside by a resume
+PRUNING = ".pruning-"  # an old checkpoint being deleted (keep_checkpoints) by a thread of rank 0
+_REMOVING: dict[Path, threading.Thread] = {}  # what this process's threads are deleting now
 TAG = re.compile(r"step_(\d+)")  # a checkpoint tag: step_000010 as dsmt saves it, step_10 as a person may name one
 
 
@@ -62,12 +65,33 @@ def write_small(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def remove_in_background(path: Path) -> None:
+    """Delete `path` (renamed out of the way already) in a thread: deleting an old checkpoint of a large model
+    (1-2 TB of files) takes minutes, which no rank should spend while the others wait in a collective. A run
+    ended in the middle leaves it for `remove_leftovers`."""
+    def remove() -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        _REMOVING.pop(path, None)
+
+    _REMOVING[path] = threading.Thread(target=remove, name=f"dsmt-remove-{path.name}", daemon=True)
+    _REMOVING[path].start()
+
+
+def wait_for_removals() -> None:
+    """Every deletion `remove_in_background` started, finished."""
+    for thread in list(_REMOVING.values()):
+        thread.join()
+
+
 def remove_leftovers(checkpoint_dir: Path) -> list[str]:
     """Remove what interrupted saves left (`.partial-*` folders, and `step_*` folders without a completion marker
     from before saves were renamed into place); one line per folder. Only the run that holds the directory's lock
     calls this (toolkit/launch/run_lock.py), so nothing here is a save in progress. A folder that will not go (files
     held open on NFS) is renamed aside, so that the next save of its step starts from an empty folder."""
     lines = []
+    for path in sorted(Path(checkpoint_dir).glob(f"{PRUNING}*")):  # a deletion a stopped run left unfinished
+        if path not in _REMOVING:
+            shutil.rmtree(path, ignore_errors=True)
     tags = sorted(Path(checkpoint_dir).glob("step_*"), key=lambda path: tag_order(path.name))
     for path in sorted(Path(checkpoint_dir).glob(f"{PARTIAL}*")) + tags:
         if not path.is_dir() or (path.name.startswith("step_") and (path / COMPLETE_MARKER).exists()):

@@ -16,10 +16,13 @@ class CheckpointDamaged(DsmtError):
     """A checkpoint whose marker, manifest or files are damaged (rule `checkpoint_damaged`)."""
 
 
-def verdict_collectively(tag_dir: Path) -> tuple[str, list[str]]:
-    """(`manifest.judge`'s verdict on `tag_dir`, every problem one line each): the same checks and the same verdict
-    as `dsmt checkpoint verify`, with the hashing shared by the ranks. Rank 0 reads the marker and the manifest
-    for all (NFS directory caches may differ between nodes); the same answer on every rank. Collective."""
+def verdict_collectively(tag_dir: Path, *, reads=None) -> tuple[str, list[str]]:
+    """(`manifest.judge`'s verdict on `tag_dir`, every problem one line each): the checks of `dsmt checkpoint
+    verify`, with the hashing shared by the ranks. Rank 0 reads the marker and the manifest for all (NFS directory
+    caches may differ between nodes); the same answer on every rank. `reads(tag_dir)` (collective): {relpath:
+    bytes} this rank will read, or None; when every rank answers, only the files some rank reads are hashed, each
+    by one of its readers (the least loaded), so no byte is read twice and no rank reads what another node alone
+    needs; else every file, shared by size. Collective."""
     import torch.distributed as dist
 
     from toolkit.train.checkpoint import manifest
@@ -36,13 +39,45 @@ def verdict_collectively(tag_dir: Path) -> tuple[str, list[str]]:
     entries, extra = shared[0]
     if entries is None:  # no manifest: written before dsmt wrote them (no lines), or damage (lines)
         return manifest.judge(entries=None, problems=extra), extra
-    names = sorted(entries)
-    mine = manifest.share(names, [entries[n]["size"] for n in names], rank=rank, world_size=world)
+    mine = _files_to_check(tag_dir, entries=entries, reads=reads, rank=rank, world=world)
     found = [p.line() for p in manifest.check_entries(tag_dir, {n: entries[n] for n in mine})]
     parts: list = [None] * world
     dist.all_gather_object(parts, found)
     problems = sorted(line for part in parts for line in part) + extra
     return manifest.judge(entries=entries, problems=problems), problems
+
+
+def _files_to_check(tag_dir: Path, *, entries: dict, reads, rank: int, world: int) -> list[str]:
+    """This rank's files to hash: of those it reads when `reads` says (see `verdict_collectively`), else its
+    `manifest.share` of all. Collective."""
+    import torch.distributed as dist
+
+    from toolkit.train.checkpoint import manifest
+
+    wanted = reads(tag_dir) if reads is not None else None
+    every: list = [None] * world
+    dist.all_gather_object(every, wanted)
+    if any(part is None for part in every):
+        names = sorted(entries)
+        return manifest.share(names, [entries[n]["size"] for n in names], rank=rank, world_size=world)
+    return readers_share(every, entries=entries, rank=rank)
+
+
+def readers_share(reads_by_rank: list[dict], *, entries: dict, rank: int) -> list[str]:
+    """The files `rank` hashes: each file some rank reads goes to the reader with the fewest bytes so far,
+    largest files first (ties: the lower rank): the same on every rank, each file once. Files no rank reads are
+    not hashed; a name outside the manifest is not this check's (the manifest's own check names missing files)."""
+    loads = [0] * len(reads_by_rank)
+    mine = []
+    names = sorted({name for part in reads_by_rank for name in part if name in entries},
+                   key=lambda name: (-entries[name]["size"], name))
+    for name in names:
+        readers = [r for r, part in enumerate(reads_by_rank) if name in part]
+        chosen = min(readers, key=lambda r: (loads[r], r))
+        loads[chosen] += entries[name]["size"]
+        if chosen == rank:
+            mine.append(name)
+    return sorted(mine)
 
 
 def refuse_or_fall_back(*, tag: str, problems: list[str], older: str | None, fallback: bool,

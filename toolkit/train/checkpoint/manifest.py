@@ -159,11 +159,12 @@ def check_entries(tag_dir: Path, entries: dict) -> list[Problem]:
 def unlisted(tag_dir: Path, entries: dict) -> list[Problem]:
     """Files on disk the manifest does not list, where a resume would read them: DeepSpeed globs `*.pt` (a stray
     `*_optim_states.pt` changes what it loads) and dist_checkpointing reads its whole folder. Other files (a
-    user's `zero_to_fp32` output beside them) are no damage."""
+    user's `zero_to_fp32` output beside them) are no damage. A resume reads the sharded state's files through its
+    index, but a stray one in state/ is named all the same: nothing a save did not write belongs there."""
     tag_dir = Path(tag_dir)
     return [Problem(file=name, kind="unlisted", expected=None, found=(tag_dir / name).stat().st_size)
             for name in list_files(tag_dir)
-            if name not in entries and (name.endswith((".pt", ".distcp")) or name.startswith("layout-free/"))]
+            if name not in entries and (name.endswith((".pt", ".distcp")) or name.startswith(("layout-free/", "state/")))]
 
 
 def _record_digest(record: dict) -> str:

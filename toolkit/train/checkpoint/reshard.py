@@ -1,21 +1,21 @@
-"""Resume at another layout: a layout-free copy of the training state, written beside every engine checkpoint.
+"""Resume at another layout: the record of a checkpoint's layout-free state, its checks, and its load.
 
-DeepSpeed's engine checkpoint (toolkit/train/checkpoint/checkpoints.py) is tied to the layout that wrote it: one model file
-per TP x PP rank, one optimizer partition per DP rank. A run that comes back on another number of GPUs, or with
-another TP / PP / VPP / DP / ZeRO stage, resumes from this copy instead:
+A checkpoint's optimizer state is saved fully sharded and layout-free (toolkit/train/checkpoint/sharded.py):
+every rank's ZeRO fragments of the fp32 master weights and Adam moments, as blocks of megatron-core's layout-free
+tensors. Beside it:
 
-    <tag>/layout-free/      megatron-core dist_checkpointing (torch_dist): for every trainable parameter its fp32
-                            master weight and Adam's exp_avg / exp_avg_sq, under megatron's layout-free keys
-                            (`master.decoder.layers.self_attention.linear_qkv.weight`, ...)
     <tag>/dsmt_layout.json  the layout that wrote it, every parameter's global shape, Adam's step count and the
-                            optimizer's hyper-parameters (lr, betas, ...), the LR scheduler's state
+                            optimizer's hyper-parameters (lr, betas, ...), the LR scheduler's state, DeepSpeed's step
+                            counters and fp16's loss scale
 
-Why dist_checkpointing rather than DeepSpeed's universal checkpoint: megatron-core's `sharded_state_dict()` says
-where each TP / PP shard of each parameter sits in the global tensor (fused QKV, interleaved SwiGLU, the layer
-offsets of pipeline and virtual stages) and dist_checkpointing reshards on load; dsmt's megatron checkpoints use
-the same machinery. DeepSpeed's universal checkpoint describes TP slicing with Megatron-DeepSpeed's parameter-name
-patterns, which do not know megatron-core's fused layouts. The optimizer state goes in and out through DeepSpeed's
-own accessors (`safe_get_full_*` / `safe_set_full_*`: ZeRO 1-3 and the bf16 optimizer).
+so that a run at any TP / PP / VPP / DP / EP / ZeRO stage (or the same one) resumes from it. Why megatron-core's
+`sharded_state_dict()` describes the layout rather than DeepSpeed's universal checkpoint: it says where each TP /
+PP shard of each parameter sits in the global tensor (fused QKV, interleaved SwiGLU, the layer offsets of pipeline
+and virtual stages); DeepSpeed's universal checkpoint describes TP slicing with Megatron-DeepSpeed's
+parameter-name patterns, which do not know megatron-core's fused layouts.
+
+Checkpoints of an older dsmt held the same state as megatron-core dist_checkpointing files (`<tag>/layout-free/`,
+every parameter's full fp32 values written by DP rank 0); they still load (`load_legacy`).
 
 Frozen parameters (the base weights under LoRA) have no optimizer state: a resumed run reads them from the model
 it starts from, as the first run did. The data position is the step (batches are a function of the step and the
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import DsmtError
+from toolkit.train.checkpoint.sharded import base_optimizer
 
 LAYOUT_FREE = "layout-free"
 RECORD = "dsmt_layout.json"
@@ -50,36 +51,22 @@ def describe(record: dict) -> str:
 
 
 class LayoutFreeState:
-    """Save and load one rank's share of the layout-free state of a megatron-core + DeepSpeed run (every rank
-    calls both: they are collective over the data-parallel group and over the whole job)."""
+    """One rank's share of the layout-free state of a megatron-core + DeepSpeed run: taken for a save
+    (toolkit/train/checkpoint/sharded.py), checked and loaded at resume. Collective where said."""
 
     def __init__(self, *, engine, chunks: list, layout: dict, global_batch_size: int):
         self.engine, self.chunks, self.layout, self.global_batch_size = engine, chunks, layout, global_batch_size
+        self._reads: dict = {}  # tag dir -> this rank's `sharded.plan_reads` (planned to verify, kept to load)
 
-    def save(self, tag_dir: Path) -> None:
-        """Write <tag>/layout-free and <tag>/dsmt_layout.json (after DeepSpeed has written <tag>)."""
+    def take(self, *, copy: bool):
+        """(this rank's `sharded.Share`, the record every rank has). Collective (the shapes are gathered)."""
         import torch.distributed as dist
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-        from toolkit.convert.threaded_save import threaded_save_strategy
+        from toolkit.train.checkpoint.sharded import take_share
 
         shards = trainable_shards(self.chunks)
         link_optimizer_fragments(self.engine)
-        sharded = {}
-        for key, (param, item, _) in shards.items():  # the same keys in the same order on every rank of a DP group
-            for name in ("master", *MOMENTS):
-                value = full_value(self.engine, param, state_key=None if name == "master" else name)  # collective
-                sharded[f"{name}/{key}"] = make_sharded_optimizer_tensor(item, held_for_save(value, item), name)
-        record = self._record(shards)
-        refuse_unless_it_fits(tag_dir, sharded=sharded)
-        if dist.get_rank() == 0:
-            (tag_dir / LAYOUT_FREE).mkdir(exist_ok=True)  # a fresh .partial- folder: nothing of another save
-        dist.barrier()
-        # threads, not megatron's forked writers and spawned Manager (toolkit/convert/threaded_save.py)
-        dist_checkpointing.save(sharded, str(tag_dir / LAYOUT_FREE), sharded_strategy=threaded_save_strategy())
-        if dist.get_rank() == 0:
-            (tag_dir / RECORD).write_text(json.dumps(record, indent=1))
+        return take_share(self.engine, shards, rank=dist.get_rank(), copy=copy), self._record(shards)
 
     def _record(self, shards: dict) -> dict:
         base = base_optimizer(self.engine)
@@ -89,14 +76,18 @@ class LayoutFreeState:
         return {"layout": self.layout, "global_batch_size": self.global_batch_size,
                 "parameters": global_shapes(shards), "optimizer_step": optimizer_step(base),
                 "optimizer_hyperparameters": hyper, "global_steps": self.engine.global_steps,
-                "global_samples": self.engine.global_samples,
+                "global_samples": self.engine.global_samples, "skipped_steps": int(self.engine.skipped_steps),
+                "loss_scaler": loss_scaler_state(self.engine.optimizer),
                 "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
 
     def check(self, tag_dir: Path, *, shards: dict | None = None) -> dict:
         """The saved record, after checking that this run can take it (the same on every rank: all raise or none).
         `shards`: `trainable_shards(self.chunks)` when the caller has them already."""
-        if not (tag_dir / RECORD).is_file() or not (tag_dir / LAYOUT_FREE / "metadata.json").is_file():
-            raise DsmtError(f"checkpoint {tag_dir.name} has no layout-free state ({RECORD}, {LAYOUT_FREE}/): it was "
+        from toolkit.train.checkpoint.sharded import INDEX
+
+        state = (tag_dir / INDEX).is_file() or (tag_dir / LAYOUT_FREE / "metadata.json").is_file()
+        if not (tag_dir / RECORD).is_file() or not state:
+            raise DsmtError(f"checkpoint {tag_dir.name} has no layout-free state ({RECORD}, {INDEX}): it was "
                             "written before dsmt saved one, so it resumes only at the layout that wrote it")
         record = json.loads((tag_dir / RECORD).read_text())
         shards = trainable_shards(self.chunks) if shards is None else shards
@@ -112,76 +103,124 @@ class LayoutFreeState:
                             "model (final-hf / final-mcore)")
         return record
 
-    def load(self, tag_dir: Path) -> dict:
-        """Set master weights, model weights, Adam moments and step, hyper-parameters and the LR schedule from
-        <tag>; returns the record. Reads only: the checkpoint is never modified."""
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+    def files_to_read(self, tag_dir: Path) -> dict[str, int] | None:
+        """{relative path: bytes} of what this rank reads to resume from `tag_dir` (its index, its record and the
+        blocks its fragments need), None for a checkpoint of the older format or an index that cannot be read
+        (then every file is checked). Collective: rank 0 reads the index for all."""
+        import torch.distributed as dist
 
-        from toolkit.adapters.load import full_shape
+        from toolkit.train.checkpoint.sharded import INDEX, files_read, plan_reads
+
+        shared = [None]
+        if dist.get_rank() == 0 and (tag_dir / INDEX).is_file():
+            try:
+                shared = [json.loads((tag_dir / INDEX).read_text())]
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                shared = [None]  # damaged: the check of every file names it
+        dist.broadcast_object_list(shared, src=0)
+        if shared[0] is None:
+            return None
+        try:
+            reads = plan_reads(trainable_shards(self.chunks), shared[0])
+        except (DsmtError, KeyError, TypeError, ValueError):
+            return None  # then every rank checks every file (integrity.verdict_collectively); `load` names it
+        self._reads[tag_dir] = reads
+        counts = files_read(reads)
+        extra = {INDEX: 1, RECORD: 1} if dist.get_rank() == 0 else {}
+        return {**counts, **extra, f"dsmt_rng_rank{dist.get_rank()}.pt": 1}
+
+    def _planned(self, tag_dir: Path, *, shards: dict) -> list:
+        """This rank's reads of `tag_dir` (planned when its files were checked, else now); a plan that fails on
+        any rank raises on every rank (the load's collectives must not wait for a rank that stopped). Collective."""
+        import torch.distributed as dist
+
+        from toolkit.train.checkpoint.sharded import INDEX, plan_reads
+
+        reads, problem = self._reads.pop(tag_dir, None), None
+        if reads is None:
+            try:
+                reads = plan_reads(shards, json.loads((tag_dir / INDEX).read_text()))
+            except (DsmtError, OSError, KeyError, TypeError, ValueError) as err:
+                problem = f"rank {dist.get_rank()}: {err}"
+        problems: list = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise DsmtError(f"checkpoint {tag_dir} cannot be read by this run: {next(p for p in problems if p)}\n"
+                            f"fix: `dsmt checkpoint verify {tag_dir.parent}`; resume from an older checkpoint "
+                            "(move this one aside) or with the spec that wrote it")
+        return reads
+
+    def load(self, tag_dir: Path) -> dict:
+        """Set master weights, model weights, Adam moments and step, hyper-parameters, the loss scale and the LR
+        schedule from <tag>; returns the record. Reads only: the checkpoint is never modified."""
+        from toolkit.train.checkpoint.sharded import INDEX, load_share
 
         shards = trainable_shards(self.chunks)
         record = self.check(tag_dir, shards=shards)
-        template = {f"{name}/{key}": make_sharded_optimizer_tensor(
-                        item, torch.empty(full_shape(param), dtype=torch.float32), name)
-                    for key, (param, item, _) in shards.items() for name in ("master", *MOMENTS)}
-        loaded = dist_checkpointing.load(template, str(tag_dir / LAYOUT_FREE))
         base = base_optimizer(self.engine)
         materialize_optimizer_state(self.engine, base)
-        device = next(iter(shards.values()))[0].device if shards else torch.device("cpu")
-        for key, (param, _, _) in shards.items():
-            set_master(param, loaded[f"master/{key}"].to(device))
-            for name in MOMENTS:
-                set_state(self.engine, param, loaded[f"{name}/{key}"].to(device), state_key=name)
+        if (tag_dir / INDEX).is_file():
+            load_share(self.engine, shards, tag_dir, self._planned(tag_dir, shards=shards))
+        else:
+            load_legacy(self.engine, shards, tag_dir)
         set_optimizer_step(base, record["optimizer_step"])
         for group in base.param_groups:
             group.update(record["optimizer_hyperparameters"])
         if record["lr_scheduler"] is not None and self.engine.lr_scheduler is not None:
             self.engine.lr_scheduler.load_state_dict(record["lr_scheduler"])
         self.engine.global_steps, self.engine.global_samples = record["global_steps"], record["global_samples"]
+        self.engine.skipped_steps = record.get("skipped_steps", self.engine.skipped_steps)
+        set_loss_scaler_state(self.engine.optimizer, record.get("loss_scaler"))
         return record
 
 
-def refuse_unless_it_fits(tag_dir: Path, *, sharded: dict) -> None:
-    """The named `disk_full` on every rank, before a byte of the copy is written, when the filesystem has not room
-    for it: the copy's size is known here, unlike the engine checkpoint's before the first save, and a disk that
-    fills mid-write leaves torch.distributed.checkpoint's writer threads failing one after the other. Collective."""
-    import torch.distributed as dist
-    from megatron.core.dist_checkpointing.mapping import is_main_replica
-
-    from toolkit.launch.rank0 import on_rank0
-    from toolkit.train.checkpoint import space
-    from toolkit.train.checkpoint.folders import checkpoint_io_error
-
-    mine = sum(item.data.numel() * item.data.element_size() for item in sharded.values()
-               if is_main_replica(item.replica_id))  # the other replicas are stand-ins megatron drops
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    refusal = on_rank0(lambda: space.copy_refusal(directory=tag_dir, needed=sum(every)),
-                       what=f"checking the free space for {tag_dir / LAYOUT_FREE}", os_error=checkpoint_io_error)
-    if refusal:
-        raise space.DiskFull(refusal)
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")  # DeepSpeed's dynamic loss scale
 
 
-def held_for_save(value: torch.Tensor, item) -> torch.Tensor:
-    """What this rank keeps of a gathered value until `dist_checkpointing.save`: an fp32 host copy where it writes
-    the item (megatron's main replica: DP rank 0, and TP rank 0 for a TP-replicated norm), else a 4-byte stand-in
-    of the same shape. megatron's torch_dist save drops every other replica before it reads any data
-    (`keep_only_main_replica`), so the other DP replicas need not hold the model's fp32 master weights and both
-    Adam moments in host memory (~24 GB per rank at 8B, TP2 x PP2) at every save."""
-    from megatron.core.dist_checkpointing.mapping import is_main_replica
+def loss_scaler_state(wrapper) -> dict | None:
+    """fp16's dynamic loss scale as it stands (None: no loss scaler, as in bf16 and fp32)."""
+    scaler = getattr(wrapper, "loss_scaler", None)
+    if scaler is None:
+        return None
+    values = {name: getattr(scaler, name) for name in SCALER_FIELDS if hasattr(scaler, name)}
+    return {name: value.item() if torch.is_tensor(value) else value for name, value in values.items()}
 
-    if is_main_replica(item.replica_id):
-        return value.detach().float().cpu()
-    return torch.zeros((), dtype=torch.float32).expand(value.shape)
+
+def set_loss_scaler_state(wrapper, state: dict | None) -> None:
+    scaler = getattr(wrapper, "loss_scaler", None)
+    if scaler is None or not state:
+        return
+    for name, value in state.items():
+        current = getattr(scaler, name, None)
+        setattr(scaler, name, torch.full_like(current, value) if torch.is_tensor(current) else value)
+
+
+def load_legacy(engine, shards: dict, tag_dir: Path) -> None:
+    """The optimizer state of a checkpoint written before dsmt sharded it: megatron's dist_checkpointing copy in
+    <tag>/layout-free/, full fp32 values per parameter (each DP rank reads them whole and keeps its part)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    from toolkit.adapters.load import full_shape
+
+    template = {f"{name}/{key}": make_sharded_optimizer_tensor(
+                    item, torch.empty(full_shape(param), dtype=torch.float32), name)
+                for key, (param, item, _, _) in shards.items() for name in ("master", *MOMENTS)}
+    loaded = dist_checkpointing.load(template, str(tag_dir / LAYOUT_FREE))
+    device = next(iter(shards.values()))[0].device if shards else torch.device("cpu")
+    for key, (param, _, _, _) in shards.items():
+        set_master(param, loaded[f"master/{key}"].to(device))
+        for name in MOMENTS:
+            set_state(engine, param, loaded[f"{name}/{key}"].to(device), state_key=name)
 
 
 def trainable_shards(chunks: list) -> dict:
-    """This rank's name -> (parameter, its ShardedTensor / ShardedTensorFactory, its global shape) for every
-    parameter that trains on this rank. The item's key is layout-free (the layers share one stacked key, each
-    layer a slice of it); the name (`chunk index/local key`) only tells this rank's entries apart. ZeRO-3
-    parameters are matched through full-shape stand-ins (toolkit/adapters/load.py)."""
+    """This rank's name -> (parameter, its ShardedTensor / ShardedTensorFactory, its global shape, its
+    `fragments.Piece`s) for every parameter that trains on this rank. The item's key is layout-free (the layers
+    share one stacked key, each layer a slice of it); the name (`chunk index/local key`) only tells this rank's
+    entries apart. ZeRO-3 parameters are matched through full-shape stand-ins (toolkit/adapters/load.py)."""
     from toolkit.adapters.load import full_shape_standins
+    from toolkit.train.checkpoint.fragments import param_pieces
 
     every = [p for chunk in chunks for p in chunk.parameters()]  # frozen ones too: megatron reads every shape
     params = [p for p in every if p.requires_grad]
@@ -192,7 +231,9 @@ def trainable_shards(chunks: list) -> dict:
             for local_key, item in chunk.sharded_state_dict().items():
                 data = getattr(item, "data", None)
                 if isinstance(data, torch.Tensor) and data.data_ptr() in by_pointer:
-                    found[f"{index}/{local_key}"] = (by_pointer[data.data_ptr()], item, _global_shape(item))
+                    param = by_pointer[data.data_ptr()]
+                    pieces = param_pieces(item, shape=tuple(param.shape), dtype=param.dtype)
+                    found[f"{index}/{local_key}"] = (param, item, _global_shape(item), pieces)
     if len(found) != len(params):
         raise DsmtError(f"{len(params) - len(found)} trainable parameters have no entry in megatron's sharded state "
                         "dict, so they cannot be saved layout-free (a dsmt bug: report it with the model family)")
@@ -203,7 +244,7 @@ def global_shapes(shards: dict) -> dict[str, list[int]]:
     """Every rank's parameters with their global shapes (the layout-free identity of the model); collective."""
     import torch.distributed as dist
 
-    local = {item.key: shape for _, item, shape in shards.values()}
+    local = {item.key: shape for _, item, shape, _ in shards.values()}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     return {key: shape for part in gathered for key, shape in sorted(part.items())}
@@ -233,29 +274,10 @@ def _plain(shape):
     return json.loads(json.dumps(shape))  # tuples and lists compare equal after a JSON round trip
 
 
-def base_optimizer(engine):
-    """The torch optimizer that holds Adam's state (inside DeepSpeed's ZeRO / bf16 wrapper when there is one)."""
-    optimizer = engine.optimizer
-    return getattr(optimizer, "optimizer", optimizer)
-
-
 def held_by_deepspeed(param) -> bool:
     """Whether DeepSpeed keeps `param`'s fp32 master and Adam state apart from it (ZeRO-3: `ds_id`; ZeRO-1/2 and
     the bf16 optimizer: `_hp_mapping`), reached through its `safe_*` accessors."""
     return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
-
-
-def full_value(engine, param, *, state_key: str | None) -> torch.Tensor:
-    """The whole (this TP shard's) fp32 master weight, or Adam state `state_key`, of `param`; collective over the
-    DP group under ZeRO."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    if held_by_deepspeed(param):
-        if state_key is None:
-            return safe_get_full_fp32_param(param)
-        return safe_get_full_optimizer_state(param, state_key)
-    # No wrapper (ZeRO-0 in fp32): the parameter is its own master and torch's state is keyed by it.
-    return param.detach() if state_key is None else base_optimizer(engine).state[param][state_key]
 
 
 def set_master(param, value: torch.Tensor) -> None:

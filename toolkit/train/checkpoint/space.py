@@ -41,15 +41,15 @@ def refusal(*, directory: Path, tag: str, needed: int | None) -> str | None:
 
 
 def copy_refusal(*, directory: Path, needed: int) -> str | None:
-    """Why the layout-free copy of the save in `directory` (a `.partial-<tag>` folder) does not fit (None: it
-    does). Checked at every save, the first too: the copy's size is known before it is written."""
+    """Why the state of the save in `directory` (a `.partial-<tag>` folder) does not fit (None: it does). Checked
+    at every save, the first too: the ranks' shares are sized before a byte is written."""
     free = free_bytes(directory)
     if free >= needed * MARGIN:
         return None
     tag = Path(directory).name.removeprefix(PARTIAL)
-    return (f"[disk_full] the layout-free copy of checkpoint {tag} needs about {_size(needed)} and "
-            f"{Path(directory).parent} has {free / 1e6:,.1f} MB free; nothing of the copy was written, the rest of "
-            f"{tag} is removed at the next start and earlier checkpoints are intact\n{_fix(Path(directory).parent)}")
+    return (f"[disk_full] the state of checkpoint {tag} needs about {_size(needed)} and "
+            f"{Path(directory).parent} has {free / 1e6:,.1f} MB free; nothing of it was written, the folder is "
+            f"removed at the next start and earlier checkpoints are intact\n{_fix(Path(directory).parent)}")
 
 
 def as_disk_full(err: BaseException, *, directory: Path, tag: str, needed: int | None,

@@ -44,9 +44,11 @@ class Trainer(Protocol):
         """Forward only, dropout off: the loss summed over every rank's micro-batches and the units it counts."""
 
     def save(self, checkpoint_dir: Path, *, step: int, keep_checkpoints: int | None = None,
-             layout: CheckpointLayout | None = None) -> Path:
+             layout: CheckpointLayout | None = None, background: bool = False, also_write=None) -> Path:
         """The checkpoint of `step` under `checkpoint_dir` (toolkit/train/checkpoint/checkpoints.py), with the
-        layout-free copy when the trainer has one and `layout` is given; returns the tag's directory."""
+        layout-free state when the trainer has one and `layout` is given; returns the tag's directory (complete
+        on return unless `background`: then once `checkpoints.wait_for_save` returns). `also_write`: see
+        `checkpoints.save`."""
 
     def load(self, checkpoint_dir: Path, *, layout: CheckpointLayout | None = None, fallback: bool = True,
              owner: bool = False) -> Resumed:
@@ -63,11 +65,12 @@ class EngineCheckpoints:
         return None
 
     def save(self, checkpoint_dir: Path, *, step: int, keep_checkpoints: int | None = None,
-             layout: CheckpointLayout | None = None) -> Path:
+             layout: CheckpointLayout | None = None, background: bool = False, also_write=None) -> Path:
         from toolkit.train.checkpoint import checkpoints
 
         checkpoints.save(engine=self.engine, checkpoint_dir=checkpoint_dir, step=step,
-                         keep_checkpoints=keep_checkpoints, **self._layout_arguments(layout))
+                         keep_checkpoints=keep_checkpoints, background=background, also_write=also_write,
+                         **self._layout_arguments(layout))
         return Path(checkpoint_dir) / checkpoints.tag_for(step)
 
     def load(self, checkpoint_dir: Path, *, layout: CheckpointLayout | None = None, fallback: bool = True,

@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from toolkit.errors import DsmtError
 from toolkit.spec.lr_schedule import LrSchedule
+from toolkit.train.job.hf_export import export_trained, params_dtype  # run.export_trained, run.params_dtype: as before
 
 
 def model_checkpoint(*, spec, output_dir: Path) -> Path:
@@ -41,10 +40,6 @@ def require_weights(spec) -> None:
         from toolkit.train.job.pretrain import require_trainable
 
         require_trainable(spec)
-
-
-def params_dtype(precision: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 def build_batches(*, spec, layout, hf_dir: Path, vocab_size: int):
@@ -138,6 +133,9 @@ def _node_joined(*, layout) -> None:
 
 def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Path):
     """megatron-core chunks from the adapters inside DeepSpeed, on tokenised `datasets` data (a `loop.TrainParts`)."""
+    import functools
+
+    from toolkit.train.job.hf_export import export_hybrid_into
     from toolkit.train.job.loop import TrainParts
     from toolkit.train.job.preference_run import precomputed_reference
 
@@ -150,7 +148,9 @@ def _hybrid_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pa
                                           hf_dir=hf_dir, batches=batches)
         batches = reference if reference is not None else batches  # with each pair's precomputed reference
     return TrainParts(trainer=hybrid, batches=batches,
-                      export=lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir))
+                      export=lambda: _export(hybrid=hybrid, info=info, spec=spec, output_dir=output_dir),
+                      export_into=functools.partial(export_hybrid_into, hybrid=hybrid, info=info,
+                                                    precision=spec.training.precision, lora=spec.training.lora))
 
 
 def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
@@ -231,6 +231,7 @@ def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pat
     (a `loop.TrainParts`)."""
     from megatron.core import parallel_state
 
+    from toolkit.train.job.hf_export import export_plain_into
     from toolkit.train.job.loop import TrainParts
     from toolkit.train.plain import engine as plain
 
@@ -255,68 +256,14 @@ def _plain_parts(*, spec, layout, hf_dir: Path, ds_config: dict, output_dir: Pat
     engine = plain.PlainEngine(model=model, ds_config=ds_config, lr_schedule=LrSchedule.from_training(spec.training))
     notice = plain.plain_notice(model_type=model_type, zero_stage=spec.parallel.zero_stage)
     return TrainParts(trainer=engine, batches=batches, notice=notice,
-                      export=lambda: plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf"))
+                      export=lambda: plain.export_plain(engine=engine.engine, out_dir=output_dir / "final-hf"),
+                      export_into=lambda folder: export_plain_into(folder, engine=engine.engine, source_dir=hf_dir))
 
 
 def _export(*, hybrid, info, spec, output_dir: Path) -> None:
     export_trained(hybrid=hybrid, info=info, precision=spec.training.precision, lora=spec.training.lora,
                    mcore_dir=output_dir / "final-mcore", hf_dir=output_dir / "final-hf",
                    adapter_dir=output_dir / "final-hf-adapter", status_file=output_dir / ".final-hf.status.json")
-
-
-def export_trained(*, hybrid, info, precision: str, lora, mcore_dir: Path, hf_dir: Path, adapter_dir: Path,
-                   status_file: Path) -> None:
-    """Trained weights -> dsmt megatron checkpoint `mcore_dir`, saved collectively (every rank writes its own
-    shards; ZeRO-3 parameters are gathered one at a time into CPU copies) -> HF directory `hf_dir`, streamed tensor
-    by tensor from that checkpoint by rank 0 while the other ranks wait on its status file: liveness-checked, no
-    collective timeout a long export could outlast, and a failure on rank 0 raises on every rank. Tensors the model
-    does not load (`ModelSettings.passthrough_hf`) are copied unchanged from the run's source into both. With LoRA, the
-    merge and the PEFT adapter (`adapter_dir`) also read the gathered CPU copies (base weights and adapters are
-    partitioned at ZeRO-3); `lora.export` says which of the merged model and the adapter are written. What is
-    written replaces its directory; what is not is removed (an earlier export of the run)."""
-    import contextlib
-    import shutil
-
-    from toolkit.convert.mcore_to_hf import convert_mcore_to_hf
-    from toolkit.convert.passthrough import keep_source_passthrough
-    from toolkit.launch.rank0 import on_rank0
-    from toolkit.convert.chunks import save_mcore_checkpoint
-    from toolkit.train.lora.adapters import adapted_linears
-    from toolkit.train.lora.export import gather_peft_adapter, merged_lora, write_peft_adapter
-    from toolkit.adapters.zero3 import params_on_cpu
-
-    merged = lora is None or lora.export != "adapter"  # training.lora.export: adapter | merged | both
-    with_adapter = lora is not None and lora.export != "merged"
-    adapter = None
-    # the adapter alone reads only the adapters: at ZeRO-3 the frozen base stays partitioned (a whole CPU copy of a
-    # 30B MoE per rank is what export: adapter avoids)
-    gathered = hybrid.engine.module if merged else torch.nn.ModuleList(
-        module.lora for _, _, module in adapted_linears(hybrid.chunks))
-    with params_on_cpu(gathered):
-        if merged:  # LoRA: the exports get W + scaling * B A (merged into copies: the engine keeps the adapters)
-            with merged_lora(hybrid.chunks) if lora is not None else contextlib.nullcontext():
-                save_mcore_checkpoint(chunks=hybrid.chunks, info=info, out_dir=mcore_dir,
-                                      params_dtype=params_dtype(precision), overwrite=True)
-        if with_adapter:  # PEFT's files, for PeftModel.from_pretrained(original model, adapter_dir)
-            adapter = gather_peft_adapter(hybrid.chunks, settings=info.settings, lora=lora)
-
-    def export(progress) -> str:
-        # an earlier export of this run that this one does not write would stand beside it as if it were current
-        for stale in ([] if merged else [hf_dir, mcore_dir]) + ([] if with_adapter or lora is None else [adapter_dir]):
-            shutil.rmtree(stale, ignore_errors=True)
-        line = ""
-        if merged:
-            # Tensors the model does not load (multi-token prediction) go out as the run's source had them.
-            keep_source_passthrough(kind=info.kind, hf_dir=info.hf_dir, patterns=info.settings.passthrough_hf,
-                                    mcore_dir=mcore_dir)
-            line = convert_mcore_to_hf(mcore_dir=mcore_dir, out_dir=hf_dir, overwrite=True, progress=progress).line()
-        if with_adapter:  # after the HF export: trained embeddings are read from it
-            write_peft_adapter(adapter, settings=info.settings, lora=lora, out_dir=adapter_dir,
-                               base_model=info.source_checkpoint(), hf_dir=hf_dir)
-            line = line or f"PEFT adapter written to {adapter_dir} (training.lora.export: adapter, no merged copy)"
-        return line
-
-    on_rank0(export, status_file=status_file, what=f"export of {hf_dir if merged else adapter_dir}")
 
 
 def run_job(*, job) -> None:

@@ -46,6 +46,7 @@ MAX_FOLDER_FILES = 2000  # a folder of more files (an image folder) is fingerpri
 FREE = ("training.log_interval", "training.tensorboard", "training.wandb", "training.checkpoint_interval",
         "training.keep_checkpoints", "training.collective_timeout_s", "training.preemption_grace_s",
         "training.hang_timeout_s", "training.max_skipped_steps", "training.output_dir", "training.lora.export",
+        "training.async_save", "training.export_hf_interval",
         "data.cache_dir",
         "communication", "cluster.gpu", "cluster.hosts", "cluster.master_addr", "cluster.master_port",
         "cluster.network_interface", "cluster.interconnect", "cluster.launcher", "cluster.job_name",

@@ -148,8 +148,8 @@ class TrainingRun:
         return rows, counts
 
     def save_checkpoint(self, checkpoint_dir: str | Path) -> Path:
-        """DeepSpeed's checkpoint of this step (model, optimizer, LR schedule, RNG) and its layout-free copy, as
-        `dsmt train` writes them (toolkit/train/checkpoint/checkpoints.py); returns the tag's directory. Collective."""
+        """The checkpoint of this step (each rank's shard of the fp32 weights, Adam's moments, LR schedule, RNG), as
+        `dsmt train` writes it (toolkit/train/checkpoint/checkpoints.py); returns the tag's directory. Collective."""
         return self.save(checkpoint_dir, step=self.step, keep_checkpoints=self.spec.training.keep_checkpoints,
                          layout=self._checkpoint_layout())
 
@@ -173,8 +173,9 @@ class TrainingRun:
 
     # `Trainer.save` and `Trainer.load` (toolkit/train/engine/trainer.py): the engine's, this run's step following.
     def save(self, checkpoint_dir: str | Path, *, step: int, keep_checkpoints: int | None = None,
-             layout: CheckpointLayout | None = None) -> Path:
-        return self.hybrid.save(Path(checkpoint_dir), step=step, keep_checkpoints=keep_checkpoints, layout=layout)
+             layout: CheckpointLayout | None = None, background: bool = False, also_write=None) -> Path:
+        return self.hybrid.save(Path(checkpoint_dir), step=step, keep_checkpoints=keep_checkpoints, layout=layout,
+                                background=background, also_write=also_write)
 
     def load(self, checkpoint_dir: str | Path, *, layout: CheckpointLayout | None = None, fallback: bool = True,
              owner: bool = False) -> checkpoints.Resumed:
