@@ -83,3 +83,17 @@ def plan_checkpoint(result) -> CheckpointCost | None:
         return None
     return checkpoint_cost(shape=result.shape, layout=result.best.layout, training=result.training,
                            cluster=result.cluster, assumptions=result.assumptions)
+
+
+SAVE_WAIT_FACTOR = 3  # a parallel filesystem under other jobs' load writes several times slower than its peak
+SAVE_WAIT_MARGIN_S = 60.0  # the index, the manifest and the rename after the writes, and a slow start
+
+
+def save_wait_s(*, trainable_params: int, ranks: int, ranks_per_node: int,
+                write_gbps: float = Assumptions.checkpoint_write_gbps) -> float:
+    """How long a rank may wait in a collective for the slowest writer of a save (the completion of a foreground
+    save, or of a background one that the next save waits for): SAVE_WAIT_FACTOR x a node's estimated write, plus
+    SAVE_WAIT_MARGIN_S. `dsmt train` makes the collective timeout at least this (toolkit/train/job/run.py)."""
+    node_bytes = STATE_BYTES_PER_TRAINABLE * trainable_params / max(1, ranks) * ranks_per_node
+    return SAVE_WAIT_FACTOR * node_bytes / (write_gbps * 1e9) + SAVE_WAIT_MARGIN_S
+

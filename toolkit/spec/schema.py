@@ -351,7 +351,8 @@ class TrainingSpec(Section):
     # loss or gradient norm.
     max_skipped_steps: int = Field(10, ge=1)
     # How long a rank waits in a collective (the world group and megatron's groups; DeepSpeed's own keep torch's
-    # default) before it fails and names the rank that stalled. null: 600 s on GPUs (NCCL), 180 s on the CPU.
+    # default) before it fails and names the rank that stalled. null: 600 s on GPUs (NCCL), 180 s on the CPU, or
+    # longer when the planner's bound on a checkpoint's write is (3 x a node's share at 2 GB/s + 60 s).
     collective_timeout_s: float | None = Field(None, gt=0)
     # Preemption: SLURM sends SIGTERM at preemption and this long before the time limit (job.sbatch asks for it
     # with --signal=TERM@N), then SIGKILL after its grace period (KillWait, commonly 30-120 s). On SIGTERM the job

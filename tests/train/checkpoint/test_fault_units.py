@@ -436,6 +436,16 @@ def test_every_process_group_gets_the_collective_timeout(monkeypatch):
     assert collective_timeout_s(spec=spec(collective_timeout_s=7), dist_backend="gloo") == 7.0
     assert collective_timeout_s(spec=spec(), dist_backend="nccl") == 600.0
     assert collective_timeout_s(spec=spec(), dist_backend="gloo") == 180.0
+    # A save's wait for its slowest writer lengthens the default: 405B on 8 nodes of 8 is 607 GB of state per node,
+    # 304 s at the assumed 2 GB/s per node, x3 + 60 s; an 8B model stays at the floor
+    def on(nodes, **training):
+        cluster = type("Cluster", (), {"nodes": nodes, "gpus_per_node": 8})
+        return type("Spec", (), {"training": TrainingSpec(**training), "cluster": cluster})
+
+    big, small = (type("Shape", (), {"num_params": lambda self, n=n: n})() for n in (405e9, 8e9))
+    assert collective_timeout_s(spec=on(8), dist_backend="nccl", model=big) == pytest.approx(3 * 607.5 / 2 + 60)
+    assert collective_timeout_s(spec=on(8), dist_backend="nccl", model=small) == 600.0
+    assert collective_timeout_s(spec=on(8, collective_timeout_s=7), dist_backend="nccl", model=big) == 7.0
 
 
 def test_the_disk_full_search_visits_each_failure_once_and_skips_the_wrapper():

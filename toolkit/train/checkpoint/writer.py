@@ -2,7 +2,7 @@
 is done (`training.async_save`).
 
 The saving step takes each rank's share of the state into host memory (toolkit/train/checkpoint/sharded.py
-`take_share`: pinned on a GPU, bounded by the rank's shard) and returns; a thread of each rank writes its files,
+`take_share`: one pageable buffer, the size of the rank's share) and returns; a thread of each rank writes its files,
 hashing their bytes as it writes them (toolkit/train/checkpoint/state_file.py). The writer runs no collective, so
 it cannot interleave with the training's. After each later step every rank says whether its writer is done (one
 small all-reduce, only while a save is in flight); once all are, the save is finished on every rank at that same

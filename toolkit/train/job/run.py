@@ -89,18 +89,27 @@ def start_process_groups(*, job):
     spec, layout = job.spec, job.layout
     backend = backends.select(device=spec.cluster.device)
     init_process_groups(layout=layout, dist_backend=backend.dist_backend,
-                        timeout_s=collective_timeout_s(spec=spec, dist_backend=backend.dist_backend))
+                        timeout_s=collective_timeout_s(spec=spec, dist_backend=backend.dist_backend, model=job.model))
     backend.seed(spec.training.seed)
     name_wandb_run(spec=spec)
     return layout
 
 
-def collective_timeout_s(*, spec, dist_backend: str) -> float:
-    """training.collective_timeout_s, else 600 s under NCCL (its usual watchdog timeout) and 180 s on the CPU
-    backend, where a stalled rank should not keep a test or a demo silent for ten minutes."""
+def collective_timeout_s(*, spec, dist_backend: str, model=None) -> float:
+    """training.collective_timeout_s, else the larger of 600 s under NCCL (its usual watchdog timeout; 180 s on the
+    CPU backend, where a stalled rank should not keep a test or a demo silent for ten minutes) and the planner's
+    bound on a save's wait for its slowest writer (toolkit/plan/checkpoint_cost.py `save_wait_s`; `model`: the
+    job's ModelShape, its every parameter counted: an upper bound under LoRA, which only lengthens the wait)."""
     if spec.training.collective_timeout_s is not None:
         return float(spec.training.collective_timeout_s)
-    return 600.0 if dist_backend == "nccl" else 180.0
+    floor = 600.0 if dist_backend == "nccl" else 180.0
+    if model is None:
+        return floor
+    from toolkit.plan.checkpoint_cost import save_wait_s
+
+    ranks = spec.cluster.nodes * spec.cluster.gpus_per_node
+    return max(floor, save_wait_s(trainable_params=model.num_params(), ranks=ranks,
+                                  ranks_per_node=min(ranks, spec.cluster.gpus_per_node)))
 
 
 def name_wandb_run(*, spec) -> None:
