@@ -79,14 +79,14 @@ def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | Non
     writer.wait()  # at most one save in flight: the previous one completes (or raises) first
     checkpoint_dir, tag = Path(checkpoint_dir), tag_for(step)
     partial, started = checkpoint_dir / f"{PARTIAL}{tag}", time.perf_counter()
-    refusal = on_rank0(lambda: _prepare_save(checkpoint_dir, tag=tag), what=f"preparing to save {tag}",
-                       os_error=checkpoint_io_error)
+    refusal, needed = on_rank0(lambda: _prepare_save(checkpoint_dir, tag=tag), what=f"preparing to save {tag}",
+                               os_error=checkpoint_io_error)
     if refusal:  # every rank takes the same branch
         raise space.DiskFull(refusal)
     record = {"step": step, "world_size": dist.get_world_size(), "layout": layout, "manifest": True}
     if layout_free is None:
         _save_engine(engine, partial=partial, step=step, record=record, keep_checkpoints=keep_checkpoints,
-                     also_write=also_write, started=started)
+                     also_write=also_write, started=started, needed=needed)
         return
     share, state_record = layout_free.take(copy=background)
     _refuse_unless_it_fits(partial, share_bytes=sum(t.numel() * t.element_size() for t in share.tensors.values()))
@@ -96,7 +96,7 @@ def save(*, engine, checkpoint_dir: Path, step: int, keep_checkpoints: int | Non
     finish = functools.partial(_finish_sharded, partial=partial, tag=tag, record={**record, "state": "sharded"},
                                state_record=state_record, keep_checkpoints=keep_checkpoints, started=started)
     pending = writer.PendingSave(partial=partial, tag=tag, finish=finish, started=started,
-                                 needed=_newest_bytes(checkpoint_dir),
+                                 needed=needed,
                                  shared={"file": share.file, "boxes": share.boxes, "shapes": share.shapes,
                                          "host_bytes": share.host_bytes})
     writer.start(pending, functools.partial(_write_rank_files, partial, share=share, rng=rng), background=background)
@@ -136,7 +136,6 @@ def _write_rank_files(partial: Path, *, share, rng: dict) -> dict:
     rank 0 also hashes what `also_write` put in the folder. Returns {relpath: manifest entry}."""
     import torch.distributed as dist
 
-    from toolkit.train.checkpoint import manifest
     from toolkit.train.checkpoint.sharded import write_share
     from toolkit.train.checkpoint.state_file import save_hashed
 
@@ -179,10 +178,10 @@ def _finish_sharded(outcomes: list[dict], *, partial: Path, tag: str, record: di
 
 
 def _save_engine(engine, *, partial: Path, step: int, record: dict, keep_checkpoints: int | None, also_write,
-                 started: float) -> None:
-    """A plain HF model's checkpoint: DeepSpeed's engine checkpoint and the RNG states, synchronously."""
+                 started: float, needed: int | None) -> None:
+    """A plain HF model's checkpoint: DeepSpeed's engine checkpoint and the RNG states, synchronously. `needed`:
+    the previous checkpoint's bytes (`_prepare_save`)."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.api import CheckpointException
 
     from toolkit.train.checkpoint import space
 
@@ -195,10 +194,9 @@ def _save_engine(engine, *, partial: Path, step: int, record: dict, keep_checkpo
             also_write(partial)
         dist.barrier()
         total_bytes = write_manifest(partial)
-    except (Exception, CheckpointException) as err:
+    except Exception as err:
         # The partial folder stays (the other ranks may still write into it): the next start removes it.
-        full = space.as_disk_full(err, directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir),
-                                  partial=partial)
+        full = space.as_disk_full(err, directory=checkpoint_dir, tag=tag, needed=needed, partial=partial)
         if full is None:
             raise
         raise full from err
@@ -209,19 +207,21 @@ def _save_engine(engine, *, partial: Path, step: int, record: dict, keep_checkpo
               flush=True)
 
 
-def _prepare_save(checkpoint_dir: Path, *, tag: str) -> str | None:
-    """Rank 0, before a save: leftovers of interrupted saves removed, then the free-space check (None: go on)."""
+def _prepare_save(checkpoint_dir: Path, *, tag: str) -> tuple[str | None, int | None]:
+    """Rank 0, before a save: leftovers of interrupted saves removed, then the free-space check. Returns (why the
+    save is refused, None: go on; the previous checkpoint's bytes, what a disk-full message of this save names)."""
     from toolkit.train.checkpoint import space
 
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     _clear_leftovers(checkpoint_dir)
-    refusal = space.refusal(directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
+    needed = _newest_bytes(checkpoint_dir)
+    refusal = space.refusal(directory=checkpoint_dir, tag=tag, needed=needed)
     if refusal is not None:  # the space pruned checkpoints free once their deletion ends: waited for only here
         wait_for_removals()
-        refusal = space.refusal(directory=checkpoint_dir, tag=tag, needed=_newest_bytes(checkpoint_dir))
+        refusal = space.refusal(directory=checkpoint_dir, tag=tag, needed=needed)
     if refusal is None:
         (checkpoint_dir / f"{PARTIAL}{tag}").mkdir()
-    return refusal
+    return refusal, needed
 
 
 def _finish_save(partial: Path, *, tag: str, record: dict, keep_checkpoints: int | None) -> None:

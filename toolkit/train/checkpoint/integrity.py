@@ -67,17 +67,11 @@ def readers_share(reads_by_rank: list[dict], *, entries: dict, rank: int) -> lis
     """The files `rank` hashes: each file some rank reads goes to the reader with the fewest bytes so far,
     largest files first (ties: the lower rank): the same on every rank, each file once. Files no rank reads are
     not hashed; a name outside the manifest is not this check's (the manifest's own check names missing files)."""
-    loads = [0] * len(reads_by_rank)
-    mine = []
-    names = sorted({name for part in reads_by_rank for name in part if name in entries},
-                   key=lambda name: (-entries[name]["size"], name))
-    for name in names:
-        readers = [r for r, part in enumerate(reads_by_rank) if name in part]
-        chosen = min(readers, key=lambda r: (loads[r], r))
-        loads[chosen] += entries[name]["size"]
-        if chosen == rank:
-            mine.append(name)
-    return sorted(mine)
+    from toolkit.train.checkpoint.manifest import balanced
+
+    read = {name: entries[name]["size"] for part in reads_by_rank for name in part if name in entries}
+    return balanced(read, candidates=lambda name: [r for r, part in enumerate(reads_by_rank) if name in part],
+                    rank=rank, world_size=len(reads_by_rank))
 
 
 def refuse_or_fall_back(*, tag: str, problems: list[str], older: str | None, fallback: bool,

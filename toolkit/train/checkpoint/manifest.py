@@ -62,10 +62,17 @@ def share(files: list[str], sizes: list[int], *, rank: int, world_size: int) -> 
     if world_size < 1 or not 0 <= rank < world_size:
         raise DsmtError(f"share: rank={rank}, world_size={world_size}; need world_size >= 1 and "
                         f"0 <= rank < world_size")
+    return balanced(dict(zip(files, sizes, strict=True)), candidates=lambda name: range(world_size), rank=rank,
+                    world_size=world_size)
+
+
+def balanced(sizes: dict[str, int], *, candidates, rank: int, world_size: int) -> list[str]:
+    """The files of `sizes` that `rank` takes when each goes, largest first (ties: by name), to the least-loaded
+    rank (ties: the lower) of `candidates(name)`: the same answer on every rank, each file to exactly one rank."""
     loads = [0] * world_size
     mine = []
-    for size, name in sorted(zip(sizes, files, strict=True), key=lambda item: (-item[0], item[1])):
-        target = min(range(world_size), key=lambda r: (loads[r], r))
+    for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        target = min(candidates(name), key=lambda r: (loads[r], r))
         loads[target] += size
         if target == rank:
             mine.append(name)

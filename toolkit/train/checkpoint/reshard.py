@@ -30,11 +30,10 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import DsmtError
-from toolkit.train.checkpoint.sharded import base_optimizer
+from toolkit.train.checkpoint.sharded import MOMENTS, base_optimizer
 
 LAYOUT_FREE = "layout-free"
 RECORD = "dsmt_layout.json"
-MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's, under the names torch, FusedAdam and DeepSpeed's CPU Adam share
 SCHEDULED = ("lr", "betas", "initial_lr")  # optimizer hyper-parameters DeepSpeed's LR schedulers set
 
 

@@ -30,7 +30,8 @@ from toolkit.train.checkpoint.fragments import Box, intersection
 
 STATE_DIR = "state"
 INDEX = f"{STATE_DIR}/index.json"
-STATES = ("master", "exp_avg", "exp_avg_sq")  # Adam's moments under the names torch, FusedAdam and CPU Adam share
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's, under the names torch, FusedAdam and DeepSpeed's CPU Adam share
+STATES = ("master", *MOMENTS)
 FORMAT = 1
 
 
