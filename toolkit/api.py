@@ -91,10 +91,12 @@ def train(spec: JobSpec, *, spec_file: Path | None = None, continue_with_changes
 
 def initialize(spec: JobSpec | dict[str, Any] | str | Path, *, overrides: list[str] | tuple[str, ...] = ()):
     """For a training script of one's own: call it in every process of a job started by `deepspeed`, torchrun or
-    srun, as `deepspeed.initialize`. It checks the spec (as `dsmt check`; the `data` section may be left out: the
-    script brings its batches), sets up the process groups of its layout, builds this rank's megatron-core chunks
-    with the checkpoint's weights (LoRA when `training.lora`), and wraps them in DeepSpeed with the config
-    `dsmt generate` writes. Returns a `TrainingRun` (toolkit/train/job/session.py):
+    srun, as `deepspeed.initialize`. It checks the spec (as `dsmt check`; the `data` section may be left out, and
+    the records of one that is there are not read: the script brings its batches), sets
+    CUDA_DEVICE_MAX_CONNECTIONS as the generated launch scripts do (`ordered_kernel_launches`), sets up the process
+    groups of its layout, builds this rank's megatron-core chunks with the checkpoint's weights (LoRA when
+    `training.lora`), and wraps them in DeepSpeed with the config `dsmt generate` writes. Returns a `TrainingRun`
+    (toolkit/train/job/session.py):
 
         run.train_step(micro_batches)  # pulls run.micro_batches_per_step HF batches (input_ids, labels, ...)
         run.eval_step(micro_batches)   # {"loss", "tokens"}
@@ -119,10 +121,49 @@ def initialize(spec: JobSpec | dict[str, Any] | str | Path, *, overrides: list[s
     spec, launch_line = fit_to_launch(spec, environ=os.environ)  # the launch's process count wins over the spec's
     if launch_line and this_rank() == 0:
         print(launch_line, flush=True)
+    ordered_kernel_launches(spec=spec, environ=os.environ)
     from toolkit.check.job import check_job
 
-    # No data.path is no error here: the script brings its batches.
-    return start_run(job=check_job(spec, source="initialize(spec)", ignore_rules=frozenset({"data_source"})))
+    # No data.path is no error here, and no rank formats the records of a data section that is there: the script
+    # brings its batches, so initialize's run reads none of them. Formatting them on every rank would cost minutes
+    # before rendezvous on a large file; on rank 0 alone, rank 0 would be those minutes late to the rendezvous, and
+    # a bad record would stop rank 0 only, after the others had gone on to wait for it there.
+    job = check_job(spec, source="initialize(spec)", ignore_rules=frozenset({"data_source"}),
+                    skip_records="the script brings its batches (`dsmt check` formats every record)")
+    return start_run(job=job)
+
+
+CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+class LaunchEnvironmentWarning(UserWarning):
+    """The process environment differs from what dsmt's generated launch scripts export (toolkit/generate/env.py)."""
+
+
+def ordered_kernel_launches(*, spec: JobSpec, environ) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS as the generated scripts export it (toolkit/generate/env.py: 1 on CUDA at
+    tp > 1): megatron's tensor-parallel communication overlaps the GEMMs only when kernels launch in order on one
+    hardware queue, and megatron-core warns without it. CUDA reads it when its context is created: set here while
+    torch has not initialised CUDA; afterwards, or when the script set another value, a warning naming the fix."""
+    from toolkit.generate.env import environment
+
+    wanted = environment(spec=spec).get(CONNECTIONS_ENV)
+    have = environ.get(CONNECTIONS_ENV)
+    if wanted is None or have == wanted:
+        return
+    import torch
+
+    if have is None and not torch.cuda.is_initialized():
+        environ[CONNECTIONS_ENV] = wanted
+        return
+    why = (f"{CONNECTIONS_ENV}={have} in the environment" if have is not None else
+           f"{CONNECTIONS_ENV} is unset and CUDA was initialised before toolkit.api.initialize, too late to set it")
+    import warnings
+
+    warnings.warn(f"[cuda_device_max_connections] {why}; dsmt's launch scripts export {CONNECTIONS_ENV}={wanted} "
+                  f"at tp={spec.parallel.tp} (megatron's tensor-parallel communication overlap needs kernels "
+                  f"launched in order)\nfix: export {CONNECTIONS_ENV}={wanted} before the script starts (or before "
+                  "its first CUDA call)", LaunchEnvironmentWarning, stacklevel=3)
 
 
 def validation_history(spec: JobSpec) -> list[dict]:

@@ -41,3 +41,26 @@ def test_marking_keeps_attributes_megatron_already_set(tiny_checkpoints):
         torch.manual_seed(0)
         (chunk,) = build_model_chunks(settings=settings, layout=Layout(), init_weights=True)  # megatron marks these
         assert chunk.decoder.layers[0].mlp.linear_fc2.weight.partition_dim == 1
+
+
+def test_the_padded_vocabulary_is_minus_infinity_after_every_output_hook(tmp_path):
+    """The output layer's last hook sets the padded vocabulary's logits to -inf (toolkit/adapters/vocab_mask.py):
+    after Gemma 2's softcap too, which maps -inf to -cap when it runs after the mask."""
+    from megatron.core import parallel_state
+
+    from toolkit import backend as backends
+    from toolkit.convert.chunks import load_model_chunks
+    from toolkit.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "gemma2", model_type="gemma2")  # vocab 250 -> 256, final softcap
+    with single_process_group(dist_backend="gloo"):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        backends.current().seed(0)
+        (model,), info = load_model_chunks(checkpoint=path, layout=Layout(), params_dtype=torch.float32)
+        assert info.settings.padded_vocab_size > info.settings.vocab_size
+        assert info.settings.quirks.get("final_logit_softcapping")
+        tokens = torch.arange(16).view(1, 16)  # one row: GPTModel's output is a view of the output layer's
+        logits = model(tokens, torch.arange(16).view(1, 16), None)
+    vocab = info.settings.vocab_size
+    assert torch.isinf(logits[..., vocab:]).all() and (logits[..., vocab:] < 0).all()
+    assert torch.isfinite(logits[..., :vocab]).all()

@@ -120,6 +120,7 @@ def test_model_build_puts_the_chunks_on_the_ranks_own_gpu(fake_cuda, clean_env):
     class FakeGPTModel(torch.nn.Module):
         def __init__(self, **kwargs):
             super().__init__()
+            self.pre_process = self.post_process = False  # no embedding or output layer to hook
 
         def to(self, device):
             moved_to.append(device)

@@ -255,8 +255,7 @@ def measure_forward(chunk, *, batch: dict, vocab_size: int) -> dict:
     with tracker:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             logits = chunk(batch["tokens"], batch["position_ids"], None)
-            loss = masked_token_loss_sum(logits, labels=batch["labels"], loss_mask=batch["loss_mask"],
-                                         vocab_size=vocab_size)
+            loss = masked_token_loss_sum(logits, labels=batch["labels"], loss_mask=batch["loss_mask"])
         forward_peak = tracker.peak
         for hook in hooks:
             hook.remove()

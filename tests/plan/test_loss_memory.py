@@ -14,6 +14,7 @@ MICRO, SEQ, VOCAB, PADDED = 2, 512, 16000, 16384  # the last 384 rows are paddin
 def test_loss_peak_is_one_fp32_copy_of_the_logits_and_the_value_is_torchs(megatron_tp1, dtype):
     from live_tensors import LiveBytes
 
+    from toolkit.adapters.vocab_mask import PaddedVocabMask
     from toolkit.train.engine.loss import masked_token_loss_sum
 
     generator = torch.Generator().manual_seed(0)
@@ -24,12 +25,13 @@ def test_loss_peak_is_one_fp32_copy_of_the_logits_and_the_value_is_torchs(megatr
                                                   labels.reshape(-1), reduction="none")
     expected = (reference * loss_mask.reshape(-1)).sum()
 
-    # the logits are a fresh non-leaf here, as GPTModel's output is (the loss masks its padded rows in place)
+    # the logits are a fresh non-leaf here, as GPTModel's output is, padded rows -inf as its output layer sets them
     model_output = logits * 1
+    PaddedVocabMask(vocab_size=VOCAB, padded_vocab_size=PADDED)(None, None, (model_output, None))
     before = {t.untyped_storage().data_ptr() for t in (logits, model_output, labels, loss_mask)}
     tracker = LiveBytes(before=before)
     with tracker:
-        loss = masked_token_loss_sum(model_output, labels=labels, loss_mask=loss_mask, vocab_size=VOCAB)
+        loss = masked_token_loss_sum(model_output, labels=labels, loss_mask=loss_mask)
         loss.backward()
     rows = MICRO * SEQ * PADDED
     fp32_copy = 4 * rows if dtype != torch.float32 else 0  # megatron's upcast; fp32 logits are used in place

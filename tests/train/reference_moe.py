@@ -41,9 +41,11 @@ def num_experts(config) -> int:
     return getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or config.num_local_experts
 
 
-def train_moe_reference(spec_path: Path) -> ReferenceRun:
+def train_moe_reference(spec_path: Path, *, start_rounded_to: torch.dtype | None = None) -> ReferenceRun:
     """Train the spec's MoE model for its train_steps; the state dict comes back with the checkpoint's names
-    (per-expert tensors, as save_pretrained writes them)."""
+    (per-expert tensors, as save_pretrained writes them). `start_rounded_to=torch.bfloat16` starts from the
+    checkpoint rounded to bf16, as a bf16 run's fp32 master weights do (training stays fp32), as reference.py's
+    `train_reference` does."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -53,6 +55,10 @@ def train_moe_reference(spec_path: Path) -> ReferenceRun:
     if settings.packing or any(len(row) != 1 or len(row[0][0]) != window for row in rows):
         raise ValueError(f"the MoE reference needs one record of exactly {window} tokens per row (packing: false)")
     model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
+    if start_rounded_to is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(start_rounded_to).float())
     optimizer, params = adamw(model, settings), list(model.parameters())
     losses, norms, lrs = [], [], []
     micro = settings.micro_batch_size

@@ -7,7 +7,6 @@ per call to $DSMT_SAVE_PROBE/rankN.jsonl."""
 
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -49,13 +48,6 @@ def slow_write(partial, **kwargs):
     return entries
 
 
-def _cut_back(source: Path, target: Path, *, to_step: int) -> None:
-    shutil.copytree(source, target, ignore=shutil.ignore_patterns("final-*"))
-    for tag in (target / "checkpoints").glob("step_*"):
-        if int(tag.name[len("step_"):]) > to_step:
-            shutil.rmtree(tag)
-
-
 def main(plan_path: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -74,7 +66,9 @@ def main(plan_path: str) -> None:
             parallel_state.destroy_model_parallel()
         if action == "cut":
             if dist.get_rank() == 0:
-                _cut_back(Path(args[0]), Path(args[1]), to_step=args[2])
+                from train_helpers import cut_back
+
+                cut_back(Path(args[0]), Path(args[1]), to_step=args[2])
             dist.barrier()
         else:
             train(job=job_of(spec=load_spec(args[0]), report=Report(source=args[0], problems=())))

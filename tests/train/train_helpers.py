@@ -239,3 +239,21 @@ def write_peft_adapter(model_dir, out_dir, *, rank: int, alpha: float, targets, 
                 param.mul_(b_scale)
     peft_model.save_pretrained(out_dir)
     return Path(out_dir)
+
+
+def cut_back(source: Path, target: Path, *, to_step: int, trim_metrics: bool = False) -> None:
+    """A copy of a run as it was after `to_step`: later checkpoints and the exports dropped (and with `trim_metrics`
+    the later metrics lines), `latest` naming `to_step`'s checkpoint."""
+    import shutil
+
+    from toolkit.train.checkpoint.checkpoints import LATEST, tag_for
+
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("final-*"))
+    for tag in (target / "checkpoints").glob("step_*"):
+        if int(tag.name[len("step_"):]) > to_step:
+            shutil.rmtree(tag)
+    (target / "checkpoints" / LATEST).write_text(tag_for(to_step))
+    if trim_metrics:
+        metrics = target / "metrics.jsonl"
+        kept = [line for line in metrics.read_text().splitlines() if json.loads(line).get("step", 0) <= to_step]
+        metrics.write_text("".join(line + "\n" for line in kept))

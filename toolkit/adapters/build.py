@@ -9,6 +9,7 @@ from toolkit.adapters.hf_config import ModelSettings
 from toolkit.adapters.layer_specs import (decoder_spec, is_local_spec, layer_spec, local_layer_spec,  # noqa: F401
                                           per_layer_specs, uses_te_layers, with_local_checkpoint_keys)
 from toolkit.adapters.norms import TorchNorm  # noqa: F401 (tests read build.TorchNorm)
+from toolkit.adapters.vocab_mask import mask_padded_vocab
 from toolkit.parallel.groups import Layout
 
 
@@ -21,21 +22,23 @@ RECOMPUTE = {
 
 
 def transformer_config(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype, init_weights: bool = False,
-                       init_method_std: float = 0.02, recompute: str = "none", attention: str | None = "local"):
+                       init_method_std: float = 0.02, recompute: str = "none", attention: str | None = "local",
+                       fusions: str = "auto"):
     """megatron's TransformerConfig for this model and layout; `attention` as for `layer_spec` (the fusions
-    depend on the layers: toolkit/adapters/fusions.py; the default builds no fusion that needs TE's layers)."""
+    depend on the layers: toolkit/adapters/fusions.py; the default builds no fusion that needs TE's layers);
+    `fusions` is training.fusions ("off": none)."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     from toolkit.adapters.fusions import fusion_fields
     from toolkit.adapters.longrope import scale_rotation
 
     backend = backends.current()
-    fusions = fusion_fields(settings=settings, device=backend.name, te_layers=uses_te_layers(attention))
+    flags = fusion_fields(settings=settings, device=backend.name, te_layers=uses_te_layers(attention), fusions=fusions)
     # Multi-latent attention (DeepSeek) reads its shapes and its own RoPE from megatron's MLA config class.
     config_class = MLATransformerConfig if settings.transformer_fields.get("multi_latent_attention") else TransformerConfig
     config = config_class(
         # shapes, and the family's deltas (activation, norm, biases, qk-norm); the fused kernels this machine has
-        **{**settings.transformer_fields, **fusions},
+        **{**settings.transformer_fields, **flags},
         tensor_model_parallel_size=layout.tp,
         # Norm and residual activations split along the sequence over the TP ranks; the norms' gradients are then
         # partial per rank and the engine sums them over TP (`toolkit.train.engine.tp_grads.sum_sequence_parallel_grads`).
@@ -74,14 +77,20 @@ def attention_for(*, settings: ModelSettings, attention: str | None) -> str | No
 
 def build_model_chunks(*, settings: ModelSettings, layout: Layout, params_dtype: torch.dtype = torch.float32,
                        parallel_output: bool = True, init_weights: bool = False, init_method_std: float = 0.02,
-                       recompute: str = "none", attention: str | None = None) -> list:
+                       recompute: str = "none", attention: str | None = None, fusions: str = "auto") -> list:
     """This rank's model chunks (one per virtual stage), on the backend's device.
 
     `parallel_output=False` gathers the vocab-parallel logits on every TP rank (verification); training keeps
-    them split for megatron's vocab-parallel cross entropy."""
+    them split for megatron's vocab-parallel cross entropy. `fusions`: training.fusions; "off" also keeps
+    megatron's other compiled helpers eager in this process (toolkit/adapters/fusions.py `run_megatron_eagerly`)."""
     attention = attention_for(settings=settings, attention=attention)
     config = transformer_config(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=init_weights,
-                                init_method_std=init_method_std, recompute=recompute, attention=attention)
+                                init_method_std=init_method_std, recompute=recompute, attention=attention,
+                                fusions=fusions)
+    if fusions == "off":
+        from toolkit.adapters.fusions import run_megatron_eagerly
+
+        run_megatron_eagerly()
     device = backends.current().device
     chunks = []
     for model in model_chunks(config=config, settings=settings, layout=layout, attention=attention,
@@ -165,6 +174,8 @@ def gpt_chunks(*, config, spec, settings: ModelSettings, vpp_size: int, parallel
             model.output_layer.register_forward_hook(LogitsDivisor(multipliers.logits_divisor))
         if settings.family.edit_model is not None:
             settings.family.edit_model(model, settings=settings)
+        if model.post_process:  # last: after every hook that changes the logits (Gemma 2's softcap maps -inf)
+            mask_padded_vocab(model.output_layer, settings=settings)
         if rope:  # packed records: RoPE at the batch's position ids, which restart per record
             use_position_ids_for_rope(model)
         keep_explicit_masks_windowed(model)  # packed records' masks on windowed local layers

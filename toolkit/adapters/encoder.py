@@ -48,6 +48,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, get
 
 from toolkit.adapters.family import AdapterError
 from toolkit.adapters.norms import TorchNorm
+from toolkit.adapters.vocab_mask import mask_padded_vocab
 
 
 def post_norm_layer_spec(config):
@@ -221,9 +222,12 @@ def encoder_chunks(*, config, settings, vpp_size: int, parallel_output: bool = T
                                                              "classifier_dropout": encoder.classifier_dropout}
     for vp_stage in range(vpp_size):
         vp = vp_stage if vpp_size > 1 else None
-        yield model_class(
+        model = model_class(
             config=config, vocab_size=settings.padded_vocab_size, max_sequence_length=settings.max_position_embeddings,
             num_tokentypes=encoder.num_tokentypes, padding_idx=encoder.padding_idx, vp_stage=vp,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), **extra,
         )
+        if encoder.task == "masked_lm" and model.post_process:
+            mask_padded_vocab(model.output_layer, settings=settings)  # the MLM head's logits, as GPTModel's
+        yield model

@@ -12,7 +12,7 @@ What HF computes (transformers' `_compute_longrope_parameters`, `dynamic_rope_up
 
 megatron-core has neither the frequencies nor the factor. `LongRopeRotary` is megatron's `RotaryEmbedding` with HF's
 frequencies: its length argument is max(position_ids) + 1 on every path (plain: the sequence length; packed records:
-toolkit/adapters/packed.py asks for max(position_ids) + 1; THD: megatron passes the longest record), so it chooses the
+toolkit/adapters/packed.py asks for the longest record, read on the host; THD: megatron passes it too), so it chooses the
 factors as HF does. Partial rotation is megatron's own: GPTModel's `rotary_percent` makes frequencies for the first
 r dims and its RoPE rotates those (rotate_half, non-interleaved) and passes the rest, as HF.
 

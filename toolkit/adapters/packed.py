@@ -24,6 +24,8 @@ mask, megatron's own causal attention and RoPE, bit for bit as before.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from toolkit.errors import DsmtError
@@ -65,18 +67,24 @@ def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ~(same_record & causal)[:, None, :, :]
 
 
-def thd_packed_seq_params(position_ids: torch.Tensor):
-    """megatron's `PackedSeqParams` for the micro-batch flattened to one row of b*s tokens: cu_seqlens (int32) at
-    every record start (each row starts one) and at the end, max_seqlen the longest record."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
+def record_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, max_seqlen) of the micro-batch flattened to one row of b*s tokens: int32 offsets of every record
+    start (each row starts one) and of the end, on the position ids' device; the longest record. Read on the host
+    when the batch is built (toolkit/train/engine/step_inputs.py): on a GPU tensor each `int()` here would wait."""
     flat = position_ids.reshape(-1)
     starts = torch.nonzero(flat == 0).flatten()
     if len(starts) == 0 or int(starts[0]) != 0:
         raise DsmtError("packed rows must start at position 0 (each row starts a record); got position_ids "
                         f"{position_ids[:, :4].tolist()} ...: the data is not dsmt's (toolkit/data/tokenize.py)")
     cu_seqlens = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def thd_packed_seq_params(*, cu_seqlens: torch.Tensor, max_seqlen: int):
+    """megatron's `PackedSeqParams` for the micro-batch flattened to one row (`record_boundaries`; cu_seqlens on the
+    model's device)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
 
@@ -84,13 +92,15 @@ def thd_packed_seq_params(position_ids: torch.Tensor):
 class PositionRotary(torch.nn.Module):
     """megatron's RotaryEmbedding, but at the call's position ids when they restart (packed records).
 
-    `position_ids` is set per forward by the GPTModel pre-hook (None: no boundary, megatron's own positions). It
-    holds no parameters or buffers (megatron's `inv_freq` is a plain attribute), so state dicts are unchanged."""
+    `position_ids` is set per forward by the GPTModel pre-hook (None: no packed call, megatron's own positions);
+    `longest_record` by the caller that knows it on the host (`longest_record`; None: the row's length). It holds no
+    parameters or buffers (megatron's `inv_freq` is a plain attribute), so state dicts are unchanged."""
 
     def __init__(self, inner: torch.nn.Module):
         super().__init__()
         self.inner = inner
         self.position_ids: torch.Tensor | None = None
+        self.longest_record: int | None = None
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         return self.inner.get_rotary_seq_len(*args, **kwargs)
@@ -105,10 +115,33 @@ class PositionRotary(torch.nn.Module):
         positions = self.position_ids
         if positions is None or packed_seq or offset != 0 or positions.shape[1] != max_seq_len:
             return self.inner(max_seq_len, offset, packed_seq=packed_seq, cp_group=cp_group)
-        table = self.inner(int(positions.max()) + 1)  # [m, 1, 1, d] for positions 0 .. m-1
-        if table.shape[0] != int(positions.max()) + 1:  # megatron cut it for a CP rank: packing refuses CP
+        # The table of positions 0 .. m-1, m = the longest record (= max(position_ids) + 1, HF's length, by which
+        # Phi-3's long-RoPE picks its factors), known on the host; not positions.max(), which would wait for the GPU
+        # in every forward. Without it, the row's length: positions restart inside a row, so none reaches it.
+        length = self.longest_record or max_seq_len
+        table = self.inner(length)  # [m, 1, 1, d]
+        if table.shape[0] != length:  # megatron cut it for a CP rank: packing refuses CP
             raise DsmtError("packed records under context parallelism: set data.packing: false or parallel.cp: 1")
         return table[:, 0, 0, :][positions.to(table.device)].transpose(0, 1).unsqueeze(2)  # [s, b, 1, d]
+
+
+@contextlib.contextmanager
+def longest_record(model: torch.nn.Module, length: int):
+    """Inside, the `PositionRotary` wrappers of `model` (a chunk, or DeepSpeed's engine around one or a ModuleList of
+    them) size their table by `length`, the call's longest record (toolkit/train/engine/step_inputs.py reads it on
+    the host)."""
+    module = getattr(model, "module", model)
+    rotaries = getattr(module, "_dsmt_rotaries", None)
+    if rotaries is None:
+        rotaries = [m for m in module.modules() if isinstance(m, PositionRotary)]
+        module._dsmt_rotaries = rotaries
+    for rotary in rotaries:
+        rotary.longest_record = length
+    try:
+        yield
+    finally:
+        for rotary in rotaries:
+            rotary.longest_record = None
 
 
 def use_position_ids_for_rope(model: torch.nn.Module) -> None:
@@ -120,10 +153,13 @@ def use_position_ids_for_rope(model: torch.nn.Module) -> None:
     model.rotary_pos_emb = wrapper = PositionRotary(rotary)
 
     def take_positions(module, args, kwargs):
+        # The packed call on local layers is the one with an explicit attention mask (toolkit/train/engine/tasks.py:
+        # the block-diagonal mask): decided from the call, not from the position ids' values, which are on the
+        # device. With positions 0 .. s-1 (no record boundary) the gathered table is megatron's own, bit for bit.
         positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+        mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
         packed = kwargs.get("packed_seq_params")
-        wrapper.position_ids = (positions if positions is not None and packed is None
-                                and has_packed_boundary(positions) else None)
+        wrapper.position_ids = positions if positions is not None and mask is not None and packed is None else None
 
     model.register_forward_pre_hook(take_positions, with_kwargs=True)
 

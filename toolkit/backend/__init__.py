@@ -39,6 +39,16 @@ class Backend:
             return _rank_device or torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def to_device(self, batches: list[dict]) -> list[dict]:
+        """Micro-batches (dicts of host tensors) on this rank's device, as new dicts: on CUDA pinned and copied
+        non-blocking on a side stream the compute stream waits for (toolkit/backend/copies.py), so the host never
+        waits for the GPU here; on the CPU they already are where the model is."""
+        from toolkit.backend import copies
+
+        if self.name == "cuda":
+            return copies.copy_to_cuda(batches, device=self.device)
+        return copies.copy_on_host(batches)
+
     def seed(self, seed: int) -> None:
         """Seed torch and megatron's model-parallel RNG tracker (call after parallel state is initialized)."""
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -124,9 +124,9 @@ def check_export_hf_interval(*, spec: JobSpec, shape: ModelShape | None) -> list
                     f"({multiples}), or training.checkpoint_interval to a divisor of {export}")]
 
 
-def check_validation_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
+def check_validation_data(*, spec: JobSpec, shape: ModelShape, skip_records: str | None = None) -> list[Problem]:
     """data.validation_path present and its records readable as data.path's; validation needs real records. The
-    held-out share's record counts need the records: `dsmt train --dry-run`."""
+    held-out share's record counts need the records: `dsmt train --dry-run`. `skip_records`: as for check_data."""
     data = spec.data
     if data.validation_path is None and data.validation_fraction is None:
         return []
@@ -138,7 +138,8 @@ def check_validation_data(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
     if path is None:
         return []
     if Path(path).expanduser().exists():  # plain models (shape None): their task's checks read the records
-        return validation_record_problems(data=data) if shape is not None and not data.is_megatron else []
+        formats = shape is not None and not data.is_megatron and skip_records is None
+        return validation_record_problems(data=data) if formats else []
     return [Problem("error", "validation_path_missing", f"data.validation_path={path} does not exist on this machine",
                     "give a file of the same kind and fields as data.path, or data.validation_fraction to hold out "
                     f"a share of data.path; {ELSEWHERE}")]
@@ -295,6 +296,12 @@ def check_packing(*, spec: JobSpec, shape: ModelShape) -> list[Problem]:
                                 "packed records as one THD row per micro-batch, and pipeline activations are "
                                 "micro_batch_size x seq_length", "set training.micro_batch_size: 1 (more gradient "
                                 "accumulation keeps the batch), or data.packing: false"))
+    if spec_attention(spec) == "fused" and spec.training.precision == "fp32":
+        problems.append(Problem("error", "packing_fused_fp32", "data.packing=true with training.attention=fused and "
+                                "training.precision=fp32: Transformer Engine takes packed records as THD, and none of "
+                                "its attention kernels runs THD in fp32 (flash and cuDNN attention take fp16 / bf16; "
+                                "its unfused attention takes no THD)", "set training.precision: bf16, "
+                                "training.attention: local, or data.packing: false"))
     return problems
 
 
@@ -326,6 +333,7 @@ CHECKS: tuple[Check, ...] = (
     check_memory_fit, check_encoder_model, check_sync_batchnorm, check_lora, check_packing, check_model_files,
     check_model_family, check_model_adapter, check_wandb, check_preference,
 )
+RECORD_CHECKS: tuple[Check, ...] = (check_data, check_validation_data)  # those `skip_records` stands in for
 
 
 def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
@@ -345,8 +353,9 @@ def plain_model_problems(*, spec: JobSpec) -> list[Problem] | None:
     return problems
 
 
-def run_checks(*, spec: JobSpec, source: str = "job spec") -> Report:
-    """Every cross-section problem of a validated spec, in one report."""
+def run_checks(*, spec: JobSpec, source: str = "job spec", skip_records: str | None = None) -> Report:
+    """Every cross-section problem of a validated spec, in one report. `skip_records`: why the data's records are
+    not formatted here (check_data); None: every record is (`dsmt check`)."""
     from toolkit.spec.paths import output_dir_problems
 
     problems: list[Problem] = output_dir_problems(output_dir=spec.training.output_dir)  # whatever the model
@@ -356,7 +365,8 @@ def run_checks(*, spec: JobSpec, source: str = "job spec") -> Report:
         plain = plain_model_problems(spec=spec)
         return Report(source=source, problems=(*problems, *(plain if plain is not None else (shape_problem(err),))))
     for check in CHECKS:
-        problems.extend(check(spec=spec, shape=shape))
+        extra = {"skip_records": skip_records} if check in RECORD_CHECKS else {}
+        problems.extend(check(spec=spec, shape=shape, **extra))
     return Report(source=source, problems=tuple(problems))
 
 

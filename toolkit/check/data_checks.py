@@ -8,6 +8,8 @@
   with `--deep`), and the largest token id `dsmt data prepare` recorded below the model's vocabulary (the
   tokenizer itself: `dsmt train --dry-run` and every rank before reading);
 * sources that are not on this machine are a warning: the spec may be meant for the cluster.
+Records are formatted once per launch: a rank whose run (or output) directory holds the head's data_check.json for
+this data section verifies the files against it instead (toolkit/data/check_digest.py, `skip_records`).
 """
 
 from __future__ import annotations
@@ -24,20 +26,32 @@ ELSEWHERE = ("relative paths are taken against the spec file's folder; a spec fo
              "there (`dsmt check` reads what the ranks will read)")
 
 
-def check_data(*, spec, shape: ModelShape | None) -> list[Problem]:
+def check_data(*, spec, shape: ModelShape | None, skip_records: str | None = None) -> list[Problem]:
+    """The data section's sources. `skip_records`: why their records are not formatted here (a rank whose
+    data_check.json verified the files the head checked, toolkit/data/check_digest.py; `toolkit.api.initialize`),
+    said in one info line; Megatron corpora are checked all the same (cheap)."""
     data = spec.data
     if data.synthetic:
         return [Problem("info", "synthetic_data", "data.synthetic=true: training uses synthetic tokens")]
     if data.path is None and data.blend is None and data.mix is None:  # made-up tokens must be asked for
         return [Problem("error", "data_source", "data.path is unset and data.synthetic=false: there is no data to "
                         "train on", DATA_SOURCE_FIX)]
-    problems = []
+    problems, skipped = [], False
     for label, source in data_sources(data):
         if source.is_megatron:
             problems += corpus_problems(label=label, data=source, vocab_size=shape.vocab_size if shape else None)
-        else:
+        elif skip_records is None:
             problems += record_problems(label=label, data=source)
-    return problems
+        else:
+            skipped = True
+    return problems + ([records_skipped_problem(skip_records)] if skipped else [])
+
+
+def records_skipped_problem(reason: str) -> Problem:
+    """The info line that stands for the record checks when they are not run here."""
+    from toolkit.data.check_digest import RECORDS_NOT_FORMATTED  # a report with it writes no data_check.json
+
+    return Problem("info", RECORDS_NOT_FORMATTED, f"data records not formatted here: {reason}")
 
 
 def corpus_problems(*, label: str, data: DataSpec, vocab_size: int | None) -> list[Problem]:

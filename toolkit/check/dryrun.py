@@ -64,6 +64,7 @@ def prelaunch_pass(*, spec, report: Report, source: str, spec_ref: str, run_dir:
         problems += layout_and_build_problems(spec=spec, settings=settings, facts=facts,
                                               spec_errors=report.rules("error"))
         problems.append(fusion_problem(spec=spec, settings=settings))
+        problems += kernel_path_problems(spec=spec, settings=settings)
         problems += init_adapter_problems(spec=spec, settings=settings)
     ds_config, files_found = run_files_problems(spec=spec, run_dir=run_dir, spec_ref=spec_ref)
     problems += files_found
@@ -340,7 +341,30 @@ def fusion_problem(*, spec, settings):
     from toolkit.adapters.fusions import describe, fusion_fields
     from toolkit.spec.layout import spec_attention
 
-    te_layers = spec_attention(spec) == "fused"
-    fields = fusion_fields(settings=settings, device=spec.cluster.device, te_layers=te_layers, fused_rope=te_layers)
-    where = f"cluster.device={spec.cluster.device}, {'Transformer Engine' if te_layers else 'local'} layers"
-    return Problem("info", "fusions", f"{where}: {describe(fields)}")
+    te_layers, fusions = spec_attention(spec) == "fused", spec.training.fusions
+    fields = fusion_fields(settings=settings, device=spec.cluster.device, te_layers=te_layers, fused_rope=te_layers,
+                           fusions=fusions)
+    where = (f"cluster.device={spec.cluster.device}, {'Transformer Engine' if te_layers else 'local'} layers, "
+             f"training.fusions={fusions}")
+    return Problem("info", "fusions", f"{where}: {describe(fields, fusions=fusions)}")
+
+
+def kernel_path_problems(*, spec, settings) -> list[Problem]:
+    """Lines on the kernels the GPU path runs where they are not the fastest megatron-core has: MoE experts one GEMM
+    per expert, and MLA's packed records rotated by megatron's unfused THD RoPE."""
+    from toolkit.spec.layout import spec_attention
+
+    problems = []
+    if settings.num_experts:
+        problems.append(Problem("info", "moe_experts", (
+            f"MoE experts: megatron's SequentialMLP, one GEMM per local expert ({settings.num_experts} experts over "
+            f"ep={spec.parallel.ep}); Transformer Engine's grouped GEMM (TEGroupedMLP) is not used: it keeps a "
+            "layer's experts in one module (weight0..weightN-1), which dsmt's loader, LoRA and checkpoint shares do "
+            "not read yet")))
+    mla = bool(settings.transformer_fields.get("multi_latent_attention"))
+    if mla and spec.data.packing and spec_attention(spec) == "fused":
+        problems.append(Problem("info", "mla_packed_rope", (
+            "multi-latent attention with data.packing on Transformer Engine: megatron-core's unfused THD RoPE reads "
+            "each micro-batch's record lengths back to the host in every layer (a wait for the GPU per layer; "
+            "dsmt keeps MLA on the unfused RoPE, toolkit/adapters/fusions.py); data.packing: false avoids it")))
+    return problems

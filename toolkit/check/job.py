@@ -17,15 +17,17 @@ from toolkit.spec.schema import JobSpec
 
 
 def check_job(spec: JobSpec, *, source: str = "job spec", before_launch: bool = False, run_dir: Path | None = None,
-              ignore_rules: frozenset[str] = frozenset(), resume_fallback: bool = True,
-              continue_with_changes: bool = False) -> CheckedJob:
+              ignore_rules: frozenset[str] = frozenset(), skip_records: str | None = None,
+              resume_fallback: bool = True, continue_with_changes: bool = False) -> CheckedJob:
     """The checked job of a validated `spec`. `before_launch`: also the pre-launch pass of `dsmt train`
     (toolkit/check/dryrun.py: the model built on the meta device, DeepSpeed's parse, data and tokenizer, run
     identity), with `run_dir`'s files compared with the spec there, whose ds_config.json the job then holds (else
-    the generated config). `ignore_rules`: problems the caller answers itself (`toolkit.api.initialize`: no data section, the script brings its batches)."""
+    the generated config). `ignore_rules`: problems the caller answers itself (`toolkit.api.initialize`: no data
+    section, the script brings its batches). `skip_records`: why the data's records are not formatted here (a rank
+    whose data_check.json verified them, `rank_job`; toolkit/check/data_checks.py check_data)."""
     from toolkit.check.checks import run_checks
 
-    report, deepspeed_config = run_checks(spec=spec, source=source), None
+    report, deepspeed_config = run_checks(spec=spec, source=source, skip_records=skip_records), None
     if before_launch:
         from toolkit.check.dryrun import prelaunch_pass
 
@@ -68,7 +70,8 @@ def rank_job(*, config: str | None, overrides: list[str] | tuple[str, ...], run_
              **options) -> CheckedJob:
     """A rank's checked job (`python -m toolkit.train`): `dsmt check`'s checks of `config` (default: the run
     directory's job.resolved.yaml), then the run directory's files compared with the spec (a contradiction stops
-    here, before any process group, model or output file) and its ds_config.json taken."""
+    here, before any process group, model or output file) and its ds_config.json taken. The data's records are
+    not formatted again where the head's data_check.json verifies them (`verified_records`)."""
     import dataclasses
     import os
 
@@ -77,12 +80,28 @@ def rank_job(*, config: str | None, overrides: list[str] | tuple[str, ...], run_
 
     config = spec_path_for(config=config, run_dir=run_dir, overrides=overrides)
     try:
-        job = check_job(load_spec(config, overrides=overrides), source=str(config), **options)
+        spec = load_spec(config, overrides=overrides)
+        verified = verified_records(spec=spec, run_dir=run_dir)
+        job = check_job(spec, source=str(config), skip_records=verified, **options)
     except SpecError as err:
         raise DsmtError(f"job spec {config} does not pass `dsmt check`:\n{err.report.to_text()}") from None
+    if verified is not None and os.environ.get("RANK", "0") == "0":
+        print(f"dsmt train: data records checked before launch: {verified}", flush=True)
     if run_dir is None:
         return job
     run_files = compare_run_files(run_dir=run_dir, spec=job.spec).require_agreement(spec_ref=str(config))
     if os.environ.get("RANK", "0") == "0":  # the launcher's rank; one copy of the report
         print("\n".join(run_files.start_lines()), flush=True)
     return dataclasses.replace(job, deepspeed_config=run_files.ds_config, run_dir=run_dir)
+
+
+def verified_records(*, spec: JobSpec, run_dir: Path | None) -> str | None:
+    """What stands in for formatting every record on this rank: the head's data_check.json (in the run directory,
+    else the output directory, where `dsmt train`'s launcher writes it; toolkit/data/check_digest.py) verified
+    against the files; None when no digest applies (the records are checked here, as `dsmt check` does). Raises
+    DataChangedError when a checked file has changed since. The digest is sound wherever it is found: it applies
+    only to the same data section, dsmt and record-check version, and only to files whose content it matches."""
+    from toolkit.data.check_digest import verify_digest
+
+    directory = run_dir if run_dir is not None else Path(spec.training.output_dir).expanduser()
+    return verify_digest(data=spec.data, directory=directory)

@@ -4,8 +4,8 @@ Each host is reached the way the launch reaches it (cluster.launcher pdsh: pdsh 
 PDSH_SSH_ARGS_APPEND, with the PYTHON* variables DeepSpeed exports; openmpi: mpirun; hosts 'slurm': srun inside
 the allocation; no_ssh: this node only) and runs `toolkit.launch.preflight_probe` with the head's python path. The head
 compares the facts: dsmt / torch / DeepSpeed / megatron-core versions, GPUs per node (cuda), the run directory and
-its .deepspeed_env at the same path, the NCCL / gloo interfaces and IB HCAs it names, and the master port.
-Every remote call is bounded: a hung host fails its check, it does not hang preflight.
+its .deepspeed_env at the same path, the NCCL / gloo interfaces and IB HCAs it names, the master port, and on GPU
+runs the kernels each node must load or compile (toolkit/check/preflight_kernels.py). Every remote call is bounded: a hung host fails its check, it does not hang preflight.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import sys
 from pathlib import Path
 from shlex import quote
 
+from toolkit.check.preflight_kernels import compile_problems, kernel_problems
 from toolkit.errors import DsmtError, Problem, Report
 from toolkit.launch.preflight_probe import MARKER, facts
 
 CONNECT_TIMEOUT_S = 5
-REMOTE_TIMEOUT_S = 60
+REMOTE_TIMEOUT_S = 120  # a GPU node's probe imports TE and DeepSpeed and compiles a kernel cold: 10-60 s
 EXPORT_PREFIXES = ("PYTHON", "MLFLOW", "MV2", "UCX")  # what DeepSpeed's runner exports to the other nodes
 NO_PYTHON = f"{MARKER}_NO_PYTHON"
 _PDSH_LINE = re.compile(r"^(?:pdsh@[^:]+: )?([^\s:]+): (.*)$")
@@ -68,10 +69,13 @@ def preflight(*, run_dir: Path, python: str, env: dict[str, str], timeout_s: int
             problems += deepspeed_ssh_check(host=hosts[0], env=env)
         answers, failures = reach_hosts(launcher=launcher, hosts=hosts, python=python, probe_args=probe_args,
                                         env=env, timeout_s=timeout_s)
-    head = facts(run_dir=run_dir, device=device)
+    # the head's facts are what the nodes are compared with (versions, .deepspeed_env): no GPU kernels imported or
+    # compiled here (a login node may have no GPU; the nodes report their own)
+    head = facts(run_dir=run_dir, device="cpu")
     problems += _reach_problems(launcher=launcher, hosts=checked, answers=answers, failures=failures, python=python)
     problems += compare_nodes(head=head, answers=answers, device=device, slots=spec.cluster.gpus_per_node)
     problems += kernel_problems(spec=spec, answers=answers)
+    problems += compile_problems(spec=spec, answers=answers)
     master = spec.cluster.master_addr if spec.cluster.master_addr in checked else checked[0]
     problems += _master_port_problems(hosts=checked, answers=answers, port=port, master=master)
     return Report(source=source, problems=tuple(problems))
@@ -274,32 +278,6 @@ def compare_nodes(*, head: dict, answers: dict[str, dict], device: str, slots: i
                                 f"{_versions_text(head['versions'])}, run dir and .deepspeed_env, network settings OK"))
     if device != "cuda":
         problems.append(Problem("info", "preflight_gpu_count", f"device={device}: the GPU count is not applicable"))
-    return problems
-
-
-def kernel_problems(*, spec, answers: dict[str, dict]) -> list[Problem]:
-    """GPU runs: Transformer Engine must import where the layers are TE's (training.attention fused, auto on
-    cuda), and DeepSpeed's fused Adam must load where it is the optimizer (no optimizer offload)."""
-    from toolkit.spec.layout import spec_attention
-
-    if spec.cluster.device != "cuda":
-        return []
-    needs = {"transformer_engine": spec_attention(spec) == "fused",
-             "fused_adam": not spec.parallel.offload_optimizer}
-    fixes = {"transformer_engine": "install transformer-engine for this torch and CUDA on every node (the same "
-                                   "environment), or set training.attention: local (slower, stores the s x s scores)",
-             "fused_adam": "install a DeepSpeed built with DS_BUILD_FUSED_ADAM=1, or make nvcc and ninja available "
-                           "for its JIT build (CUDA_HOME)"}
-    problems = []
-    for host, node in answers.items():
-        kernels = node.get("kernels") or {}
-        for name, needed in needs.items():
-            if needed and kernels.get(name):
-                problems.append(Problem("error", f"preflight_{name}", f"{host}: {kernels[name]}", fixes[name]))
-    if answers and not problems:
-        checked = [name for name, needed in needs.items() if needed]
-        problems.append(Problem("info", "preflight_kernels", f"{len(answers)} node(s): "
-                                f"{', '.join(checked) or 'no GPU kernels needed'} load"))
     return problems
 
 

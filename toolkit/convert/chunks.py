@@ -85,7 +85,7 @@ def check_layout(*, hf_config, layout: Layout, vocab_pad_multiple: int = DEFAULT
 
 def load_model_chunks(*, checkpoint: Path, layout: Layout, params_dtype: torch.dtype | None = None,
                       parallel_output: bool = True, show_progress: bool = False, recompute: str = "none",
-                      attention: str | None = None, zero3_config: dict | None = None):
+                      attention: str | None = None, zero3_config: dict | None = None, fusions: str = "auto"):
     """(chunks, info): this rank's model chunks with the checkpoint's weights, and what the checkpoint is.
 
     With `zero3_config` (the run's ZeRO-3 DeepSpeed config) the chunks are built partitioned over megatron's
@@ -103,7 +103,8 @@ def load_model_chunks(*, checkpoint: Path, layout: Layout, params_dtype: torch.d
                                    "checkpoints only; export it first (`dsmt convert mcore-to-hf`) or train at ZeRO <= 2")
     with partitioned_build(zero3_config):
         chunks = build_model_chunks(settings=info.settings, layout=layout, params_dtype=params_dtype or info.params_dtype,
-                                    parallel_output=parallel_output, recompute=recompute, attention=attention)
+                                    parallel_output=parallel_output, recompute=recompute, attention=attention,
+                                    fusions=fusions)
     if info.kind == "hf":
         load_hf_weights(chunks=chunks, settings=info.settings, source=SafetensorsSource(info.hf_dir),
                         tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=layout.tp,
@@ -173,7 +174,7 @@ def save_mcore_checkpoint(*, chunks: list, info: CheckpointInfo, out_dir: Path, 
 
 def init_model_chunks(*, hf_dir: Path, layout: Layout, params_dtype: torch.dtype, init_method_std: float, seed: int,
                       vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE, recompute: str = "none",
-                      attention: str | None = None, zero3_config: dict | None = None):
+                      attention: str | None = None, zero3_config: dict | None = None, fusions: str = "auto"):
     """(chunks, info) for pretraining: this rank's chunks initialised by megatron-core itself (normal(0, std),
     output projections std / sqrt(2 * num_layers), norms 1), no weights read. `hf_dir` holds only config.json (and
     tokenizer files); `info` lets the export write final-mcore / final-hf as for a loaded checkpoint.
@@ -193,7 +194,8 @@ def init_model_chunks(*, hf_dir: Path, layout: Layout, params_dtype: torch.dtype
     backend.seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     with partitioned_build(zero3_config):
         chunks = build_model_chunks(settings=settings, layout=layout, params_dtype=params_dtype, init_weights=True,
-                                    init_method_std=init_method_std, recompute=recompute, attention=attention)
+                                    init_method_std=init_method_std, recompute=recompute, attention=attention,
+                                    fusions=fusions)
     backend.seed(seed)  # back to the state every rank of the load path continues from
     hf_names = [name for item in settings.load_items().values() for name in item.hf]
     metadata = {"source": str(Path(hf_dir).resolve()),  # config and tokenizer only: there are no source weights

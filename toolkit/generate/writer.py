@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from toolkit.data.check_digest import write_job_digest
 from toolkit.errors import DsmtError
 from toolkit.generate.adjustments import run_file_adjustments
 from toolkit.generate.env import render_deepspeed_env
@@ -70,7 +71,9 @@ def _json(data: dict) -> str:
 def write_run_dir(*, job: CheckedJob, out_dir: Path, overwrite: bool = False, train_module: str = TRAIN_MODULE,
                   templates: LaunchTemplates | None = None) -> list[Path]:
     """Render everything (`templates` as for render_all), write it to a temporary sibling directory, then rename
-    it into place: nothing is written when a template fails."""
+    it into place: nothing is written when a template fails. Beside them, data_check.json: the digest of the
+    record files the job's checks formatted, which the ranks verify instead of formatting them again
+    (toolkit/data/check_digest.py; not rendered by render_all: it depends on the files, not on the spec alone)."""
     out_dir = out_dir.expanduser().absolute()
     check_run_dir(spec=job.spec, run_dir=out_dir)  # a path DeepSpeed's pdsh runner would hand to a shell bare
     if out_dir.exists() and not out_dir.is_dir():
@@ -84,12 +87,15 @@ def write_run_dir(*, job: CheckedJob, out_dir: Path, overwrite: bool = False, tr
         for name, text in files.items():
             (staging / name).write_text(text)
             (staging / name).chmod(0o755 if name in EXECUTABLES else 0o644)
+        digest = write_job_digest(job=job, directory=staging)
+        if digest is not None:
+            digest.chmod(0o644)
         staging.chmod(0o755)
         _swap_into_place(staging=staging, out_dir=out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return [out_dir / name for name in files]
+    return [out_dir / name for name in files] + ([out_dir / digest.name] if digest is not None else [])
 
 
 def _swap_into_place(*, staging: Path, out_dir: Path) -> None:

@@ -2,20 +2,26 @@
 
 Run on a node as `PYTHON -m toolkit.launch.preflight_probe --run-dir DIR [--device cuda] [--port N]`, with the same
 python path as the head. On the CPU it reads only package metadata and answers in well under a second; on cuda
-it also imports torch, Transformer Engine and DeepSpeed's fused Adam op (a few seconds). It reports facts, never
-verdicts: the head decides what is a problem.
+it also imports torch, Transformer Engine and DeepSpeed's fused Adam op, and compiles one small fused kernel with
+torch.compile as megatron's fusions do at the first step (seconds; 10-30 s with a cold compile cache). It reports
+facts, never verdicts: the head decides what is a problem.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
+import sysconfig
+import tempfile
+import time
 from pathlib import Path
 
 MARKER = "DSMT_PREFLIGHT"  # the line prefix the head looks for among launcher noise
@@ -100,8 +106,121 @@ def _in_cuda_home(tool: str) -> bool:
 
 
 def kernel_facts() -> dict:
-    """What the GPU path loads at start: Transformer Engine (fused attention and layers) and fused Adam."""
-    return {"transformer_engine": import_error("transformer_engine.pytorch"), "fused_adam": fused_adam_error()}
+    """What the GPU path loads at start: Transformer Engine (fused attention and layers) and fused Adam; and what
+    megatron's fused kernels compile at the first step (`fused_compile_facts`)."""
+    return {"transformer_engine": import_error("transformer_engine.pytorch"), "fused_adam": fused_adam_error(),
+            "fused_compile": fused_compile_facts()}
+
+
+def bias_swiglu(y, bias):
+    """megatron-core 0.16.1's `fusions/fused_bias_swiglu.bias_swiglu`: bias add, split, silu(y1) * y2."""
+    import torch
+
+    y_1, y_2 = torch.chunk(y + bias, 2, -1)
+    return torch.nn.functional.silu(y_1) * y_2
+
+
+def fused_compile_facts(*, device: str = "cuda") -> dict:
+    """megatron-core wraps its fused kernels (bias + SwiGLU / GeLU, bias + dropout + add) in
+    `megatron.core.jit.jit_fuser`, which is torch.compile on torch >= 2.2: at the first forward Inductor writes
+    Triton kernels and Triton builds their launcher with the host C compiler against libcuda. This compiles the
+    same kind of function (forward and backward) once on `device` and times it: `error` None means it ran. The
+    other facts say which piece is there when it did not."""
+    found = {"c_compiler": c_compiler(), "libcuda": libcuda_dirs(), "triton": triton_version(),
+             "python_headers": python_headers(), "error": None, "seconds": None, "skipped": None}
+    try:
+        import torch
+    except Exception as err:  # noqa: BLE001 - the answer is that it does not import
+        return found | {"error": error_line(err)}
+    if device == "cuda" and not torch.cuda.is_available():
+        return found | {"skipped": "no CUDA device is visible (the GPU count says so)"}
+    start = time.perf_counter()
+    # Fresh caches: a warm Inductor / Triton cache would let the compile pass without calling the C compiler.
+    with tempfile.TemporaryDirectory(prefix="dsmt-preflight-compile-") as cache, environment(
+            {"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}):
+        return found | compile_once(torch, device=device, start=start)
+
+
+def compile_once(torch, *, device: str, start: float) -> dict:
+    """{"error", "seconds"} of one compiled bias + SwiGLU, forward and backward, on `device`."""
+    try:
+        fused = torch.compile(bias_swiglu)  # lazy: the compile happens at the first call
+        y = torch.randn(4, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+        bias = torch.randn(256, device=device, dtype=torch.bfloat16, requires_grad=True)
+        fused(y, bias).float().sum().backward()  # the backward is compiled too, as megatron's training needs
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001 - any failure is the answer
+        return {"error": error_line(err), "seconds": round(time.perf_counter() - start, 1)}
+    return {"error": None, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def error_line(err: BaseException, limit: int = 300) -> str:
+    """One line for a failure: the root of its chain, which names the missing piece (dynamo wraps Inductor's
+    error as "BackendCompilerFailed: backend='inductor' raised:" with the cause on the next line)."""
+    root, seen = err, {id(err)}
+    while True:
+        inner = (getattr(root, "inner_exception", None) or root.__cause__
+                 or (None if root.__suppress_context__ else root.__context__))
+        if not isinstance(inner, BaseException) or id(inner) in seen:
+            break
+        root = inner
+        seen.add(id(root))
+    lines = [line.strip() for line in str(root).splitlines() if line.strip()]
+    text = f"{type(root).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    if root is not err:
+        text = f"{type(err).__name__} <- {text}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def c_compiler() -> str | None:
+    """The C compiler Triton builds its launcher with, in its order (triton/runtime/build.py): $CC, else gcc, else
+    clang (a plain `cc` is not looked for)."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+
+
+def libcuda_dirs() -> str | None:
+    """The folder(s) of libcuda.so.1 as Triton finds them (it links its launcher against libcuda): Triton's own
+    `libcuda_dirs()` where Triton imports, else its lookup done here: TRITON_LIBCUDA_PATH, else `ldconfig -p`, else
+    LD_LIBRARY_PATH. None when none is found."""
+    try:
+        driver = importlib.import_module("triton.backends.nvidia.driver")
+        lookup = driver.libcuda_dirs
+    except Exception:  # noqa: BLE001 - no Triton here (or another layout of it): look as it does
+        lookup = None
+    if lookup is not None:
+        try:
+            return ":".join(lookup()) or None
+        except Exception:  # noqa: BLE001 - Triton asserts when it finds none
+            return None
+    if os.environ.get("TRITON_LIBCUDA_PATH"):
+        return os.environ["TRITON_LIBCUDA_PATH"]
+    try:
+        listing = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        listing = ""
+    dirs = sorted({os.path.dirname(line.split()[-1]) for line in listing.splitlines() if "libcuda.so.1" in line})
+    if not dirs:
+        dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":")
+                if d and os.path.exists(os.path.join(d, "libcuda.so.1"))]
+    return ":".join(dirs) or None
+
+
+def triton_version() -> str | None:
+    for name in ("triton", "pytorch-triton"):  # the PyPI wheel, and the name of PyTorch's nightly builds
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def python_headers() -> bool:
+    """Whether Python.h is where Triton's launcher build looks for it (Debian's posix_local scheme read as
+    posix_prefix, as Triton does): a system python without python3-dev fails there."""
+    scheme = sysconfig.get_default_scheme()
+    scheme = "posix_prefix" if scheme == "posix_local" else scheme
+    return (Path(sysconfig.get_paths(scheme=scheme)["include"]) / "Python.h").is_file()
 
 
 def facts(*, run_dir: Path, device: str = "cpu", port: int | None = None) -> dict:
@@ -119,8 +238,30 @@ def facts(*, run_dir: Path, device: str = "cpu", port: int | None = None) -> dic
         "ib_devices": sorted(p.name for p in IB_SYSFS.iterdir()) if IB_SYSFS.is_dir() else [],
         "gpu_count": gpu_count() if device == "cuda" else None,
         "port_free": port_free(port) if port is not None else None,
-        "kernels": kernel_facts() if device == "cuda" else None,
+        "kernels": ranks_kernel_facts(env=read_env_file(env_path)) if device == "cuda" else None,
     }
+
+
+def ranks_kernel_facts(*, env: dict[str, str] | None) -> dict:
+    """`kernel_facts` in the environment the ranks get: .deepspeed_env's variables (communication.extra_env: a CC,
+    TRITON_LIBCUDA_PATH, PATH or LD_LIBRARY_PATH set for the ranks) over this process's; restored after."""
+    with environment(env or {}):
+        return kernel_facts()
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """os.environ with `values` set inside, as it was after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def main(argv: list[str] | None = None) -> int:

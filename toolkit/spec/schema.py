@@ -323,6 +323,12 @@ class TrainingSpec(Section):
     # Attention kernel: fused (Transformer Engine / flash: no s x s scores stored; needed by cp > 1), local
     # (megatron's unfused torch attention: stores the s x s scores), auto: fused on cuda, local on cpu.
     attention: Literal["auto", "fused", "local"] = "auto"
+    # Fused kernels (toolkit/adapters/fusions.py). auto: megatron's fused bias-activation and bias-dropout-add and
+    # TE's fused RoPE where the device and layers have them; on GPUs megatron compiles the first two with
+    # torch.compile at step 1, which needs a C compiler and a findable libcuda on every node (`dsmt preflight`
+    # checks). off: not those two, and megatron's other compiled helpers run eagerly: nothing compiles, for an
+    # image without a compiler (the elementwise ops run slower); TE's fused RoPE, a prebuilt kernel, stays.
+    fusions: Literal["auto", "off"] = "auto"
     lr: float = Field(3e-4, gt=0)
     min_lr: float = Field(3e-5, ge=0)
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -379,6 +385,13 @@ class TrainingSpec(Section):
     @classmethod
     def _out_ok(cls, value):
         return _safe_path(value, what="training.output_dir")
+
+    @field_validator("fusions", mode="before")
+    @classmethod
+    def _fusions_word(cls, value):
+        """YAML 1.1 (PyYAML, and --set) reads a bare `off` / `on` as a boolean: off is "off", on is "auto" (every
+        fusion the machine has)."""
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="before")
     @classmethod

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.models.tiny import make_tiny_checkpoint
-from train_helpers import read_metrics, write_spec
+from train_helpers import cut_back, read_metrics, write_spec
 
 pytestmark = pytest.mark.multiproc
 HELPERS = Path(__file__).resolve().parents[1]  # tests/train: train_helpers
@@ -40,17 +40,6 @@ def _spec(root: Path, name: str, *, out: str, steps: int, model: str = "model", 
     return str(write_spec(root / f"{name}.yaml", model_dir=root / model, output_dir=root / out, steps=steps,
                           checkpoint_interval=2, global_batch=global_batch, micro=2, seq=32,
                           extra={"training": training, "parallel": parallel}, **layout))
-
-
-def _cut_back(source: Path, target: Path, *, to_step: int) -> None:
-    """A copy of a run as it was after `to_step` (later checkpoints, metrics and exports dropped)."""
-    from toolkit.train.checkpoint.checkpoints import LATEST, tag_for
-
-    shutil.copytree(source, target, ignore=shutil.ignore_patterns("final-*"))
-    for tag in (target / "checkpoints").glob("step_*"):
-        if int(tag.name[len("step_"):]) > to_step:
-            shutil.rmtree(tag)
-    (target / "checkpoints" / LATEST).write_text(tag_for(to_step))
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +160,7 @@ def _run_action(action: str, args: list) -> None:
 
     if action in ("cut", "hash"):
         if dist.get_rank() == 0 and action == "cut":
-            _cut_back(Path(args[0]), Path(args[1]), to_step=args[2])
+            cut_back(Path(args[0]), Path(args[1]), to_step=args[2])
         if dist.get_rank() == 0 and action == "hash":
             Path(args[1]).write_text(json.dumps(_digests(Path(args[0]))))
         dist.barrier()

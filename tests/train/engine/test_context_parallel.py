@@ -26,7 +26,7 @@ def worker(out_dir: str) -> None:
     from toolkit import backend as backends
     from toolkit.parallel.layout import Layout
     from toolkit.parallel.groups import destroy_process_groups, init_process_groups
-    from toolkit.train.engine.hybrid import context_parallel_slices, global_loss_tokens
+    from toolkit.train.engine.step_inputs import context_parallel_slices, global_loss_tokens
     from toolkit.train.engine.tasks import CausalLM
     from toolkit.parallel.mpu import MegatronMpu
 
@@ -41,7 +41,8 @@ def worker(out_dir: str) -> None:
         "mpu_dp_world": MegatronMpu().get_data_parallel_world_size(),
         "positions": sliced["position_ids"][0].tolist(), "tokens_match": torch.equal(sliced["tokens"],
                                                                                    sliced["position_ids"] + 100),
-        "global_tokens": global_loss_tokens([sliced], device=torch.device("cpu"), count=CausalLM(vocab_size=0).count),
+        # whole micro-batches over the replicas (evaluation counts before the CP cut; training: step_inputs.global_units)
+        "global_tokens": global_loss_tokens([batch], device=torch.device("cpu"), count=CausalLM(vocab_size=0).count),
         "full_tokens_this_dp_rank": int(mask.sum()),
         "deepspeed_batch": deepspeed_batch_as_parsed(),
     }
@@ -84,7 +85,7 @@ def test_context_parallel_plumbing_on_four_ranks(tmp_path):
     assert reports[1]["positions"] == [4, 5, 6, 7, 8, 9, 10, 11]
     assert all(r["tokens_match"] for r in reports)
     total = reports[0]["full_tokens_this_dp_rank"] + reports[2]["full_tokens_this_dp_rank"]
-    assert all(r["global_tokens"] == total for r in reports)  # each token counted once over dp and cp
+    assert all(r["global_tokens"] == total for r in reports)  # each token once: over the replicas, not the CP pair
     # 8 sequences = micro 2 × accumulation 2 × dp 2; DeepSpeed's group is dp × cp = 4, so it counts 8 × cp = 16
     assert all(r["deepspeed_batch"] == [16, 2, 2] for r in reports), reports
 

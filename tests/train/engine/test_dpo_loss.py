@@ -25,12 +25,15 @@ def packed_pair_batch(generator):
 
 
 def test_sequence_logps_are_torchs_log_softmax_sums_and_carry_the_gradient(megatron_tp1):
+    from toolkit.adapters.vocab_mask import PaddedVocabMask
     from toolkit.train.engine.preference import sequence_logps
 
     generator = torch.Generator().manual_seed(0)
     batch = packed_pair_batch(generator)
     logits = torch.randn(2, 10, PADDED, generator=generator, requires_grad=True)
-    logps, counts = sequence_logps(logits * 1, batch=batch, vocab_size=VOCAB)
+    output = logits * 1  # GPTModel's output: the padded rows -inf, as its output layer sets them
+    PaddedVocabMask(vocab_size=VOCAB, padded_vocab_size=PADDED)(None, None, (output, None))
+    logps, counts = sequence_logps(output, batch=batch)
     token = torch.log_softmax(logits.detach()[..., :VOCAB], dim=-1).gather(-1, batch["labels"][..., None])[..., 0]
     expected = torch.zeros(4).index_add(0, batch["sequence_index"].flatten(),
                                         (token * batch["loss_mask"]).flatten())

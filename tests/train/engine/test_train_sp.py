@@ -119,8 +119,8 @@ def backward_grads(*, model_dir: str, pp: int, sp: bool, recompute: str, summed:
     def forward_step(iterator, model):
         batch = next(iterator)
         logits = model(batch["tokens"], batch["position_ids"], None)
-        return logits, lambda out: (masked_token_loss_sum(out, labels=batch["labels"], loss_mask=batch["loss_mask"],
-                                                          vocab_size=vocab_size) / (MICRO * SEQ), {})
+        return logits, lambda out: (masked_token_loss_sum(out, labels=batch["labels"], loss_mask=batch["loss_mask"])
+                                    / (MICRO * SEQ), {})
 
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=chunks[0],
                                 num_microbatches=NUM_MICRO, seq_length=SEQ, micro_batch_size=MICRO,
@@ -388,7 +388,7 @@ def test_a_sequence_not_divisible_by_tp_is_refused(monkeypatch):
     from megatron.core import parallel_state
 
     from toolkit.errors import DsmtError
-    from toolkit.train.engine.hybrid import check_sequence_split
+    from toolkit.train.engine.step_inputs import check_sequence_split
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     check_sequence_split(seq_length=31, chunks=[TransformerEngineLike(sp=False)])

@@ -21,9 +21,11 @@ def test_regression_and_classification_equal_hf_losses():
 
 
 def test_masked_lm_counts_masked_tokens_and_ignores_the_padded_vocabulary():
-    """Logits over the padded vocabulary (250 -> 256): the 6 extra columns take no part, as HF has none."""
+    """Logits over the padded vocabulary (250 -> 256): the 6 extra columns take no part, as HF has none (the MLM
+    head's output layer sets them to -inf: toolkit/adapters/vocab_mask.py)."""
     from megatron.core import parallel_state
 
+    from toolkit.adapters.vocab_mask import PaddedVocabMask
     from toolkit.launch.local import single_process_group
 
     generator = torch.Generator().manual_seed(1)
@@ -37,6 +39,7 @@ def test_masked_lm_counts_masked_tokens_and_ignores_the_padded_vocabulary():
     hf = torch.nn.functional.cross_entropy(logits[..., :250].flatten(0, 1), labels.flatten(), ignore_index=-100)
     with single_process_group(dist_backend="gloo"):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        PaddedVocabMask(vocab_size=250, padded_vocab_size=256)(None, None, (logits, None))
         summed = task.loss_sum(logits, batch)
     assert task.count(batch) == 3 and torch.allclose(summed / 3, hf)
 

@@ -289,6 +289,8 @@ def test_dsmt_check_refuses_packing_with_cp_and_thd_micro_batches_at_pp():
     assert rules(parallel={"pp": 2}, training={"micro_batch_size": 2}) == ["packing_fused_micro_batch"]
     assert rules(parallel={"pp": 2}, training={"micro_batch_size": 1}) == []  # one THD row per micro-batch
     assert rules(parallel={"pp": 1}, training={"micro_batch_size": 4}) == []  # flattened to one row
+    assert rules(training={"precision": "fp32"}) == ["packing_fused_fp32"]  # TE has no fp32 THD attention
+    assert rules(training={"precision": "fp32", "attention": "local"}) == []
     assert rules(parallel={"cp": 2}, data={"packing": False}) == []
     assert rules(parallel={"cp": 2}, data={"path": None, "synthetic": True}) == []
 
@@ -314,3 +316,26 @@ def test_rotary_wrapper_gathers_record_positions():
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+def test_packed_rope_table_is_as_long_as_the_longest_record_known_on_the_host():
+    """The packed call's RoPE table has the longest record's length (HF's max(position_ids) + 1, by which Phi-3's
+    long-RoPE picks its factors), handed in from the host (no positions.max() on the device), and only inside."""
+    from toolkit.adapters.packed import PositionRotary, longest_record
+
+    asked = []
+
+    class Inner(torch.nn.Module):
+        def forward(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
+            asked.append(max_seq_len)
+            return torch.arange(max_seq_len, dtype=torch.float32).view(-1, 1, 1, 1)
+
+    model = torch.nn.Module()
+    model.rotary_pos_emb = rotary = PositionRotary(Inner())
+    rotary.position_ids = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    with longest_record(model, 3):
+        freqs = rotary(6)
+    assert asked == [3] and freqs[:, 0, 0, 0].tolist() == [0, 1, 2, 0, 1, 0]
+    assert rotary.longest_record is None
+    rotary(6)
+    assert asked[-1] == 6  # without it: the row's length, which holds every position too

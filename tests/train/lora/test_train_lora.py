@@ -312,8 +312,7 @@ def lora_grads(*, model_dir: str, adapter_dir: str, tp: int, sp: bool, summed: b
     generator = torch.Generator().manual_seed(5)
     tokens = torch.randint(3, info.settings.vocab_size, (MICRO, SEQ + 1), generator=generator)
     logits = chunks[0](tokens[:, :-1], torch.arange(SEQ).expand(MICRO, SEQ), None)
-    loss = masked_token_loss_sum(logits, labels=tokens[:, 1:], loss_mask=torch.ones(MICRO, SEQ),
-                                 vocab_size=info.settings.vocab_size) / (MICRO * SEQ)
+    loss = masked_token_loss_sum(logits, labels=tokens[:, 1:], loss_mask=torch.ones(MICRO, SEQ)) / (MICRO * SEQ)
     loss.backward()
     grads = {}
     for _, linear, module in adapted_linears(chunks):

@@ -39,7 +39,7 @@ import torch
 from toolkit import backend as backends
 from toolkit.adapters.load import full_shape
 from toolkit.errors import DsmtError
-from toolkit.train.engine import moe
+from toolkit.train.engine import moe, step_inputs
 from toolkit.parallel.mpu import MegatronMpu
 from toolkit.train.engine.tasks import CausalLM
 from toolkit.train.engine.tp_grads import sum_sequence_parallel_grads
@@ -139,33 +139,47 @@ class HybridEngine(EngineCheckpoints):
                                global_batch_size=layout.global_batch_size)
 
     def train_step(self, micro_batches: list[dict]) -> StepStats:
+        """One optimizer step over this rank's micro-batches. Nothing is read back from the device until the
+        optimizer step is queued (toolkit/train/engine/step_inputs.py): what the host must know of the batches is
+        read before they are copied, the loss's per-unit scale stays on the device, and the step's values come
+        back together at its end (`_step_stats`)."""
         start = time.perf_counter()
         lr = self.engine.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler steps after the update)
         device = backends.current().device
-        micro_batches = [{key: value.to(device) for key, value in batch.items()} for batch in micro_batches]
+        micro_batches = step_inputs.on_device(micro_batches, count=self.task.count)
         if self.reference is not None:
             self.reference.add_logps(self, micro_batches)  # before the CP cut: the reference cuts its own copy
-        micro_batches = context_parallel_slices(micro_batches)
-        check_sequence_split(seq_length=self.task.sequence(micro_batches[0]).shape[1], chunks=self.chunks)
-        global_tokens = global_loss_tokens(micro_batches, device=device, count=self.task.count)
-        self._prepare_step(micro_batches, global_units=global_tokens)
-        # dp / global_tokens: see the class docstring (clamped: a step whose tokens are all masked learns nothing)
-        scale = MegatronMpu().get_data_parallel_world_size() / max(global_tokens, 1)  # dp (× cp: MegatronMpu)
+        micro_batches = step_inputs.context_parallel_slices(micro_batches)
+        step_inputs.check_sequence_split(seq_length=self.task.sequence(micro_batches[0]).shape[1], chunks=self.chunks)
+        global_units = step_inputs.global_units(micro_batches, device=device)
+        self._prepare_step(micro_batches, global_units=global_units)
+        # dp / global units: see the class docstring (clamped: a step whose tokens are all masked learns nothing)
+        scale = step_inputs.loss_scale(global_units, dp_size=MegatronMpu().get_data_parallel_world_size())
         step = self._pipeline_step if self.pp_size > 1 else self._deepspeed_step
         if self.is_moe and self.pp_size == 1:
             moe.set_aux_loss_scale(len(micro_batches), device=device)  # megatron's pipeline schedule sets its own
         local_sums = step(micro_batches, scale=scale)
+        return self._step_stats(local_sums, global_units=global_units, lr=lr, start=start,
+                                num_microbatches=len(micro_batches))
+
+    def _step_stats(self, local_sums: torch.Tensor, *, global_units: torch.Tensor, lr: float, start: float,
+                    num_microbatches: int) -> StepStats:
+        """The step's values on the host, read once, after its optimizer step: the loss and metric sums (last
+        stage, every replica), the global units, the gradient norm, MoE's load-balancing loss."""
+        device = backends.current().device
         norm = self.engine.get_global_grad_norm()
-        aux = moe.aux_loss_value(self.chunks, num_microbatches=len(micro_batches), device=device) if self.is_moe else 0.0
-        sums = self._reduce_last_stage(local_sums.detach().double()).tolist()
-        units = max(global_tokens, 1)
+        aux = moe.aux_loss_value(self.chunks, num_microbatches=num_microbatches, device=device) if self.is_moe else 0.0
+        summed = self._reduce_last_stage(local_sums.detach().double())
+        values = torch.cat([summed, global_units.to(summed.device, torch.float64)]).tolist()
+        sums, global_count = values[:-1], int(values[-1])
+        units = max(global_count, 1)
         return StepStats(loss=sums[0] / units + aux, grad_norm=None if norm is None else float(norm), lr=float(lr),
-                         step_time_s=time.perf_counter() - start, tokens=global_tokens,
+                         step_time_s=time.perf_counter() - start, tokens=global_count,
                          metrics=self._metric_values(sums[1:], units=units))
 
-    def _prepare_step(self, micro_batches: list[dict], *, global_units: int) -> None:
+    def _prepare_step(self, micro_batches: list[dict], *, global_units: torch.Tensor) -> None:
         """A task's per-step constants over the global batch (ORPO: its chosen tokens), set into each micro-batch.
-        Collective over the data-parallel group, on every rank."""
+        Collective over the data-parallel group, on every rank. `global_units`: int64 [1] where the batches are."""
         prepare = getattr(self.task, "prepare_step", None)
         if prepare is None:
             return
@@ -207,8 +221,8 @@ class HybridEngine(EngineCheckpoints):
             self.reference.add_logps(self, micro_batches)
         if hasattr(self.task, "prepare_step"):  # over the whole evaluation: every rank's micro-batches
             device = backends.current().device
-            units = global_loss_tokens(micro_batches, device=device, count=self.task.count)
-            self._prepare_step(micro_batches, global_units=units)
+            units = step_inputs.global_loss_tokens(micro_batches, device=device, count=self.task.count)
+            self._prepare_step(micro_batches, global_units=torch.tensor([units]))  # host batches: a host tensor
 
         def add_sums(output, batch: dict) -> None:
             _, sums = self._loss_terms(output, batch)
@@ -245,11 +259,10 @@ class HybridEngine(EngineCheckpoints):
                 module.train(was)
 
     def _eval_inputs(self, micro_batches: list[dict]):
-        device = backends.current().device
         for index, batch in enumerate(micro_batches):
-            (batch,) = context_parallel_slices([{key: value.to(device) for key, value in batch.items()}])
+            (batch,) = step_inputs.context_parallel_slices(step_inputs.on_device([batch], count=None))
             if index == 0:
-                check_sequence_split(seq_length=self.task.sequence(batch).shape[1], chunks=self.chunks)
+                step_inputs.check_sequence_split(seq_length=self.task.sequence(batch).shape[1], chunks=self.chunks)
             yield batch
 
     def _pipeline_forward(self, micro_batches: list[dict], *, on_output, chunks: list | None) -> None:
@@ -285,17 +298,17 @@ class HybridEngine(EngineCheckpoints):
             seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
         )
 
-    def _deepspeed_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
+    def _deepspeed_step(self, micro_batches: list[dict], *, scale: torch.Tensor) -> torch.Tensor:
         sums = []
         for batch in micro_batches:
             token_sum, batch_sums = self._loss_terms(self.task.forward(self.engine, batch), batch)
             # The scale already accounts for accumulation: DeepSpeed must not divide by its GAS again.
-            self.engine.backward(token_sum * scale, scale_wrt_gas=False)
+            self.engine.backward(token_sum * scale.to(token_sum.dtype), scale_wrt_gas=False)
             self.engine.step()  # steps at the accumulation boundary only
             sums.append(batch_sums)
         return torch.stack(sums).sum(0)
 
-    def _pipeline_step(self, micro_batches: list[dict], *, scale: float) -> torch.Tensor:
+    def _pipeline_step(self, micro_batches: list[dict], *, scale: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state
 
         sums: list[torch.Tensor] = []
@@ -311,7 +324,7 @@ class HybridEngine(EngineCheckpoints):
                 sums.append(batch_sums)
                 # megatron's schedule divides a (loss, {}) return by num_microbatches and multiplies it by the CP
                 # size: undo both so that the backpropagated value is token_sum * scale, as in the DeepSpeed driver.
-                return token_sum * (scale * num_microbatches / cp_size), {}
+                return token_sum * (scale * num_microbatches / cp_size).to(token_sum.dtype), {}
 
             return logits, loss_func
 
@@ -346,7 +359,7 @@ class HybridEngine(EngineCheckpoints):
     @staticmethod
     def _reduce_last_stage(local: torch.Tensor) -> torch.Tensor:
         """`local` (1-D) of the last pipeline stage summed over the data-parallel ranks (and the CP ranks'
-        slices), on every rank."""
+        slices), on every rank; on the device (the caller reads it back)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
@@ -355,42 +368,7 @@ class HybridEngine(EngineCheckpoints):
             value.zero_()
         dist.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
         dist.all_reduce(value, group=MegatronMpu().get_data_parallel_group())  # the CP ranks' slices too
-        return value.cpu()
-
-
-def check_sequence_split(*, seq_length: int, chunks: list) -> None:
-    """Sequence parallelism splits every sequence into tp equal slices (megatron asserts it deep in a forward)."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if seq_length % tp and any(getattr(getattr(c, "config", None), "sequence_parallel", False) for c in chunks):
-        raise DsmtError(f"sequence_parallel_vs_seq_length: seq_length={seq_length} is not divisible by tp={tp}, "
-                        "and sequence parallelism splits each sequence into tp equal slices; set "
-                        f"training.seq_length to a multiple of {tp} or parallel.sequence_parallel: false")
-
-
-def global_loss_tokens(micro_batches: list[dict], *, device: torch.device, count) -> int:
-    """Loss units of this step summed over this rank's micro-batches and every data-parallel rank (and, with
-    context parallelism, every CP rank's slice of the sequences: the group DeepSpeed reduces over). `count(batch)`:
-    a micro-batch's loss units (the task's: `toolkit/train/engine/tasks.py`)."""
-    import torch.distributed as dist
-
-    total = torch.tensor([sum(count(batch) for batch in micro_batches)], dtype=torch.int64, device=device)
-    dist.all_reduce(total, group=MegatronMpu().get_data_parallel_group())
-    return int(total.item())
-
-
-def context_parallel_slices(micro_batches: list[dict]) -> list[dict]:
-    """This CP rank's part of every sequence, as megatron-core's `get_batch_on_this_cp_rank` cuts it: 2·cp chunks,
-    chunk r and chunk 2·cp-1-r on rank r (balancing causal attention's work). Tokens, labels, loss mask and
-    positions are cut alike; RoPE is computed for the full length inside GPTModel and cut the same way. The CP
-    ranks of one replica read the same micro-batches (they share megatron's data-parallel rank)."""
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return micro_batches
-    return [get_batch_on_this_cp_rank(dict(batch)) for batch in micro_batches]
+        return value
 
 
 def accumulated_grad(param: torch.Tensor) -> torch.Tensor:

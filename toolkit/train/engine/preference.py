@@ -33,7 +33,6 @@ import dataclasses
 import torch
 
 from toolkit.errors import DsmtError
-from toolkit.train.engine.loss import mask_padded_vocab_
 from toolkit.train.engine.tasks import CausalLM
 
 METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -70,21 +69,21 @@ class Dpo:
             raise DsmtError("a DPO micro-batch reached the loss without reference log-probs ('ref_logps'): the run "
                         "has no live reference and the batches brought none; set training.dpo.reference to base, "
                         "precomputed or a checkpoint path")
-        policy, counts = sequence_logps(output, batch=batch, vocab_size=self.vocab_size)
+        policy, counts = sequence_logps(output, batch=batch)
         return dpo_loss_terms(policy=policy, reference=reference.to(policy.dtype), counts=counts,
                               pair_mask=batch["pair_mask"].to(policy.dtype), dpo=self.settings)
 
     def reference_logps(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
         """The [2n] log-probs a reference forward gives (no graph)."""
-        return sequence_logps(output, batch=batch, vocab_size=self.vocab_size)[0].detach().float()
+        return sequence_logps(output, batch=batch)[0].detach().float()
 
 
-def sequence_logps(logits: torch.Tensor, *, batch: dict, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(logits: torch.Tensor, *, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob sums [2n] fp32, counted labels [2n]) of the micro-batch's sequences from its vocab-parallel logits
     [rows, s, vocab/tp] (consumed, as the SFT loss consumes them: toolkit/train/engine/loss.py)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    per_token = vocab_parallel_cross_entropy(mask_padded_vocab_(logits, vocab_size=vocab_size), batch["labels"])
+    per_token = vocab_parallel_cross_entropy(logits, batch["labels"])  # padded vocab: -inf already (vocab_mask.py)
     mask = batch["loss_mask"].to(per_token.dtype)
     index = batch["sequence_index"].reshape(-1)
     size = 2 * batch["pair_mask"].shape[0]
@@ -132,7 +131,7 @@ class Simpo(Dpo):
     name = "simpo"
 
     def loss_terms(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        policy, counts = sequence_logps(output, batch=batch, vocab_size=self.vocab_size)
+        policy, counts = sequence_logps(output, batch=batch)
         average = policy / counts.clamp(min=1)
         settings, mask = self.settings, batch["pair_mask"].to(policy.dtype)
         z = settings.beta * (average[0::2] - average[1::2]) - settings.gamma
@@ -157,17 +156,17 @@ class Orpo(Dpo):
     name = "orpo"
     metric_names = ORPO_METRIC_NAMES
 
-    def prepare_step(self, micro_batches: list[dict], *, global_units: int, reduce) -> None:
+    def prepare_step(self, micro_batches: list[dict], *, global_units: torch.Tensor, reduce) -> None:
         """Collective over the data-parallel group (`reduce` sums a tensor there): every micro-batch gets the
-        global batch's pairs / chosen completion tokens."""
-        chosen = torch.tensor([float(sum(_chosen_mask(batch).sum().item() for batch in micro_batches))],
-                              dtype=torch.float64)
-        scale = global_units / max(float(reduce(chosen).item()), 1.0)
+        global batch's pairs / chosen completion tokens, a float64 tensor where the batches are (`global_units`:
+        the pairs, int64 [1] there). Nothing is read back to the host: on a GPU that would wait for the device."""
+        chosen = sum(_chosen_mask(batch).sum() for batch in micro_batches).to(torch.float64).reshape(1)
+        scale = (global_units.to(torch.float64) / reduce(chosen).clamp(min=1.0)).reshape(())
         for batch in micro_batches:
-            batch[NLL_SCALE_KEY] = torch.tensor(scale, dtype=torch.float64, device=batch["tokens"].device)
+            batch[NLL_SCALE_KEY] = scale
 
     def loss_terms(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        policy, counts = sequence_logps(output, batch=batch, vocab_size=self.vocab_size)
+        policy, counts = sequence_logps(output, batch=batch)
         mask = batch["pair_mask"].to(policy.dtype)
         # log(1 - p) is -inf at an average log-prob of 0: a padding pair's (no label) and a completion predicted
         # with certainty (per-token cross entropy 0.0 in fp32). Padding pairs take -1 before the log (a mask

@@ -41,20 +41,26 @@ class CausalLM:
     def forward(self, model, batch: dict) -> torch.Tensor:
         """Packed records (position ids restarting inside a row, toolkit/adapters/packed.py) attend only to
         themselves: a block-diagonal causal mask on megatron's local attention, THD `PackedSeqParams` on Transformer
-        Engine's. Rows of one record each take megatron's plain causal path."""
+        Engine's. Rows of one record each take megatron's plain causal path. Which one, and THD's record
+        boundaries, come from the batch's host-read facts (toolkit/train/engine/step_inputs.py); a batch without
+        them (a caller of its own) is read here."""
         from toolkit.adapters import packed
+        from toolkit.train.engine.step_inputs import batch_facts, facts_of
 
         tokens, position_ids = batch["tokens"], batch["position_ids"]
-        if not packed.has_packed_boundary(position_ids):
+        facts = facts_of(batch) or batch_facts(batch)
+        if not facts.packed:
             return model(tokens, position_ids, None)
         check_packing_layout()
         if not packed.uses_thd(model):
-            return model(tokens, position_ids, packed.packed_attention_mask(position_ids))
-        return thd_forward(model, tokens=tokens, position_ids=position_ids)
+            with packed.longest_record(model, facts.max_seqlen):  # RoPE's table length (Phi-3: its factors)
+                return model(tokens, position_ids, packed.packed_attention_mask(position_ids))
+        params = packed.thd_packed_seq_params(cu_seqlens=facts.cu_seqlens.to(tokens.device),
+                                              max_seqlen=facts.max_seqlen)
+        return thd_forward(model, tokens=tokens, position_ids=position_ids, params=params)
 
     def loss_sum(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
-        return masked_token_loss_sum(output, labels=batch["labels"], loss_mask=batch["loss_mask"],
-                                     vocab_size=self.vocab_size)
+        return masked_token_loss_sum(output, labels=batch["labels"], loss_mask=batch["loss_mask"])
 
 
 def check_packing_layout() -> None:
@@ -68,13 +74,11 @@ def check_packing_layout() -> None:
                         "context parallelism; set data.packing: false (one record per row) or parallel.cp: 1")
 
 
-def thd_forward(model, *, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def thd_forward(model, *, tokens: torch.Tensor, position_ids: torch.Tensor, params) -> torch.Tensor:
     """TE attention on packed rows: the micro-batch [b, s] as one THD row [1, b*s] (megatron expects micro-batch 1
     for THD) with cu_seqlens at every record; the logits come back as [b, s, vocab/tp], so labels and loss mask
     stay as they are. Inner pipeline stages return hidden states, sent on unchanged."""
     from megatron.core import parallel_state
-
-    from toolkit.adapters import packed
 
     rows, length = tokens.shape
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -83,7 +87,6 @@ def thd_forward(model, *, tokens: torch.Tensor, position_ids: torch.Tensor) -> t
                         "Transformer Engine takes packed records as one THD row per micro-batch, and the pipeline's "
                         "activation shapes are micro_batch_size x seq_length; set training.micro_batch_size: 1 "
                         "(raise gradient accumulation instead), or data.packing: false")
-    params = packed.thd_packed_seq_params(position_ids)
     output = model(tokens.reshape(1, rows * length), position_ids.reshape(1, rows * length), None,
                    packed_seq_params=params)
     is_logits = output.dim() == 3 and output.shape[0] == 1 and output.shape[1] == rows * length
@@ -113,8 +116,7 @@ class MaskedLM(EncoderInputs):
     def loss_sum(self, output: torch.Tensor, batch: dict) -> torch.Tensor:
         counted = batch["labels"] != IGNORE_INDEX
         # -100 is no vocabulary index: those tokens take label 0 and weight 0
-        return masked_token_loss_sum(output, labels=batch["labels"].clamp(min=0), loss_mask=counted,
-                                     vocab_size=self.vocab_size)
+        return masked_token_loss_sum(output, labels=batch["labels"].clamp(min=0), loss_mask=counted)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ def launch_training(*, job: CheckedJob, spec_file: Path | None = None, source: s
         for line in run_identity.accepted_lines(admitted):
             print(line, flush=True)
         spec_file = spec_file if spec_file is not None else write_spec_file(job=job)
+        write_data_digest(job=job)
         # The environment the generated scripts export (.deepspeed_env): NCCL presets and
         # CUDA_DEVICE_MAX_CONNECTIONS=1 on GPUs, DS_ACCELERATOR=cpu and one thread per rank on the CPU; the spec's
         # communication.extra_env last; the lock's path, so the ranks do not take it again.
@@ -65,6 +66,17 @@ def write_spec_file(*, job: CheckedJob) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dump_spec(absolutize_paths(job.spec, base_dir=Path.cwd())))
     return path
+
+
+def write_data_digest(*, job: CheckedJob) -> None:
+    """data_check.json where the ranks look for it (toolkit/check/job.py `verified_records`): the run directory,
+    else the output directory. The pre-launch pass has just formatted every record; the ranks verify the files
+    against this digest instead of formatting them again (toolkit/data/check_digest.py)."""
+    from toolkit.data.check_digest import write_job_digest
+
+    directory = job.run_dir if job.run_dir is not None else Path(job.spec.training.output_dir).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    write_job_digest(job=job, directory=directory)
 
 
 def rank_args(*, job: CheckedJob, spec_file: Path) -> list[str]:

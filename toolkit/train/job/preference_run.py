@@ -53,15 +53,16 @@ def dpo_task_and_reference(*, spec, layout, info, params_dtype: torch.dtype, att
         return task, LiveReference(chunks=None)
     where = Path(dpo.reference_path or info.hf_dir)
     return task, LiveReference(chunks=frozen_chunks(checkpoint=where, layout=layout, params_dtype=params_dtype,
-                                                    attention=attention))
+                                                    attention=attention, fusions=spec.training.fusions))
 
 
-def frozen_chunks(*, checkpoint: Path, layout, params_dtype: torch.dtype, attention: str | None) -> list:
+def frozen_chunks(*, checkpoint: Path, layout, params_dtype: torch.dtype, attention: str | None,
+                  fusions: str = "auto") -> list:
     """This rank's chunks of `checkpoint` for forward passes only: no gradient, eval mode, whole on the rank."""
     from toolkit.convert.chunks import load_model_chunks
 
     chunks, _ = load_model_chunks(checkpoint=checkpoint, layout=layout, params_dtype=params_dtype,
-                                  attention=attention)
+                                  attention=attention, fusions=fusions)
     for chunk in chunks:
         chunk.requires_grad_(False)
         chunk.eval()

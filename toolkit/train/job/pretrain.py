@@ -116,4 +116,4 @@ def init_chunks(*, spec, hf_dir: Path, layout, params_dtype, zero3_config: dict 
     return init_model_chunks(hf_dir=hf_dir, layout=layout, params_dtype=params_dtype, init_method_std=std,
                              seed=spec.training.seed, vocab_pad_multiple=spec.model.make_vocab_size_divisible_by,
                              recompute=spec.training.recompute, attention=spec_attention(spec),
-                             zero3_config=zero3_config)
+                             zero3_config=zero3_config, fusions=spec.training.fusions)

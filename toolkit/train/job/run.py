@@ -184,7 +184,8 @@ def build_hybrid(*, spec, layout, hf_dir: Path, ds_config: dict):
     else:
         chunks, info = load_model_chunks(checkpoint=hf_dir, layout=layout, params_dtype=dtype,
                                          show_progress=dist.get_rank() == 0, recompute=spec.training.recompute,
-                                         attention=spec_attention(spec), zero3_config=zero3_config)
+                                         attention=spec_attention(spec), zero3_config=zero3_config,
+                                         fusions=spec.training.fusions)
     if dist.get_rank() == 0:
         _say_passthrough(info)
     if spec.training.lora is not None:  # freeze the base, attach the adapters (toolkit/train/lora/adapters.py)

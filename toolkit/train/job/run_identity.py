@@ -54,7 +54,7 @@ FREE = ("training.log_interval", "training.tensorboard", "training.wandb", "trai
 # ... except these communication settings: they choose DeepSpeed's optimizer wrapper, hence its state's layout
 NOT_FREE = ("communication.communication_data_type", "communication.grad_accum_dtype")
 CHANGEABLE = ("training.train_steps", "training.min_lr", "training.eval_interval", "data.validation_path",
-              "parallel", "training.micro_batch_size", "training.recompute", "training.attention",
+              "parallel", "training.micro_batch_size", "training.recompute", "training.attention", "training.fusions",
               "cluster.nodes", "cluster.gpus_per_node", "cluster.device")
 # spec keys that name files or folders, compared by fingerprint ("*": any list index)
 PATH_KEYS = ("model.path", "data.path", "data.validation_path", "data.tokenizer", "data.mix.*.path",

@@ -48,6 +48,7 @@ PLAIN_NOTICE = ("model_type {model_type} has no megatron-core adapter: training 
                 "data parallelism only (tp=1, pp=1)")
 # Tasks whose loss is per token over the global batch, with the HF loss function computing it.
 TOKEN_LOSSES = {"masked_lm": "ForMaskedLMLoss", "causal_lm": "ForCausalLMLoss"}
+KEEP_DTYPE = ("labels", "sample_mask")  # floating tensors of a batch not cast to the weights' dtype (`_on_device`)
 
 
 class SyncBatchNormOnCpuError(DsmtError):
@@ -145,10 +146,17 @@ class PlainEngine(EngineCheckpoints):
 
     def _on_device(self, batch: dict) -> dict:
         """A micro-batch on the engine's device (NCCL and the model take only tensors there), floating inputs
-        in the weights' dtype."""
+        in the weights' dtype; training and validation alike.
+
+        Not the labels: float labels are regression targets (num_labels == 1), and they stay fp32. HF's head
+        computes MSELoss(logits, labels), which promotes bf16 logits against fp32 targets and so takes the loss
+        in fp32, as validation's squared error does (`_loss_sum`): bf16 targets would carry 8 bits of mantissa
+        (4.1 trains towards 4.09375) and make the training loss another function than the validation loss.
+        Nor the sample_mask of validation rows (bookkeeping, not an input)."""
         dtype = next(self._engine.module.parameters()).dtype
         device = self._engine.device
-        return {k: (v.to(dtype) if v.is_floating_point() else v).to(device) for k, v in batch.items()}
+        return {k: (v.to(dtype) if v.is_floating_point() and k not in KEEP_DTYPE else v).to(device)
+                for k, v in batch.items()}
 
     def _mean_loss_steps(self, batches: list[dict]) -> torch.Tensor:
         """HF's mean loss per micro-batch; returns this rank's share of the global mean."""
@@ -193,14 +201,12 @@ class PlainEngine(EngineCheckpoints):
 
         sums = torch.zeros(2, dtype=torch.float64)
         device = self._engine.device
-        dtype = next(self._engine.module.parameters()).dtype
         training = self._engine.training
         self._engine.eval()
         try:
             with torch.no_grad():
                 for batch in micro_batches:
-                    batch = {k: (v.to(dtype) if v.is_floating_point() and k == "pixel_values" else v).to(device)
-                             for k, v in batch.items()}
+                    batch = self._on_device(batch)  # as training feeds the model (labels kept fp32)
                     inputs = {k: v for k, v in batch.items() if k not in ("labels", "sample_mask")}
                     logits = self._engine(**inputs).logits.float()
                     loss_sum, units = self._loss_sum(logits, batch)
