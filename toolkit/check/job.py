@@ -101,7 +101,7 @@ def verified_records(*, spec: JobSpec, run_dir: Path | None) -> str | None:
     against the files; None when no digest applies (the records are checked here, as `dsmt check` does). Raises
     DataChangedError when a checked file has changed since. The digest is sound wherever it is found: it applies
     only to the same data section, dsmt and record-check version, and only to files whose content it matches."""
-    from toolkit.data.check_digest import verify_digest
+    from toolkit.data.check_digest import digest_directory, verify_digest
 
-    directory = run_dir if run_dir is not None else Path(spec.training.output_dir).expanduser()
+    directory = digest_directory(run_dir=run_dir, output_dir=spec.training.output_dir)
     return verify_digest(data=spec.data, directory=directory)

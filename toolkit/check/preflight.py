@@ -5,7 +5,8 @@ PDSH_SSH_ARGS_APPEND, with the PYTHON* variables DeepSpeed exports; openmpi: mpi
 the allocation; no_ssh: this node only) and runs `toolkit.launch.preflight_probe` with the head's python path. The head
 compares the facts: dsmt / torch / DeepSpeed / megatron-core versions, GPUs per node (cuda), the run directory and
 its .deepspeed_env at the same path, the NCCL / gloo interfaces and IB HCAs it names, the master port, and on GPU
-runs the kernels each node must load or compile (toolkit/check/preflight_kernels.py). Every remote call is bounded: a hung host fails its check, it does not hang preflight.
+runs the kernels each node must load or compile (toolkit/check/preflight_kernels.py). Every remote call is bounded:
+a hung host fails its check, it does not hang preflight.
 """
 
 from __future__ import annotations

@@ -54,6 +54,12 @@ class DataChangedError(RuleError):
             "the data again from the head"))
 
 
+def digest_directory(*, run_dir: Path | None, output_dir: str | Path) -> Path:
+    """Where a job's digest is written and looked for: its run directory, else its output directory (`dsmt train
+    SPEC` without --run-dir)."""
+    return Path(run_dir) if run_dir is not None else Path(output_dir).expanduser()
+
+
 def record_files(data: DataSpec) -> list[tuple[str, Path]] | None:
     """(label, file) of every file whose records `dsmt check` formats, in a fixed order; None when a source is not
     on a local path (a dataset name in the hub cache): the digest cannot cover it. A folder: every file under it

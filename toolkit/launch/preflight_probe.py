@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import importlib.metadata
+import importlib
 import json
 import os
 import shutil
@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from toolkit.launch.env_report import distribution_version
+
 MARKER = "DSMT_PREFLIGHT"  # the line prefix the head looks for among launcher noise
 PACKAGES = ("dsmt", "torch", "deepspeed", "megatron-core")
 ENV_FILE = ".deepspeed_env"
@@ -32,13 +34,7 @@ NODE_ID_VARS = ("SLURMD_NODENAME", "OMPI_COMM_WORLD_RANK")  # who this is under 
 
 
 def package_versions() -> dict[str, str | None]:
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return {name: distribution_version(names=(name,)) for name in PACKAGES}
 
 
 def read_env_file(path: Path) -> dict[str, str] | None:
@@ -126,7 +122,8 @@ def fused_compile_facts(*, device: str = "cuda") -> dict:
     Triton kernels and Triton builds their launcher with the host C compiler against libcuda. This compiles the
     same kind of function (forward and backward) once on `device` and times it: `error` None means it ran. The
     other facts say which piece is there when it did not."""
-    found = {"c_compiler": c_compiler(), "libcuda": libcuda_dirs(), "triton": triton_version(),
+    found = {"c_compiler": c_compiler(), "libcuda": libcuda_dirs(),
+             "triton": distribution_version(names=("triton", "pytorch-triton")),  # PyPI's, PyTorch nightlies' name
              "python_headers": python_headers(), "error": None, "seconds": None, "skipped": None}
     try:
         import torch
@@ -206,15 +203,6 @@ def libcuda_dirs() -> str | None:
     return ":".join(dirs) or None
 
 
-def triton_version() -> str | None:
-    for name in ("triton", "pytorch-triton"):  # the PyPI wheel, and the name of PyTorch's nightly builds
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def python_headers() -> bool:
     """Whether Python.h is where Triton's launcher build looks for it (Debian's posix_local scheme read as
     posix_prefix, as Triton does): a system python without python3-dev fails there."""
@@ -226,6 +214,7 @@ def python_headers() -> bool:
 def facts(*, run_dir: Path, device: str = "cpu", port: int | None = None) -> dict:
     env_path = run_dir / ENV_FILE
     env_text = env_path.read_bytes() if os.access(env_path, os.R_OK) else None
+    env = read_env_file(env_path)
     return {
         "node": next((os.environ[v] for v in NODE_ID_VARS if v in os.environ), None),
         "hostname": socket.gethostname(),
@@ -233,12 +222,12 @@ def facts(*, run_dir: Path, device: str = "cpu", port: int | None = None) -> dic
         "versions": package_versions(),
         "run_dir_readable": os.access(run_dir / "job.resolved.yaml", os.R_OK),
         "env_file_sha256": hashlib.sha256(env_text).hexdigest() if env_text is not None else None,
-        "env": read_env_file(env_path),
+        "env": env,
         "interfaces": sorted(name for _, name in socket.if_nameindex()),
         "ib_devices": sorted(p.name for p in IB_SYSFS.iterdir()) if IB_SYSFS.is_dir() else [],
         "gpu_count": gpu_count() if device == "cuda" else None,
         "port_free": port_free(port) if port is not None else None,
-        "kernels": ranks_kernel_facts(env=read_env_file(env_path)) if device == "cuda" else None,
+        "kernels": ranks_kernel_facts(env=env) if device == "cuda" else None,
     }
 
 

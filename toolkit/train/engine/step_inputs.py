@@ -76,15 +76,19 @@ def _tensors(batch: dict) -> dict:
 
 
 def global_units(micro_batches: list[dict], *, device: torch.device) -> torch.Tensor:
-    """int64 [1] on `device`: the loss units of the step's global batch, the sum of every data-parallel replica's
-    micro-batches (the CP ranks of a replica hold the same micro-batches: the group is DP without CP). Nothing is
-    read back to the host."""
+    """int64 [1] on `device`: the loss units of the step's global batch, summed from the micro-batches' host-read
+    facts over the replicas (`replica_sum`). Nothing is read back to the host."""
+    return replica_sum(sum(facts_of(batch).units for batch in micro_batches), device=device)
+
+
+def replica_sum(value: int, *, device: torch.device) -> torch.Tensor:
+    """int64 [1] on `device`: `value` summed over the data-parallel replicas, the group without CP (a replica's CP
+    ranks hold the same micro-batches, so each counts its whole ones once)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    local = sum(facts_of(batch).units for batch in micro_batches)
-    # a fill kernel: `torch.tensor([local], device=...)` would copy from pageable memory, which waits for the GPU
-    total = torch.full((1,), local, dtype=torch.int64, device=device)
+    # a fill kernel: `torch.tensor([value], device=...)` would copy from pageable memory, which waits for the GPU
+    total = torch.full((1,), value, dtype=torch.int64, device=device)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=False))
     return total
 
@@ -130,12 +134,7 @@ def check_sequence_split(*, seq_length: int, chunks: list) -> None:
 
 
 def global_loss_tokens(micro_batches: list[dict], *, device: torch.device, count) -> int:
-    """Loss units of this rank's micro-batches, whole (before the CP cut), summed over the data-parallel replicas
-    (the group without CP: a replica's CP ranks hold the same micro-batches), read back to the host: for evaluation,
-    outside the training step. `count(batch)`: a micro-batch's loss units (the task's, tasks.py)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    total = torch.full((1,), sum(count(batch) for batch in micro_batches), dtype=torch.int64, device=device)
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=False))
-    return int(total.item())
+    """Loss units of this rank's micro-batches, whole (before the CP cut), summed over the replicas
+    (`replica_sum`), read back to the host: for evaluation, outside the training step. `count(batch)`: a
+    micro-batch's loss units (the task's, tasks.py)."""
+    return int(replica_sum(sum(count(batch) for batch in micro_batches), device=device).item())

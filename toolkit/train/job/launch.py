@@ -72,9 +72,9 @@ def write_data_digest(*, job: CheckedJob) -> None:
     """data_check.json where the ranks look for it (toolkit/check/job.py `verified_records`): the run directory,
     else the output directory. The pre-launch pass has just formatted every record; the ranks verify the files
     against this digest instead of formatting them again (toolkit/data/check_digest.py)."""
-    from toolkit.data.check_digest import write_job_digest
+    from toolkit.data.check_digest import digest_directory, write_job_digest
 
-    directory = job.run_dir if job.run_dir is not None else Path(job.spec.training.output_dir).expanduser()
+    directory = digest_directory(run_dir=job.run_dir, output_dir=job.spec.training.output_dir)
     directory.mkdir(parents=True, exist_ok=True)
     write_job_digest(job=job, directory=directory)
 
